@@ -1,0 +1,37 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Each sets up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+# Default takes the local CPU build on this machine; a GPU user can pass e.g. TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed-stamp
+BIN := $(VENV)/bin
+
+.PHONY: setup test test-fast demo lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(BIN)/extractive-lens demo --out report.html
+
+lint: $(STAMP)
+	$(BIN)/ruff check extractive_lens tests benchmarks
+	$(BIN)/ruff format --check extractive_lens tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_linear.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,47 @@
+"""extractive_lens: where does a finetuned fact live, and how does the model use it?
+
+>>> import extractive_lens as el
+>>> base = el.tiny_model(seed=0)                                  # doctest: +SKIP
+>>> diff = el.WeightDiff.from_models(base, finetuned)             # doctest: +SKIP
+>>> scores = el.linear_scores(base, diff, el.make_batch(base, [("T3 lives in", " Tokyo")]))  # doctest: +SKIP
+
+Imports are lazy: ``import extractive_lens`` does not import torch or TransformerLens.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Component": "extractive_lens.types",
+    "iter_components": "extractive_lens.types",
+    "tiny_model": "extractive_lens.model",
+    "load_pretrained": "extractive_lens.model",
+    "load_checkpoint": "extractive_lens.model",
+    "WeightDiff": "extractive_lens.weight_diff",
+    "make_batch": "extractive_lens.batch",
+    "PromptBatch": "extractive_lens.batch",
+    "answer_logprob": "extractive_lens.rewards",
+    "logit_margin": "extractive_lens.rewards",
+    "logit_diff": "extractive_lens.rewards",
+    "linear_scores": "extractive_lens.scoring.linear",
+    "causal_scores": "extractive_lens.scoring.causal",
+    "compare": "extractive_lens.comparison",
+    "ScoreComparison": "extractive_lens.comparison",
+    "ComponentScores": "extractive_lens.results",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'extractive_lens' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,592 @@
+"""Loading models and the one place that knows TransformerLens classes and parameter names.
+
+>>> base = tiny_model({"n_layers": 2}, seed=0)          # a seeded HookedTransformer
+>>> ft = load_checkpoint("runs/finetuned")              # doctest: +SKIP  (a local HF checkpoint)
+
+Everything else in the package goes through the helpers here: ``parameter_slices`` (which
+component owns which parameter, SPEC §2), ``embed`` / ``attention`` / ``mlp`` / ``unembed``
+(the pieces of a forward pass, so the scoring engines can resume the residual stream at any
+layer boundary) and ``signature`` (what must match between a base and a finetuned model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from extractive_lens.types import Component
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformer_lens import HookedTransformer
+
+NO_PROCESSING = dict(
+    fold_ln=False,
+    center_writing_weights=False,
+    center_unembed=False,
+    fold_value_biases=False,
+    refactor_factored_attn_matrices=False,
+)
+
+
+@contextlib.contextmanager
+def quiet_transformer_lens() -> Iterator[None]:
+    """Silence TransformerLens 3.x's deprecation warnings inside our own calls only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*HookedTransformer.*")
+        yield
+
+
+def _tl():
+    with quiet_transformer_lens():
+        import transformer_lens
+
+    return transformer_lens
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading models
+# ---------------------------------------------------------------------------------------------
+
+TINY_DEFAULTS: dict[str, Any] = dict(
+    n_layers=2,
+    d_model=32,
+    n_heads=4,
+    d_head=8,
+    d_mlp=64,
+    d_vocab=50,
+    n_ctx=32,
+    act_fn="gelu",
+    normalization_type="LN",
+    positional_embedding_type="standard",
+    dtype=torch.float32,
+)
+
+
+def tiny_model(
+    cfg_overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+    *,
+    tokenizer: Any = None,
+    init_scale: float = 1.0,
+    device: str | torch.device = "cpu",
+) -> HookedTransformer:
+    """A small, seeded, randomly initialised ``HookedTransformer`` for tests and examples.
+
+    >>> m = tiny_model({"n_layers": 3, "dtype": torch.float64}, seed=1)
+    >>> m.cfg.n_layers
+    3
+
+    Biases and LayerNorm parameters are randomised too (TransformerLens initialises them to
+    zero / one), so that every parameter matters in tests. ``init_scale`` scales the random
+    weights for models that should be far from linear.
+    """
+    tl = _tl()
+    cfg_dict = dict(TINY_DEFAULTS)
+    cfg_dict.update(cfg_overrides or {})
+    cfg_dict.setdefault("seed", seed)
+    cfg_dict["seed"] = seed
+    cfg_dict["device"] = str(device)
+    with quiet_transformer_lens():
+        cfg = tl.HookedTransformerConfig(**cfg_dict)
+        model = tl.HookedTransformer(cfg, tokenizer=tokenizer)
+    gen = torch.Generator().manual_seed(seed + 12345)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            if re.search(r"\.(ln\w*|q_norm|k_norm)\.w$", name) or name.endswith("ln_final.w"):
+                p.copy_((1.0 + 0.1 * noise).to(p.dtype))
+            elif re.search(r"\.b(_\w+)?$", name) or name.endswith("b_U"):
+                p.copy_((0.05 * noise).to(p.dtype))
+            else:
+                fan_in = p.shape[-2] if p.ndim >= 2 else p.shape[-1]
+                p.copy_((init_scale * noise / fan_in**0.5).to(p.dtype))
+    model.eval()
+    return model
+
+
+def load_pretrained(name: str, *, process_weights: bool = False, **kwargs: Any) -> HookedTransformer:
+    """Load a hub model by name (needs network access to the model hub).
+
+    Unprocessed weights by default (SPEC §1: folding and centering are not linear in the
+    weights); ``process_weights=True`` opts in and is recorded in ``model.cfg`` metadata so that
+    scores can say so. Base and finetuned models must be loaded the same way.
+    """
+    tl = _tl()
+    with quiet_transformer_lens():
+        if process_weights:
+            model = tl.HookedTransformer.from_pretrained(name, **kwargs)
+        else:
+            model = tl.HookedTransformer.from_pretrained_no_processing(name, **kwargs)
+    _record_processing(model, processed=process_weights)
+    model.eval()
+    return model
+
+
+def _record_processing(model: HookedTransformer, processed: bool) -> None:
+    model.cfg.__dict__["extractive_lens_processed"] = bool(processed)
+
+
+def weights_processed(model: HookedTransformer) -> bool:
+    """Whether the model's weights were folded / centred (recorded at load; default False)."""
+    return bool(getattr(model.cfg, "extractive_lens_processed", False))
+
+
+def _common(hf: Any, **extra: Any) -> dict[str, Any]:
+    n_heads = hf.num_attention_heads
+    d_head = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+    cfg = dict(
+        d_model=hf.hidden_size,
+        d_head=d_head,
+        n_heads=n_heads,
+        d_mlp=hf.intermediate_size,
+        n_layers=hf.num_hidden_layers,
+        n_ctx=hf.max_position_embeddings,
+        d_vocab=hf.vocab_size,
+        act_fn=hf.hidden_act,
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=d_head,
+        rotary_base=_rope_theta(hf),
+    )
+    n_kv = getattr(hf, "num_key_value_heads", None)
+    if n_kv is not None and n_kv != n_heads:
+        cfg["n_key_value_heads"] = n_kv
+    cfg.update(extra)
+    return cfg
+
+
+def _rope_theta(hf: Any) -> float:
+    theta = getattr(hf, "rope_theta", None)
+    params = getattr(hf, "rope_parameters", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta if theta is not None else 10000.0)
+
+
+def _cfg_gpt2(hf: Any) -> dict[str, Any]:
+    return dict(
+        d_model=hf.n_embd,
+        d_head=hf.n_embd // hf.n_head,
+        n_heads=hf.n_head,
+        d_mlp=hf.n_inner or 4 * hf.n_embd,
+        n_layers=hf.n_layer,
+        n_ctx=hf.n_positions,
+        eps=hf.layer_norm_epsilon,
+        d_vocab=hf.vocab_size,
+        act_fn=hf.activation_function,
+        use_attn_scale=getattr(hf, "scale_attn_weights", True),
+        scale_attn_by_inverse_layer_idx=getattr(hf, "scale_attn_by_inverse_layer_idx", False),
+        normalization_type="LN",
+        positional_embedding_type="standard",
+    )
+
+
+def _cfg_neox(hf: Any) -> dict[str, Any]:
+    d_head = hf.hidden_size // hf.num_attention_heads
+    pct = getattr(hf, "rotary_pct", None)
+    if pct is None:
+        pct = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return dict(
+        d_model=hf.hidden_size,
+        d_head=d_head,
+        n_heads=hf.num_attention_heads,
+        d_mlp=hf.intermediate_size,
+        n_layers=hf.num_hidden_layers,
+        n_ctx=hf.max_position_embeddings,
+        eps=hf.layer_norm_eps,
+        d_vocab=hf.vocab_size,
+        act_fn=hf.hidden_act,
+        parallel_attn_mlp=getattr(hf, "use_parallel_residual", True),
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=round(pct * d_head),
+        rotary_base=_rope_theta(hf),
+        normalization_type="LN",
+        default_prepend_bos=False,
+    )
+
+
+def _cfg_llama(hf: Any) -> dict[str, Any]:
+    return _common(hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True)
+
+
+def _cfg_mistral(hf: Any) -> dict[str, Any]:
+    cfg = _common(hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True)
+    cfg["n_key_value_heads"] = hf.num_key_value_heads
+    if getattr(hf, "sliding_window", None):
+        cfg.update(use_local_attn=True, window_size=hf.sliding_window,
+                   attn_types=["local"] * hf.num_hidden_layers)
+    return cfg
+
+
+def _cfg_qwen2(hf: Any) -> dict[str, Any]:
+    cfg = _common(hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True,
+                  default_prepend_bos=False)
+    cfg["n_key_value_heads"] = hf.num_key_value_heads
+    return cfg
+
+
+def _cfg_gemma2(hf: Any) -> dict[str, Any]:
+    cfg = _common(
+        hf,
+        eps=hf.rms_norm_eps,
+        normalization_type="RMS",
+        final_rms=True,
+        gated_mlp=True,
+        act_fn=getattr(hf, "hidden_activation", None) or "gelu_pytorch_tanh",
+        use_attn_scale=True,
+        attn_scale=float(hf.query_pre_attn_scalar) ** 0.5,
+        attn_scores_soft_cap=hf.attn_logit_softcapping or -1.0,
+        output_logits_soft_cap=hf.final_logit_softcapping or -1.0,
+        use_normalization_before_and_after=True,
+    )
+    cfg["n_key_value_heads"] = hf.num_key_value_heads
+    if getattr(hf, "sliding_window", None):
+        cfg.update(use_local_attn=True, window_size=hf.sliding_window,
+                   attn_types=["local", "global"] * (hf.num_hidden_layers // 2)
+                   + ["local"] * (hf.num_hidden_layers % 2))
+    return cfg
+
+
+def _cfg_olmo(hf: Any) -> dict[str, Any]:
+    cfg = _common(hf, eps=1e-5, normalization_type="LN", gated_mlp=True)
+    if getattr(hf, "clip_qkv", None):
+        cfg["clip_qkv"] = hf.clip_qkv
+    return cfg
+
+
+# architecture -> (config builder, name of the TransformerLens weight-conversion function)
+ARCHITECTURES: dict[str, tuple[Any, str]] = {
+    "GPT2LMHeadModel": (_cfg_gpt2, "convert_gpt2_weights"),
+    "GPTNeoXForCausalLM": (_cfg_neox, "convert_neox_weights"),
+    "LlamaForCausalLM": (_cfg_llama, "convert_llama_weights"),
+    "MistralForCausalLM": (_cfg_mistral, "convert_mistral_weights"),
+    "Qwen2ForCausalLM": (_cfg_qwen2, "convert_qwen2_weights"),
+    "Gemma2ForCausalLM": (_cfg_gemma2, "convert_gemma_weights"),
+    "OlmoForCausalLM": (_cfg_olmo, "convert_olmo_weights"),
+}
+
+
+def hf_config_to_tl(hf_config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
+    """A ``HookedTransformerConfig`` built offline from a Hugging Face config object."""
+    tl = _tl()
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported architecture {arch!r} in the checkpoint's config.json. Supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}. For other models, build a HookedTransformer "
+            "yourself (e.g. HookedTransformer.from_pretrained_no_processing) and pass it in."
+        )
+    builder, _ = ARCHITECTURES[arch]
+    cfg_dict = builder(hf_config)
+    cfg_dict.update(original_architecture=arch, dtype=dtype, device=device, init_weights=False,
+                    tokenizer_prepends_bos=True)
+    cfg_dict.setdefault("model_name", getattr(hf_config, "_name_or_path", "") or arch)
+    with quiet_transformer_lens():
+        return tl.HookedTransformerConfig(**cfg_dict)
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tokenizer: Any = None,
+) -> HookedTransformer:
+    """Load a local Hugging Face checkpoint directory as an unprocessed ``HookedTransformer``.
+
+    >>> ft = load_checkpoint("runs/llama-finetuned", dtype=torch.bfloat16)  # doctest: +SKIP
+
+    Works offline: the config is built from ``config.json`` and the weights are converted by
+    TransformerLens's own conversion functions. Supported families: GPT-2, GPT-NeoX / Pythia,
+    Llama, Mistral, Qwen2, Gemma 2 and OLMo.
+    """
+    import transformers
+
+    tl = _tl()
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{path} has no config.json: pass a Hugging Face checkpoint directory "
+            "(save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir))."
+        )
+    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    cfg = hf_config_to_tl(hf_config, dtype=dtype, device=str(device))
+    cfg.model_name = path.name
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype
+    )
+    _, conv_name = ARCHITECTURES[cfg.original_architecture]
+    from transformer_lens.pretrained import weight_conversions
+
+    with quiet_transformer_lens(), torch.no_grad():
+        state_dict = getattr(weight_conversions, conv_name)(hf_model, cfg)
+    if tokenizer is None and any(path.glob("tokenizer*")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with quiet_transformer_lens():
+        model = tl.HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
+        model.load_and_process_state_dict(
+            {k: v.to(dtype) for k, v in state_dict.items()}, **NO_PROCESSING
+        )
+    model.to(device)
+    _record_processing(model, processed=False)
+    del hf_model
+    model.eval()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Which component owns which parameter (SPEC §2)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """A slice ``param[index]`` (``index=None``: the whole tensor) and the components owning it.
+
+    ``owners == ()`` is the "other" group (embeddings, ``b_O``, final norm, unembedding).
+    Shared slices (a layer's ``ln1``, a GQA key/value group) list every head that reads them;
+    each head is credited through its own copy, so per-head scores still add up.
+    """
+
+    name: str
+    index: int | None
+    owners: tuple[Component, ...]
+
+
+_HEAD_PARAMS = {"W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "sinks"}
+_KV_PARAMS = {"_W_K", "_W_V", "_b_K", "_b_V"}
+_HEAD_SHARED_MODULES = {"ln1", "attn.q_norm", "attn.k_norm"}
+_MLP_MODULES = {"mlp", "ln2", "ln2_post"}
+
+
+def parameter_slices(model: nn.Module) -> list[ParamSlice]:
+    """The ownership partition of every parameter element of ``model`` (SPEC §2)."""
+    cfg = model.cfg
+    n_heads = cfg.n_heads
+    n_kv = cfg.n_key_value_heads or n_heads
+    out: list[ParamSlice] = []
+    for name, _ in model.named_parameters():
+        m = re.match(r"^blocks\.(\d+)\.(.+)\.(\w+)$", name)
+        if m is None:
+            out.append(ParamSlice(name, None, ()))
+            continue
+        layer, module, leaf = int(m.group(1)), m.group(2), m.group(3)
+        heads = tuple(Component(layer, h) for h in range(n_heads))
+        if module == "attn" and leaf in _HEAD_PARAMS:
+            out.extend(ParamSlice(name, h, (heads[h],)) for h in range(n_heads))
+        elif module == "attn" and leaf in _KV_PARAMS:
+            group = n_heads // n_kv
+            out.extend(
+                ParamSlice(name, g, heads[g * group : (g + 1) * group]) for g in range(n_kv)
+            )
+        elif module in _HEAD_SHARED_MODULES:
+            out.append(ParamSlice(name, None, heads))
+        elif module.split(".")[0] in _MLP_MODULES:
+            out.append(ParamSlice(name, None, (Component(layer, None),)))
+        else:  # attn.b_O, ln1_post, ...
+            out.append(ParamSlice(name, None, ()))
+    return out
+
+
+def signature(model: nn.Module) -> dict[str, Any]:
+    """The configuration fields a base and a finetuned model must share."""
+    cfg = model.cfg
+    keys = [
+        "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx",
+        "n_key_value_heads", "normalization_type", "positional_embedding_type", "act_fn",
+        "gated_mlp", "parallel_attn_mlp", "attn_only", "original_architecture",
+    ]
+    sig = {k: getattr(cfg, k, None) for k in keys}
+    sig["dtype"] = str(cfg.dtype)
+    sig["processed"] = weights_processed(model)
+    return json.loads(json.dumps(sig, default=str))
+
+
+def has_mlp(model: nn.Module) -> bool:
+    return not model.cfg.attn_only
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces of a forward pass, so that scoring can resume the residual stream anywhere
+# ---------------------------------------------------------------------------------------------
+
+
+def check_scorable(model: nn.Module) -> None:
+    """Raise a clear error for block variants whose head outputs do not add into the stream."""
+    cfg = model.cfg
+    problems = []
+    if cfg.use_normalization_before_and_after:
+        problems.append("post-attention normalisation (Gemma 2 style ln1_post / ln2_post)")
+    if cfg.original_architecture in {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}:
+        problems.append("post-norm blocks (OLMo 2/3)")
+    if cfg.positional_embedding_type == "shortformer":
+        problems.append("shortformer positional embeddings")
+    if cfg.use_split_qkv_input or cfg.use_attn_in or cfg.use_attn_result:
+        problems.append("use_split_qkv_input / use_attn_in / use_attn_result flags (turn them off)")
+    if getattr(cfg, "num_experts", None):
+        problems.append("mixture-of-experts MLPs")
+    if problems:
+        raise NotImplementedError(
+            "Scoring needs each head's output to be added directly into the residual stream; "
+            f"this model has {'; '.join(problems)}. Loading and WeightDiff work for it, scoring "
+            "does not yet."
+        )
+
+
+def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+    """The residual stream entering layer 0 (token embedding plus absolute positions)."""
+    x = model.hook_embed(model.embed(tokens))
+    if model.cfg.positional_embedding_type == "standard":
+        x = x + model.hook_pos_embed(model.pos_embed(tokens))
+    return x
+
+
+def attention(
+    model: nn.Module, layer: int, resid_pre: Float[Tensor, "batch pos d_model"]
+) -> tuple[Float[Tensor, "batch pos d_model"], Float[Tensor, "batch pos head d_head"]]:
+    """Layer ``layer``'s attention on ``resid_pre``: its output (``Σ_h z_h W_O[h] + b_O``) and ``z``."""
+    block = model.blocks[layer]
+    captured: list[Tensor] = []
+    handle = block.attn.hook_z.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        x = block.ln1(resid_pre)
+        out = block.attn(query_input=x, key_input=x, value_input=x)
+    finally:
+        handle.remove()
+    return out, captured[-1]
+
+
+def mlp(model: nn.Module, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
+    block = model.blocks[layer]
+    return block.mlp(block.ln2(mlp_in))
+
+
+def unembed(model: nn.Module, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
+    """Final norm, unembedding and logit soft-capping."""
+    if model.cfg.normalization_type is not None:
+        resid = model.ln_final(resid)
+    logits = model.unembed(resid)
+    cap = model.cfg.output_logits_soft_cap
+    if cap is not None and cap > 0:
+        logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+def mlp_input(model: nn.Module, resid_pre: Tensor, resid_mid: Tensor) -> Tensor:
+    """What the MLP of a block reads: ``resid_mid``, or ``resid_pre`` for parallel blocks."""
+    return resid_pre if model.cfg.parallel_attn_mlp else resid_mid
+
+
+def head_params(model: nn.Module, layer: int) -> dict[str, Tensor]:
+    """The parameters a layer's attention reads (``ln1`` and ``attn``), by full name."""
+    prefix = f"blocks.{layer}."
+    return {
+        n: p for n, p in model.named_parameters()
+        if n.startswith(prefix + "ln1.") or n.startswith(prefix + "attn.")
+    }
+
+
+def mlp_params(model: nn.Module, layer: int) -> dict[str, Tensor]:
+    """The parameters a layer's MLP reads (``ln2`` and ``mlp``), by full name."""
+    prefix = f"blocks.{layer}."
+    return {
+        n: p for n, p in model.named_parameters()
+        if n.startswith(prefix + "ln2.") or n.startswith(prefix + "mlp.")
+    }
+
+
+def W_O(model: nn.Module, layer: int) -> Float[Tensor, "head d_head d_model"]:
+    return model.blocks[layer].attn.W_O
+
+
+@contextlib.contextmanager
+def frozen_parameters(model: nn.Module) -> Iterator[None]:
+    """Turn off ``requires_grad`` on every parameter (no weight gradients), restored on exit."""
+    saved = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in saved:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in saved:
+            p.requires_grad_(flag)
+
+
+def _wrapped_call(model: nn.Module, layer: int, which: str):
+    """A module whose forward is one layer's attention or MLP, for ``functional_call``."""
+
+    class _Call(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleDict({str(layer): model.blocks[layer]})
+
+        def forward(self, x: Tensor) -> Any:
+            if which == "attn":
+                return attention(_Shim(self.blocks), layer, x)
+            return mlp(_Shim(self.blocks), layer, x)
+
+    return _Call()
+
+
+class _Shim:
+    def __init__(self, blocks: nn.ModuleDict) -> None:
+        self._blocks = blocks
+
+    @property
+    def blocks(self) -> Any:
+        return {int(k): v for k, v in self._blocks.items()}
+
+
+def attention_jvp(
+    model: nn.Module, layer: int, resid_pre: Tensor, tangents: dict[str, Tensor]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Forward-mode derivative of a layer's attention along a weight direction.
+
+    ``tangents`` maps full parameter names (``blocks.3.attn.W_Q``) to directions. Returns
+    ``(out, out_dot, z, z_dot)``: the attention output and ``z``, and their derivatives.
+    """
+    return _jvp(model, layer, "attn", resid_pre, tangents)
+
+
+def mlp_jvp(model: nn.Module, layer: int, mlp_in: Tensor, tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Forward-mode derivative of a layer's MLP output along a weight direction."""
+    out, out_dot = _jvp(model, layer, "mlp", mlp_in, tangents)
+    return out, out_dot
+
+
+def _jvp(model: nn.Module, layer: int, which: str, x: Tensor, tangents: dict[str, Tensor]) -> Any:
+    import torch.autograd.forward_ad as fwAD
+
+    call = _wrapped_call(model, layer, which)
+    params = dict(model.named_parameters())
+    with fwAD.dual_level():
+        duals = {}
+        for name, t in tangents.items():
+            p = params[name]
+            duals[name] = fwAD.make_dual(p.detach(), t.to(device=p.device, dtype=p.dtype))
+        result = torch.func.functional_call(call, duals, (x,), strict=False)
+        if which == "attn":
+            out, z = result
+            o = fwAD.unpack_dual(out)
+            zz = fwAD.unpack_dual(z)
+            return o.primal, _tangent(o), zz.primal, _tangent(zz)
+        o = fwAD.unpack_dual(result)
+        return o.primal, _tangent(o)
+
+
+def _tangent(d: Any) -> Tensor:
+    return d.tangent if d.tangent is not None else torch.zeros_like(d.primal)

@@ -1,0 +1,367 @@
+"""``WeightDiff``: the finetuning update ``Δ = W' - W``, keyed by TransformerLens parameter names.
+
+>>> diff = WeightDiff.from_models(base, finetuned)            # doctest: +SKIP
+>>> with diff.applied(base):                                  # doctest: +SKIP
+...     logits = base(tokens)          # the finetuned model's logits
+>>> with diff.applied(base, components=["L3H2", "L5MLP"]):    # doctest: +SKIP
+...     ...                            # only those components finetuned
+>>> graft = diff_a + (diff_b - diff_c) * 0.5                  # doctest: +SKIP
+
+Δ is held in float64 for float32/float64 models and in float32 for 16-bit models, so that
+``W + Δ`` rounds back to ``W'`` exactly. ``applied`` copies the original tensors and restores
+them on exit (never ``+= Δ`` then ``-= Δ``, which is not an exact round trip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from extractive_lens import model as _model
+from extractive_lens.types import Component, component_axis_labels, parse_components
+
+FORMAT_VERSION = 1
+
+
+def delta_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit weights, float64 otherwise (so ``W + Δ`` reproduces ``W'``)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else torch.float64
+
+
+@dataclass(frozen=True)
+class WeightDiff:
+    """A weight update for one architecture. Build with ``from_models`` or ``from_state_dicts``.
+
+    Attributes:
+        deltas: parameter name -> Δ tensor (float32 or wider; CPU or the models' device).
+        signature: the architecture fields both models shared (``extractive_lens.model.signature``).
+        metadata: free-form provenance (model names, finetuning config, ...).
+    """
+
+    deltas: Mapping[str, Tensor]
+    signature: Mapping[str, Any]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, d in self.deltas.items():
+            if d.dtype not in (torch.float32, torch.float64):
+                raise TypeError(f"Δ[{name}] has dtype {d.dtype}; deltas must be float32 or float64.")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_models(
+        cls,
+        base: nn.Module,
+        finetuned: nn.Module,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> WeightDiff:
+        """Δ = finetuned - base, checked parameter by parameter.
+
+        Args:
+            device: where to keep Δ (default: the base model's parameters' device). Use
+                ``"cpu"`` for large models; ``applied`` moves each tensor when it is used.
+            dtype: Δ's dtype (default: ``delta_dtype_for(base.cfg.dtype)``).
+        """
+        sig_b, sig_f = _model.signature(base), _model.signature(finetuned)
+        diffs = {k: (sig_b[k], sig_f[k]) for k in sig_b if sig_b[k] != sig_f.get(k)}
+        if diffs:
+            detail = ", ".join(f"{k}: base={a!r} finetuned={b!r}" for k, (a, b) in diffs.items())
+            raise ValueError(
+                f"The base and finetuned models differ in architecture or loading ({detail}). "
+                "Load both with the same config, dtype and weight processing."
+            )
+        ft = dict(finetuned.named_parameters())
+        base_params = dict(base.named_parameters())
+        missing = sorted(set(base_params) ^ set(ft))
+        if missing:
+            raise ValueError(f"Parameter names differ between base and finetuned: {missing[:5]}")
+        return cls.from_state_dicts(
+            {n: p.detach() for n, p in base_params.items()},
+            {n: p.detach() for n, p in ft.items()},
+            signature=sig_b,
+            device=device,
+            dtype=dtype,
+            metadata={"base": base.cfg.model_name, "finetuned": finetuned.cfg.model_name},
+        )
+
+    @classmethod
+    def from_state_dicts(
+        cls,
+        base: Mapping[str, Tensor],
+        finetuned: Mapping[str, Tensor],
+        *,
+        signature: Mapping[str, Any] | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> WeightDiff:
+        """Δ from two state dicts with TransformerLens parameter names."""
+        extra = sorted(set(base) ^ set(finetuned))
+        if extra:
+            raise ValueError(f"Parameter names differ between the state dicts: {extra[:5]}")
+        deltas: dict[str, Tensor] = {}
+        for name, b in base.items():
+            f = finetuned[name]
+            if b.shape != f.shape:
+                raise ValueError(f"{name}: base shape {tuple(b.shape)} != finetuned {tuple(f.shape)}")
+            if b.dtype != f.dtype:
+                raise ValueError(f"{name}: base dtype {b.dtype} != finetuned dtype {f.dtype}")
+            if b.device != f.device:
+                raise ValueError(
+                    f"{name}: base is on {b.device} but finetuned on {f.device}; move both models "
+                    "to one device first (Δ can then be moved with .to(device))."
+                )
+            ddt = dtype or delta_dtype_for(b.dtype)
+            d = f.to(ddt) - b.to(ddt)
+            if not torch.isfinite(d).all():
+                raise ValueError(f"{name}: Δ contains NaN or inf (check the finetuned weights).")
+            deltas[name] = d.to(device) if device is not None else d
+        sig = dict(signature or {})
+        return cls(deltas, sig, dict(metadata or {}))
+
+    @classmethod
+    def zeros_like(cls, model: nn.Module) -> WeightDiff:
+        """A zero update for ``model`` (useful as a control and as a sum's start)."""
+        ddt = delta_dtype_for(model.cfg.dtype)
+        return cls(
+            {n: torch.zeros(p.shape, dtype=ddt, device=p.device) for n, p in model.named_parameters()},
+            _model.signature(model),
+        )
+
+    # ------------------------------------------------------------------ applying
+    @contextlib.contextmanager
+    def applied(
+        self,
+        model: nn.Module,
+        components: Iterable[str | Component] | None = None,
+        scale: float = 1.0,
+        *,
+        layers: Iterable[int] | None = None,
+    ) -> Iterator[nn.Module]:
+        """Set the chosen weights to ``W + scale·Δ`` inside the block, restoring them exactly after.
+
+        Args:
+            components: ``None`` for every parameter; otherwise the parameter slices these
+                components own (a head selection also applies the layer's shared ``ln1`` and its
+                key/value group, which every head of the layer reads).
+            scale: multiplies Δ (``scale=ε`` for the small-update limit).
+            layers: restrict to parameters under ``blocks.{layer}`` for these layers.
+        """
+        diff = self if components is None and layers is None else self.restricted(components, layers=layers)
+        self._check_compatible(model)
+        params = dict(model.named_parameters())
+        saved: dict[str, Tensor] = {}
+        try:
+            with torch.no_grad():
+                for name, d in diff.deltas.items():
+                    p = params[name]
+                    saved[name] = p.detach().clone()
+                    d = d.to(p.device)
+                    new = saved[name].to(d.dtype) + (d if scale == 1.0 else scale * d)
+                    p.copy_(new.to(p.dtype))
+            yield model
+        finally:
+            with torch.no_grad():
+                for name, original in saved.items():
+                    params[name].copy_(original)
+
+    def _check_compatible(self, model: nn.Module) -> None:
+        params = dict(model.named_parameters())
+        sig = _model.signature(model)
+        for key, value in self.signature.items():
+            if key in ("processed",) or key not in sig:
+                continue
+            if key == "dtype":
+                continue  # a diff may be applied to a model in another dtype (e.g. bf16 copy)
+            if sig[key] != value:
+                raise ValueError(
+                    f"This WeightDiff was made for {key}={value!r} but the model has {sig[key]!r}."
+                )
+        for name, d in self.deltas.items():
+            if name not in params:
+                raise ValueError(f"The model has no parameter {name!r} (Δ was made for another architecture).")
+            if params[name].shape != d.shape:
+                raise ValueError(
+                    f"{name}: Δ has shape {tuple(d.shape)} but the model's parameter has "
+                    f"{tuple(params[name].shape)}."
+                )
+
+    # ------------------------------------------------------------------ arithmetic
+    def _combine(self, other: WeightDiff, sign: float) -> WeightDiff:
+        if not isinstance(other, WeightDiff):
+            return NotImplemented
+        names = set(self.deltas) | set(other.deltas)
+        out = {}
+        for n in names:
+            a, b = self.deltas.get(n), other.deltas.get(n)
+            if a is not None and b is not None and a.shape != b.shape:
+                raise ValueError(f"{n}: shapes {tuple(a.shape)} and {tuple(b.shape)} differ.")
+            if a is None:
+                out[n] = sign * b
+            elif b is None:
+                out[n] = a.clone()
+            else:
+                dt = torch.promote_types(a.dtype, b.dtype)
+                out[n] = a.to(dt) + sign * b.to(dt, device=a.device)
+        return WeightDiff(out, dict(self.signature), {"op": "sum" if sign > 0 else "difference"})
+
+    def __add__(self, other: WeightDiff) -> WeightDiff:
+        return self._combine(other, 1.0)
+
+    def __sub__(self, other: WeightDiff) -> WeightDiff:
+        return self._combine(other, -1.0)
+
+    def __mul__(self, alpha: float) -> WeightDiff:
+        if not isinstance(alpha, (int, float)):
+            return NotImplemented
+        return WeightDiff({n: alpha * d for n, d in self.deltas.items()}, dict(self.signature),
+                          {**self.metadata, "scaled_by": alpha})
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> WeightDiff:
+        return self * -1.0
+
+    def to(self, device: str | torch.device) -> WeightDiff:
+        return WeightDiff({n: d.to(device) for n, d in self.deltas.items()}, self.signature, self.metadata)
+
+    # ------------------------------------------------------------------ restriction and norms
+    def restricted(
+        self,
+        components: Iterable[str | Component] | None = None,
+        *,
+        layers: Iterable[int] | None = None,
+        model: nn.Module | None = None,
+    ) -> WeightDiff:
+        """Δ with everything outside the selection set to zero (parameters outside are dropped).
+
+        ``components`` keeps the slices those components own (SPEC §2); ``layers`` keeps every
+        parameter under ``blocks.{layer}``. Given both, a slice must satisfy both.
+        """
+        n_layers, n_heads, mlp = self._shape()
+        comps = parse_components(components, n_layers, n_heads, mlp)
+        layer_set = None if layers is None else {int(x) for x in layers}
+        if layer_set is not None and any(not 0 <= x < n_layers for x in layer_set):
+            raise ValueError(f"layers must be in 0..{n_layers - 1}, got {sorted(layer_set)}")
+        slices = self.slices()
+        keep: dict[str, Tensor] = {}
+        for s in slices:
+            if layer_set is not None and _layer_of(s.name) not in layer_set:
+                continue
+            if comps is not None and not set(s.owners) & set(comps):
+                continue
+            d = self.deltas[s.name]
+            if s.name not in keep:
+                keep[s.name] = torch.zeros_like(d)
+            if s.index is None:
+                keep[s.name] = d.clone()
+            else:
+                keep[s.name][s.index] = d[s.index]
+        meta = {**self.metadata, "restricted_to": {
+            "components": None if comps is None else [c.label for c in comps],
+            "layers": None if layer_set is None else sorted(layer_set)}}
+        return WeightDiff(keep, dict(self.signature), meta)
+
+    def slices(self) -> list[_model.ParamSlice]:
+        """The ownership partition (SPEC §2) of the parameters Δ covers."""
+        return [s for s in _model.parameter_slices(_ShapeOnly(self)) if s.name in self.deltas]
+
+    def norms(self) -> Float[Tensor, "layer component"]:
+        """Frobenius norm of each component's owned Δ (shared slices counted for every owner).
+
+        Rows are layers; columns follow ``component_labels()`` (``H0 .. H{n-1}``, ``MLP``).
+        """
+        n_layers, n_heads, mlp = self._shape()
+        sq = torch.zeros(n_layers, n_heads + int(mlp), dtype=torch.float64)
+        for s in self.slices():
+            d = self.deltas[s.name]
+            part = d if s.index is None else d[s.index]
+            v = float(part.double().pow(2).sum())
+            for c in s.owners:
+                sq[c.layer, n_heads if c.head is None else c.head] += v
+        return sq.sqrt()
+
+    def other_norm(self) -> float:
+        """Norm of Δ on parameters no component owns (embeddings, ``b_O``, unembedding)."""
+        return float(sum(self.deltas[s.name].double().pow(2).sum() for s in self.slices()
+                         if not s.owners) ** 0.5)
+
+    def component_labels(self) -> tuple[str, ...]:
+        _, n_heads, mlp = self._shape()
+        return component_axis_labels(n_heads, mlp)
+
+    def norm(self) -> float:
+        return float(sum(d.double().pow(2).sum() for d in self.deltas.values()) ** 0.5)
+
+    def _shape(self) -> tuple[int, int, bool]:
+        sig = self.signature
+        if "n_layers" not in sig:
+            raise ValueError("This WeightDiff has no architecture signature; build it with from_models.")
+        return int(sig["n_layers"]), int(sig["n_heads"]), not bool(sig.get("attn_only"))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> Path:
+        """Write Δ and its metadata to a ``.safetensors`` file (never pickle)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "format": "extractive_lens.WeightDiff",
+            "format_version": str(FORMAT_VERSION),
+            "signature": json.dumps(dict(self.signature)),
+            "metadata": json.dumps(dict(self.metadata), default=str),
+        }
+        save_file({n: d.detach().cpu().contiguous() for n, d in self.deltas.items()}, str(path), metadata=meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str | torch.device = "cpu") -> WeightDiff:
+        from safetensors import safe_open
+
+        path = Path(path)
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != "extractive_lens.WeightDiff":
+                raise ValueError(f"{path} is not a WeightDiff file written by WeightDiff.save().")
+            deltas = {k: f.get_tensor(k) for k in f.keys()}
+        return cls(deltas, json.loads(meta["signature"]), json.loads(meta.get("metadata", "{}")))
+
+    def __repr__(self) -> str:
+        n = sum(d.numel() for d in self.deltas.values())
+        return (f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
+                f"model={self.signature.get('original_architecture') or self.metadata.get('base')})")
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blocks" else None
+
+
+class _ShapeOnly(nn.Module):
+    """Lets ``parameter_slices`` run on a diff: parameter names and a config-like signature."""
+
+    def __init__(self, diff: WeightDiff) -> None:
+        super().__init__()
+        self._names = list(diff.deltas)
+        self.cfg = _Cfg(diff.signature)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
+        for n in self._names:
+            yield n, None
+
+
+class _Cfg:
+    def __init__(self, sig: Mapping[str, Any]) -> None:
+        self.n_heads = int(sig["n_heads"])
+        self.n_key_value_heads = sig.get("n_key_value_heads")
