@@ -154,7 +154,7 @@ def _common(hf: Any, **extra: Any) -> dict[str, Any]:
         n_layers=hf.num_hidden_layers,
         n_ctx=hf.max_position_embeddings,
         d_vocab=hf.vocab_size,
-        act_fn=hf.hidden_act,
+        act_fn=getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None),
         positional_embedding_type="rotary",
         rotary_adjacent_pairs=False,
         rotary_dim=d_head,

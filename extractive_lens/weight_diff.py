@@ -212,7 +212,7 @@ class WeightDiff:
                 out[n] = a.clone()
             else:
                 dt = torch.promote_types(a.dtype, b.dtype)
-                out[n] = a.to(dt) + sign * b.to(dt, device=a.device)
+                out[n] = a.to(dt) + sign * b.to(device=a.device, dtype=dt)
         return WeightDiff(out, dict(self.signature), {"op": "sum" if sign > 0 else "difference"})
 
     def __add__(self, other: WeightDiff) -> WeightDiff:

@@ -1,0 +1,164 @@
+"""Model loading (offline checkpoints of every supported family) and the parameter partition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from extractive_lens import model as M
+from extractive_lens.types import Component, iter_components
+from tests.conftest import FAMILIES, make_pair
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tokenizer(tmp_path, vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3}
+    for i in range(4, vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.save_pretrained(tmp_path)
+
+
+def _hf_config(arch: str):
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=48, max_position_embeddings=64)
+    if arch == "gpt2":
+        return transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    if arch == "pythia":
+        return transformers.GPTNeoXConfig(**common, rotary_pct=0.5, use_parallel_residual=True)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, num_key_value_heads=2)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, num_key_value_heads=2, sliding_window=None)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, num_key_value_heads=2)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**common, num_key_value_heads=2, head_dim=8,
+                                         query_pre_attn_scalar=8, sliding_window=16)
+    if arch == "olmo":
+        return transformers.OlmoConfig(**common)
+    raise KeyError(arch)
+
+
+ARCHS = ["gpt2", "pythia", "llama", "mistral", "qwen2", "gemma2", "olmo"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request, tmp_path_factory):
+    arch = request.param
+    path = tmp_path_factory.mktemp(arch)
+    torch.manual_seed(0)
+    cfg = _hf_config(arch)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # random, non-trivial norms and biases
+        for n, p in hf.named_parameters():
+            if "norm" in n or "ln" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(path)
+    _tokenizer(path, cfg.vocab_size)
+    return arch, path, hf
+
+
+def test_load_checkpoint_matches_hf_logits(checkpoint):
+    arch, path, hf = checkpoint
+    model = M.load_checkpoint(path)
+    tokens = torch.tensor([[1, 5, 9, 22, 7, 30, 11, 4], [1, 40, 41, 42, 43, 44, 45, 46]])
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = hf(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-5, arch
+    assert model.tokenizer is not None and model.tokenizer.name_or_path
+    assert not M.weights_processed(model)
+    # Negative control: another checkpoint's weights do not match.
+    other = transformers.AutoModelForCausalLM.from_config(hf.config).float().eval()
+    with torch.no_grad():
+        assert (model(tokens) - other(tokens).logits).abs().max() > 1e-3
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    cfg = transformers.GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2)
+    cfg.architectures = ["BertForMaskedLM"]
+    with pytest.raises(ValueError, match="Supported: .*GPT2LMHeadModel.*LlamaForCausalLM"):
+        M.hf_config_to_tl(cfg)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        M.load_checkpoint(tmp_path)
+
+
+def _assert_partition(model):
+    """Every parameter element is covered exactly once by the ownership slices."""
+    counts = {n: torch.zeros(p.shape[:1] if p.ndim else (1,), dtype=torch.int64)
+              for n, p in model.named_parameters()}
+    owners_seen = set()
+    for s in M.parameter_slices(model):
+        if s.index is None:
+            counts[s.name] += 1
+        else:
+            counts[s.name][s.index] += 1
+        owners_seen.update(s.owners)
+    for name, c in counts.items():
+        assert (c == 1).all(), f"{name} covered {c.tolist()} times"
+    expected = set(iter_components(model.cfg.n_layers, model.cfg.n_heads, not model.cfg.attn_only))
+    assert owners_seen == expected
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_parameter_partition_tiny_families(family):
+    base, _ = make_pair(family, torch.float32)
+    _assert_partition(base)
+
+
+def test_parameter_partition_checkpoints(checkpoint):
+    _, path, _ = checkpoint
+    _assert_partition(M.load_checkpoint(path))
+
+
+def test_ownership_details():
+    base, _ = make_pair("rms_gated_rotary_gqa", torch.float32)
+    slices = {(s.name, s.index): s.owners for s in M.parameter_slices(base)}
+    assert slices[("blocks.1.attn.W_Q", 3)] == (Component(1, 3),)
+    assert slices[("blocks.1.attn._W_K", 1)] == (Component(1, 2), Component(1, 3))
+    assert len(slices[("blocks.0.ln1.w", None)]) == base.cfg.n_heads
+    assert slices[("blocks.0.mlp.W_gate", None)] == (Component(0, None),)
+    assert slices[("blocks.0.attn.b_O", None)] == ()
+    assert slices[("embed.W_E", None)] == ()
+
+
+def test_forward_pieces_reproduce_the_model(pair64):
+    base, _ = pair64
+    tokens = torch.randint(0, base.cfg.d_vocab, (3, 9), generator=torch.Generator().manual_seed(0))
+    x = M.embed(base, tokens)
+    for layer in range(base.cfg.n_layers):
+        attn_out, z = M.attention(base, layer, x)
+        assert z.shape == (3, 9, base.cfg.n_heads, base.cfg.d_head)
+        mid = x + attn_out
+        x = mid + M.mlp(base, layer, M.mlp_input(base, x - 0, mid))
+    with torch.no_grad():
+        assert torch.allclose(M.unembed(base, x), base(tokens), atol=1e-12)
+
+
+def test_jvp_matches_finite_difference(pair64):
+    from extractive_lens import WeightDiff
+
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    tokens = torch.randint(0, base.cfg.d_vocab, (2, 6), generator=torch.Generator().manual_seed(1))
+    x = M.embed(base, tokens).detach()
+    tang = {n: d for n, d in diff.deltas.items() if n in M.head_params(base, 1)}
+    out, out_dot, z, z_dot = M.attention_jvp(base, 1, x, tang)
+    eps = 1e-6
+    with diff.applied(base, scale=eps, layers=[1]):
+        out2, z2 = M.attention(base, 1, x)
+    assert torch.allclose((z2 - z) / eps, z_dot, atol=1e-4)
+    assert torch.allclose((out2 - out) / eps, out_dot, atol=1e-4)
+    mtang = {n: d for n, d in diff.deltas.items() if n in M.mlp_params(base, 0)}
+    y, y_dot = M.mlp_jvp(base, 0, x, mtang)
+    with diff.applied(base, scale=eps, layers=[0]):
+        y2 = M.mlp(base, 0, x)
+    assert torch.allclose((y2 - y) / eps, y_dot, atol=1e-4)
