@@ -455,18 +455,25 @@ def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "
 
 
 def attention(
-    model: nn.Module, layer: int, resid_pre: Float[Tensor, "batch pos d_model"]
-) -> tuple[Float[Tensor, "batch pos d_model"], Float[Tensor, "batch pos head d_head"]]:
-    """Layer ``layer``'s attention on ``resid_pre``: its output (``Σ_h z_h W_O[h] + b_O``) and ``z``."""
+    model: nn.Module, layer: int, resid_pre: Float[Tensor, "batch pos d_model"],
+    capture: tuple[str, ...] = ("z",),
+) -> tuple[Float[Tensor, "batch pos d_model"], dict[str, Tensor]]:
+    """Layer ``layer``'s attention on ``resid_pre``: its output ``Σ_h z_h W_O[h] + b_O``, and the
+    values at the attention hook points named in ``capture`` (``z``, ``q``, ``k``, ``v``, ``pattern``)."""
     block = model.blocks[layer]
-    captured: list[Tensor] = []
-    handle = block.attn.hook_z.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    captured: dict[str, Tensor] = {}
+    handles = []
+    for name in capture:
+        hp = getattr(block.attn, f"hook_{name}")
+        handles.append(hp.register_forward_hook(
+            lambda _m, _i, out, name=name: captured.__setitem__(name, out)))
     try:
         x = block.ln1(resid_pre)
         out = block.attn(query_input=x, key_input=x, value_input=x)
     finally:
-        handle.remove()
-    return out, captured[-1]
+        for h in handles:
+            h.remove()
+    return out, captured
 
 
 def mlp(model: nn.Module, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
@@ -526,67 +533,73 @@ def frozen_parameters(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-def _wrapped_call(model: nn.Module, layer: int, which: str):
-    """A module whose forward is one layer's attention or MLP, for ``functional_call``."""
+class _Call(nn.Module):
+    """``fn(model, *args)`` as a module, so ``functional_call`` can substitute ``model``'s weights."""
 
-    class _Call(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleDict({str(layer): model.blocks[layer]})
+    def __init__(self, model: nn.Module, fn: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.fn = fn
 
-        def forward(self, x: Tensor) -> Any:
-            if which == "attn":
-                return attention(_Shim(self.blocks), layer, x)
-            return mlp(_Shim(self.blocks), layer, x)
-
-    return _Call()
+    def forward(self, *args: Any) -> Any:
+        return self.fn(self.model, *args)
 
 
-class _Shim:
-    def __init__(self, blocks: nn.ModuleDict) -> None:
-        self._blocks = blocks
+def jvp(model: nn.Module, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:
+    """Forward-mode derivative of ``fn(model, *args)`` along a weight direction.
 
-    @property
-    def blocks(self) -> Any:
-        return {int(k): v for k, v in self._blocks.items()}
+    ``tangents`` maps full parameter names (``blocks.3.attn.W_Q``) to directions; parameters
+    not named are held fixed. ``fn`` may return a tensor, a tuple or a dict of tensors; the
+    result is ``(primal, tangent)`` with the same structure.
+    """
+    import torch.autograd.forward_ad as fwAD
+
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tangents) - set(params))
+    if unknown:
+        raise KeyError(f"jvp: the model has no parameters {unknown[:3]}")
+    with fwAD.dual_level():
+        duals = {
+            "model." + name: fwAD.make_dual(params[name].detach(), t.to(device=params[name].device,
+                                                                      dtype=params[name].dtype))
+            for name, t in tangents.items()
+        }
+        result = torch.func.functional_call(_Call(model, fn), duals, args, strict=False)
+        return _unpack(result)
+
+
+def _unpack(result: Any) -> tuple[Any, Any]:
+    import torch.autograd.forward_ad as fwAD
+
+    if isinstance(result, Tensor):
+        d = fwAD.unpack_dual(result)
+        return d.primal, d.tangent if d.tangent is not None else torch.zeros_like(d.primal)
+    if isinstance(result, dict):
+        pairs = {k: _unpack(v) for k, v in result.items()}
+        return {k: p for k, (p, _) in pairs.items()}, {k: t for k, (_, t) in pairs.items()}
+    pairs_l = [_unpack(v) for v in result]
+    return tuple(p for p, _ in pairs_l), tuple(t for _, t in pairs_l)
 
 
 def attention_jvp(
-    model: nn.Module, layer: int, resid_pre: Tensor, tangents: dict[str, Tensor]
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward-mode derivative of a layer's attention along a weight direction.
-
-    ``tangents`` maps full parameter names (``blocks.3.attn.W_Q``) to directions. Returns
-    ``(out, out_dot, z, z_dot)``: the attention output and ``z``, and their derivatives.
-    """
-    return _jvp(model, layer, "attn", resid_pre, tangents)
+    model: nn.Module, layer: int, resid_pre: Tensor, tangents: dict[str, Tensor],
+    capture: tuple[str, ...] = ("z",),
+) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """``(out, out_dot, captured, captured_dot)`` of a layer's attention along ``tangents``."""
+    (out, cap), (out_dot, cap_dot) = jvp(
+        model, lambda m, x: attention(m, layer, x, capture), (resid_pre,), tangents
+    )
+    return out, out_dot, cap, cap_dot
 
 
 def mlp_jvp(model: nn.Module, layer: int, mlp_in: Tensor, tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Forward-mode derivative of a layer's MLP output along a weight direction."""
-    out, out_dot = _jvp(model, layer, "mlp", mlp_in, tangents)
-    return out, out_dot
+    """``(out, out_dot)`` of a layer's MLP along ``tangents``."""
+    return jvp(model, lambda m, x: mlp(m, layer, x), (mlp_in,), tangents)
 
 
-def _jvp(model: nn.Module, layer: int, which: str, x: Tensor, tangents: dict[str, Tensor]) -> Any:
-    import torch.autograd.forward_ad as fwAD
-
-    call = _wrapped_call(model, layer, which)
-    params = dict(model.named_parameters())
-    with fwAD.dual_level():
-        duals = {}
-        for name, t in tangents.items():
-            p = params[name]
-            duals[name] = fwAD.make_dual(p.detach(), t.to(device=p.device, dtype=p.dtype))
-        result = torch.func.functional_call(call, duals, (x,), strict=False)
-        if which == "attn":
-            out, z = result
-            o = fwAD.unpack_dual(out)
-            zz = fwAD.unpack_dual(z)
-            return o.primal, _tangent(o), zz.primal, _tangent(zz)
-        o = fwAD.unpack_dual(result)
-        return o.primal, _tangent(o)
+def embed_jvp(model: nn.Module, tokens: Tensor, tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    return jvp(model, embed, (tokens,), tangents)
 
 
-def _tangent(d: Any) -> Tensor:
-    return d.tangent if d.tangent is not None else torch.zeros_like(d.primal)
+def unembed_jvp(model: nn.Module, resid: Tensor, tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    return jvp(model, unembed, (resid,), tangents)

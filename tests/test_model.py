@@ -135,7 +135,8 @@ def test_forward_pieces_reproduce_the_model(pair64):
     tokens = torch.randint(0, base.cfg.d_vocab, (3, 9), generator=torch.Generator().manual_seed(0))
     x = M.embed(base, tokens)
     for layer in range(base.cfg.n_layers):
-        attn_out, z = M.attention(base, layer, x)
+        attn_out, cap = M.attention(base, layer, x)
+        z = cap["z"]
         assert z.shape == (3, 9, base.cfg.n_heads, base.cfg.d_head)
         mid = x + attn_out
         x = mid + M.mlp(base, layer, M.mlp_input(base, x - 0, mid))
@@ -151,10 +152,12 @@ def test_jvp_matches_finite_difference(pair64):
     tokens = torch.randint(0, base.cfg.d_vocab, (2, 6), generator=torch.Generator().manual_seed(1))
     x = M.embed(base, tokens).detach()
     tang = {n: d for n, d in diff.deltas.items() if n in M.head_params(base, 1)}
-    out, out_dot, z, z_dot = M.attention_jvp(base, 1, x, tang)
+    out, out_dot, cap, cap_dot = M.attention_jvp(base, 1, x, tang)
+    z, z_dot = cap["z"], cap_dot["z"]
     eps = 1e-6
     with diff.applied(base, scale=eps, layers=[1]):
-        out2, z2 = M.attention(base, 1, x)
+        out2, cap2 = M.attention(base, 1, x)
+        z2 = cap2["z"]
     assert torch.allclose((z2 - z) / eps, z_dot, atol=1e-4)
     assert torch.allclose((out2 - out) / eps, out_dot, atol=1e-4)
     mtang = {n: d for n, d in diff.deltas.items() if n in M.mlp_params(base, 0)}

@@ -1,0 +1,217 @@
+"""``ComponentScores``: score tensors with their labels, per role and per prompt.
+
+>>> scores.values.shape               # doctest: +SKIP   (kind, layer, component, pos)
+>>> scores.top(5, "informative")      # doctest: +SKIP   the five largest |scores|
+>>> scores.to_dataframe()             # doctest: +SKIP   tidy, one row per prompt/kind/layer/component/pos
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from extractive_lens.types import Method, ScoreKind, jsonable
+
+
+def aggregate_by_role(
+    prompt_values: Float[Tensor, "kind batch layer component pos"],
+    prompt_roles: Sequence[Sequence[str]],
+    position_labels: Sequence[str],
+) -> Float[Tensor, "kind layer component role"]:
+    """Mean over the prompts that have each role, of each prompt's score at that role's position."""
+    k, b, n_layer, n_comp, _ = prompt_values.shape
+    index = {r: i for i, r in enumerate(position_labels)}
+    sums = prompt_values.new_zeros(k, n_layer, n_comp, len(position_labels))
+    counts = prompt_values.new_zeros(len(position_labels))
+    for i, roles in enumerate(prompt_roles):
+        cols = torch.tensor([index[r] for r in roles], device=prompt_values.device)
+        sums.index_add_(3, cols, prompt_values[:, i, :, :, : len(roles)])
+        counts.index_add_(0, cols, torch.ones(len(roles), dtype=counts.dtype, device=counts.device))
+    return sums / counts.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class ComponentScores:
+    """Scores of every head and MLP, per token role, for one or more score kinds.
+
+    Attributes:
+        values: ``[kind, layer, component, pos]`` means over prompts, aligned by role.
+        totals: ``[kind, layer, component]`` whole-component scores (mean over prompts).
+        prompt_values: ``[kind, batch, layer, component, pos]`` per prompt (padding = 0).
+        prompt_totals: ``[kind, batch, layer, component]``.
+        kinds, component_labels, position_labels: axis labels.
+        prompt_roles: each prompt's role per real position.
+        method: ``"linear"`` or ``"causal"``.
+        other: ``[batch]`` informative score of parameters no component owns (linear only).
+        metadata: model, reward, ablation, convention, diff norms, versions.
+    """
+
+    values: Float[Tensor, "kind layer component pos"]
+    totals: Float[Tensor, "kind layer component"]
+    prompt_values: Float[Tensor, "kind batch layer component pos"]
+    prompt_totals: Float[Tensor, "kind batch layer component"]
+    kinds: tuple[ScoreKind, ...]
+    component_labels: tuple[str, ...]
+    position_labels: tuple[str, ...]
+    prompt_roles: tuple[tuple[str, ...], ...]
+    method: Method
+    other: Float[Tensor, " batch"] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        k, n_layer, n_comp, n_pos = self.values.shape
+        if k != len(self.kinds):
+            raise ValueError(f"values has {k} kinds but kinds={self.kinds}")
+        if n_comp != len(self.component_labels):
+            raise ValueError(f"values has {n_comp} components but {len(self.component_labels)} labels")
+        if n_pos != len(self.position_labels):
+            raise ValueError(f"values has {n_pos} positions but {len(self.position_labels)} labels")
+        if len(set(self.position_labels)) != n_pos:
+            raise ValueError("position_labels must be unique")
+        if self.totals.shape != (k, n_layer, n_comp):
+            raise ValueError(f"totals shape {tuple(self.totals.shape)} != {(k, n_layer, n_comp)}")
+        if self.prompt_values.shape[:4] != (k, len(self.prompt_roles), n_layer, n_comp):
+            raise ValueError("prompt_values does not match kinds / prompts / layers / components")
+        if self.method not in ("linear", "causal"):
+            raise ValueError(f"method must be 'linear' or 'causal', got {self.method!r}")
+
+    # ------------------------------------------------------------------ access
+    @property
+    def n_layers(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def n_prompts(self) -> int:
+        return len(self.prompt_roles)
+
+    def kind_index(self, kind: ScoreKind) -> int:
+        if kind not in self.kinds:
+            raise KeyError(f"No {kind!r} scores here; this result has {self.kinds}.")
+        return self.kinds.index(kind)
+
+    def __getitem__(self, kind: ScoreKind) -> Float[Tensor, "layer component pos"]:
+        """``scores["informative"]``: the ``[layer, component, pos]`` tensor of one kind."""
+        return self.values[self.kind_index(kind)]
+
+    def top(self, k: int = 10, kind: ScoreKind | None = None, *, per_token: bool = False) -> list[tuple[str, str, float]]:
+        """The ``k`` largest scores by magnitude: ``(kind, label, value)``.
+
+        Whole-component totals by default; ``per_token=True`` ranks (component, position) cells
+        and labels them ``L3H2@lives``.
+        """
+        kinds = self.kinds if kind is None else (kind,)
+        rows = []
+        for kd in kinds:
+            ki = self.kind_index(kd)
+            if per_token:
+                v = self.values[ki]
+                for (layer, c, p), x in zip(_indices(v.shape), v.flatten().tolist()):
+                    rows.append((kd, f"{self._label(layer, c)}@{self.position_labels[p]}", x))
+            else:
+                v = self.totals[ki]
+                for (layer, c), x in zip(_indices(v.shape), v.flatten().tolist()):
+                    rows.append((kd, self._label(layer, c), x))
+        rows.sort(key=lambda r: -abs(r[2]))
+        return rows[:k]
+
+    def _label(self, layer: int, comp: int) -> str:
+        return f"L{layer}{self.component_labels[comp]}"
+
+    def to_dataframe(self, *, per_prompt: bool = True):
+        """Tidy table: one row per (prompt, kind, layer, component, position).
+
+        ``per_prompt=False`` gives the role-aggregated means instead (no ``prompt`` column).
+        """
+        import pandas as pd
+
+        recs = []
+        if per_prompt:
+            pv = self.prompt_values.detach().cpu()
+            for ki, kd in enumerate(self.kinds):
+                for b, roles in enumerate(self.prompt_roles):
+                    block = pv[ki, b, :, :, : len(roles)]
+                    for (layer, c, p), x in zip(_indices(block.shape), block.flatten().tolist()):
+                        recs.append((b, kd, layer, self.component_labels[c], p, roles[p], x))
+            return pd.DataFrame(recs, columns=["prompt", "kind", "layer", "component", "pos", "role", "score"])
+        v = self.values.detach().cpu()
+        for (ki, layer, c, p), x in zip(_indices(v.shape), v.flatten().tolist()):
+            recs.append((self.kinds[ki], layer, self.component_labels[c], self.position_labels[p], x))
+        return pd.DataFrame(recs, columns=["kind", "layer", "component", "role", "score"])
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> Path:
+        """``path`` (a directory): ``scores.safetensors`` + ``scores.json`` (labels, metadata)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "values": self.values, "totals": self.totals,
+            "prompt_values": self.prompt_values, "prompt_totals": self.prompt_totals,
+        }
+        if self.other is not None:
+            tensors["other"] = self.other
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path / "scores.safetensors"))
+        info = {
+            "kinds": list(self.kinds), "component_labels": list(self.component_labels),
+            "position_labels": list(self.position_labels),
+            "prompt_roles": [list(r) for r in self.prompt_roles], "method": self.method,
+            "metadata": jsonable(self.metadata),
+        }
+        (path / "scores.json").write_text(json.dumps(info, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ComponentScores:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        t = load_file(str(path / "scores.safetensors"))
+        info = json.loads((path / "scores.json").read_text())
+        return cls(
+            values=t["values"], totals=t["totals"], prompt_values=t["prompt_values"],
+            prompt_totals=t["prompt_totals"], kinds=tuple(info["kinds"]),
+            component_labels=tuple(info["component_labels"]),
+            position_labels=tuple(info["position_labels"]),
+            prompt_roles=tuple(tuple(r) for r in info["prompt_roles"]), method=info["method"],
+            other=t.get("other"), metadata=info["metadata"],
+        )
+
+    # ------------------------------------------------------------------ display
+    def __repr__(self) -> str:
+        return (f"ComponentScores(method={self.method!r}, kinds={self.kinds}, layers={self.n_layers}, "
+                f"components={len(self.component_labels)}, positions={len(self.position_labels)}, "
+                f"prompts={self.n_prompts})")
+
+    def _repr_html_(self) -> str:
+        """A compact offline summary: the top components of each kind (no network, no scripts)."""
+        rows = []
+        for kd in self.kinds:
+            cells = "".join(
+                f"<td><code>{html.escape(lab)}</code> {val:+.3g}</td>" for _, lab, val in self.top(5, kd)
+            )
+            rows.append(f"<tr><th>{html.escape(kd)}</th>{cells}</tr>")
+        meta = ", ".join(
+            f"{html.escape(str(k))}={html.escape(str(self.metadata.get(k)))}"
+            for k in ("model", "reward", "ablation", "convention") if k in self.metadata
+        )
+        return (
+            f"<div><b>ComponentScores</b> ({html.escape(self.method)}; {self.n_layers} layers × "
+            f"{len(self.component_labels)} components × {len(self.position_labels)} positions; "
+            f"{self.n_prompts} prompts)<br><small>{meta}</small>"
+            f"<table>{''.join(rows)}</table><small>top 5 whole-component scores by |value|</small></div>"
+        )
+
+
+def _indices(shape: Sequence[int]):
+    import itertools
+
+    return itertools.product(*(range(s) for s in shape))

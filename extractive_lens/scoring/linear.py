@@ -1,0 +1,288 @@
+"""Linearized informative / upstream / downstream scores (SPEC §5, §7).
+
+>>> scores = linear_scores(base, diff, batch)                                   # doctest: +SKIP
+>>> scores["informative"].shape     # [layer, component, pos]                  # doctest: +SKIP
+>>> linear_scores(base, diff, batch, convention="authors_code")                 # doctest: +SKIP
+
+One model in memory: the finetuned weights come from ``diff.applied(model)``. Cost per batch:
+one forward+backward of the base model (``ŷ``), one forward-mode pass per layer along Δ
+(informative), one forward of the finetuned model plus one base pass per layer (downstream),
+and for upstream one resumed finetuned pass: the base residual stream enters at every layer
+boundary as extra rows of a growing batch ("staircase"), so ``ŷ'`` for all ``2·n_layers``
+boundaries comes from one forward and one backward (``upstream_group`` bounds its memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from extractive_lens import model as M
+from extractive_lens.batch import PromptBatch
+from extractive_lens.results import ComponentScores
+from extractive_lens.rewards import Reward, resolve_reward
+from extractive_lens.scoring.engine import (
+    AblationTable,
+    Run,
+    assemble,
+    base_metadata,
+    forward_run,
+    head_grad,
+    progress,
+    resolve_kinds,
+    wide,
+)
+from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
+from extractive_lens.weight_diff import WeightDiff
+
+
+def linear_scores(
+    model: nn.Module,
+    diff: WeightDiff,
+    batch: PromptBatch,
+    *,
+    reward: str | Reward | None = None,
+    kinds: Sequence[ScoreKind] | ScoreKind = SCORE_KINDS,
+    ablation: Ablation | None = None,
+    reference: PromptBatch | None = None,
+    convention: Convention = "paper",
+    batch_size: int | None = 16,
+    upstream_group: int | None = None,
+    resample_k: int = 10,
+    seed: int = 3,
+    show_progress: bool | None = None,
+) -> ComponentScores:
+    """Linearized scores of every head and MLP at every token.
+
+    Args:
+        model: the base ``HookedTransformer`` (weights W). It is left bit-identical.
+        diff: ``Δ = W' - W``.
+        batch: prompts and answers from ``make_batch``.
+        reward: ``"answer_logprob"`` (default), ``"logit_margin"`` (default for
+            ``convention="authors_code"``), ``"logit_diff"`` or a callable.
+        kinds: any of ``"informative"``, ``"upstream"``, ``"downstream"``.
+        ablation: ``y*`` for upstream: ``"mean"`` (default), ``"zero"`` or ``"resample"``
+            (default for the authors' convention; ``resample_k`` prompts drawn with ``seed``).
+        reference: prompts whose role-aligned mean is ``y*`` (default: the batch's other prompts).
+        convention: ``"paper"`` (SPEC §5) or ``"authors_code"`` (SPEC §7).
+        batch_size: prompts per pass (progress bar over passes).
+        upstream_group: layer boundaries per resumed pass for ``ŷ'`` (None: all in one pass;
+            smaller values bound memory at the cost of speed).
+    """
+    M.check_scorable(model)
+    kinds = resolve_kinds(kinds)
+    if convention not in ("paper", "authors_code"):
+        raise ValueError(f"convention must be 'paper' or 'authors_code', got {convention!r}")
+    authors = convention == "authors_code"
+    reward_fn, reward_name = resolve_reward(reward, "logit_margin" if authors else "answer_logprob")
+    ablation = ablation or ("resample" if authors else "mean")
+    cfg = model.cfg
+    if authors and cfg.n_key_value_heads and cfg.n_key_value_heads != cfg.n_heads and "informative" in kinds:
+        raise NotImplementedError(
+            "convention='authors_code' credits key/value changes at the key position per head, "
+            "which needs one key/value head per query head; this model uses grouped-query "
+            "attention. Use convention='paper'."
+        )
+    diff._check_compatible(model)
+    deltas = {n: d.to(cfg.device) for n, d in diff.deltas.items()}
+    _check_covered(model, deltas)
+    table = (
+        AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed, batch_size=batch_size)
+        if "upstream" in kinds else None
+    )
+    per_token, totals, other = [], [], []
+    chunks = batch.chunks(batch_size)
+    start = 0
+    for chunk in progress(chunks, len(chunks), "linear scores", show_progress):
+        rows = list(range(start, start + len(chunk)))
+        start += len(chunk)
+        v, o = _chunk(model, diff, deltas, chunk, rows, reward_fn, kinds, table, authors, upstream_group)
+        per_token.append(v)
+        totals.append(v.sum(-1))
+        other.append(o)
+    meta = base_metadata(
+        model, diff, method="linear", reward=reward_name, ablation=ablation if "upstream" in kinds else None,
+        convention=convention, reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
+        resample_k=resample_k if ablation == "resample" else None, seed=seed,
+    )
+    return assemble(model, batch, kinds, per_token, totals, method="linear", other=other, metadata=meta)
+
+
+def _check_covered(model: nn.Module, deltas: dict[str, Tensor]) -> None:
+    known = ("embed.", "pos_embed.", "ln_final.", "unembed.")
+    for n in deltas:
+        if n.startswith(known) or any(f".{part}." in n for part in ("ln1", "ln2", "attn", "mlp")):
+            continue
+        raise NotImplementedError(f"Scores do not know how to credit the change of parameter {n!r}.")
+
+
+def _select(deltas: dict[str, Tensor], names: Any, exclude: tuple[str, ...] = ()) -> dict[str, Tensor]:
+    return {n: deltas[n] for n in names if n in deltas and not n.endswith(exclude)}
+
+
+def _chunk(
+    model: nn.Module, diff: WeightDiff, deltas: dict[str, Tensor], chunk: PromptBatch, rows: list[int],
+    reward_fn: Reward, kinds: tuple[ScoreKind, ...], table: AblationTable | None, authors: bool,
+    upstream_group: int | None,
+) -> tuple[Tensor, Tensor]:
+    cfg = model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    has_mlp = M.has_mlp(model)
+    want_inf = "informative" in kinds
+    capture = ("z", "q", "k", "v") if authors and want_inf else ("z",)
+    base = forward_run(model, chunk, reward_fn, grad=True, capture=capture)
+    dtype = wide(base.pre[0]).dtype
+    b, pos = chunk.tokens.shape
+    out = torch.zeros(len(kinds), b, L, H + has_mlp, pos, dtype=dtype, device=base.pre[0].device)
+    g_z = [head_grad(wide(base.g_attn[l]), base.W_O[l]) for l in range(L)]
+    other = torch.zeros(b, dtype=dtype, device=out.device)
+
+    if want_inf:
+        k = kinds.index("informative")
+        out[k], other = _informative(model, deltas, chunk, base, g_z, authors, dtype)
+    ft = None
+    if "downstream" in kinds or ("upstream" in kinds and authors):
+        with diff.applied(model):
+            ft = forward_run(model, chunk, reward_fn, grad="upstream" in kinds and authors)
+    if "downstream" in kinds:
+        k = kinds.index("downstream")
+        with torch.no_grad():
+            for layer in range(L):
+                _, cap = M.attention(model, layer, ft.pre[layer])
+                dz = wide(cap["z"]) - wide(base.z[layer])
+                out[k, :, layer, :H] = (g_z[layer] * dz).sum(-1).transpose(1, 2)
+                if has_mlp:
+                    dy = wide(M.mlp(model, layer, ft.mlp_in[layer])) - wide(base.mlp_out[layer])
+                    out[k, :, layer, H] = (wide(base.g_mlp[layer]) * dy).sum(-1)
+    if "upstream" in kinds:
+        k = kinds.index("upstream")
+        z_star, m_star = table.for_rows(rows, chunk, base)
+        if authors:
+            gp_z = [head_grad(wide(ft.g_attn[l]), ft.W_O[l]) for l in range(L)]
+            gp_mlp = ft.g_mlp
+        else:
+            gp_attn, gp_mlp = upstream_gradients(model, diff, chunk, base, reward_fn, upstream_group)
+            gp_z = [head_grad(wide(gp_attn[l]), base.W_O[l]) for l in range(L)]
+        for layer in range(L):
+            dz = wide(base.z[layer]) - z_star[:, :, layer]
+            out[k, :, layer, :H] = ((gp_z[layer] - g_z[layer]) * dz).sum(-1).transpose(1, 2)
+            if has_mlp:
+                dm = wide(base.mlp_out[layer]) - m_star[:, :, layer]
+                out[k, :, layer, H] = ((wide(gp_mlp[layer]) - wide(base.g_mlp[layer])) * dm).sum(-1)
+    mask = chunk.position_mask.to(out.device)
+    return out * mask[None, :, None, None, :], other
+
+
+def _informative(
+    model: nn.Module, deltas: dict[str, Tensor], chunk: PromptBatch, base: Run, g_z: list[Tensor],
+    authors: bool, dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """``Ī[batch, layer, component, pos]`` and the "other" parameters' share ``[batch]``."""
+    cfg = model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    has_mlp = M.has_mlp(model)
+    b, pos = chunk.tokens.shape
+    inf = torch.zeros(b, L, H + has_mlp, pos, dtype=dtype, device=g_z[0].device)
+    other = torch.zeros(b, dtype=dtype, device=inf.device)
+    for layer in range(L):
+        exclude = (".attn.b_O", ".attn.W_O") if authors else (".attn.b_O",)
+        tang = _select(deltas, M.head_params(model, layer), exclude)
+        if tang:
+            capture = ("z", "q", "k", "v") if authors else ("z",)
+            with torch.no_grad():
+                _, _, _, dot = M.attention_jvp(model, layer, base.pre[layer], tang, capture)
+            if authors:  # Q credited at the query position, K and V at the key position
+                g = base.g_captured[layer]
+                per = sum((wide(g[n]) * wide(dot[n])).sum(-1) for n in ("q", "k", "v"))
+            else:
+                per = (g_z[layer] * wide(dot["z"])).sum(-1)
+            inf[:, layer, :H] = per.transpose(1, 2)
+        d_WO = deltas.get(f"blocks.{layer}.attn.W_O")
+        if d_WO is not None:
+            w_o = torch.einsum("bpd,bphe,hed->bph", wide(base.g_attn[layer]), wide(base.z[layer]), d_WO.to(dtype))
+            if authors:
+                other += w_o.sum((1, 2))
+            else:
+                inf[:, layer, :H] += w_o.transpose(1, 2)
+        d_bO = deltas.get(f"blocks.{layer}.attn.b_O")
+        if d_bO is not None:
+            other += (wide(base.g_attn[layer]).sum(1) * d_bO.to(dtype)).sum(-1)
+        if has_mlp:
+            tang = _select(deltas, M.mlp_params(model, layer))
+            if tang:
+                with torch.no_grad():
+                    _, y_dot = M.mlp_jvp(model, layer, base.mlp_in[layer], tang)
+                inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(y_dot)).sum(-1)
+    tokens = chunk.tokens.to(cfg.device)
+    with torch.no_grad():
+        tang = _select(deltas, [n for n in deltas if n.startswith(("embed.", "pos_embed."))])
+        if tang:
+            _, e_dot = M.embed_jvp(model, tokens, tang)
+            other += (wide(base.g_embed) * wide(e_dot)).sum((-1, -2))
+        tang = _select(deltas, [n for n in deltas if n.startswith(("ln_final.", "unembed."))])
+        if tang:
+            _, l_dot = M.unembed_jvp(model, base.post_final, tang)
+            other += (wide(base.g_logits) * wide(l_dot)).sum((-1, -2))
+    return inf, other
+
+
+def upstream_gradients(
+    model: nn.Module, diff: WeightDiff, chunk: PromptBatch, base: Run, reward_fn: Reward,
+    group: int | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """``ŷ'`` at every layer boundary: ``dR/dy_c`` with ``W_late`` finetuned, at base activations.
+
+    The base residual stream enters the finetuned model right after each component (heads of
+    layer l: after attention, with ``b_O'``; MLP l: after the MLP) as extra rows of one
+    growing batch; one backward gives every boundary's gradient.
+    """
+    cfg = model.cfg
+    L = cfg.n_layers
+    has_mlp = M.has_mlp(model)
+    parallel = cfg.parallel_attn_mlp
+    boundaries = [(layer, part) for layer in range(L) for part in (("attn", "mlp") if has_mlp else ("attn",))]
+    group = group or len(boundaries)
+    grads: dict[tuple[int, str], Tensor] = {}
+    deltas = diff.deltas
+    for g0 in range(0, len(boundaries), group):
+        todo = boundaries[g0 : g0 + group]
+        entries: list[Tensor] = []
+        with diff.applied(model), M.frozen_parameters(model), torch.enable_grad():
+            rows: Tensor | None = None
+            for layer in range(todo[0][0], L):
+                new = [p for (lay, p) in todo if lay == layer]
+                d_bO = deltas.get(f"blocks.{layer}.attn.b_O")
+                shift = 0 if d_bO is None else d_bO.to(device=base.mid[layer].device, dtype=base.mid[layer].dtype)
+                if parallel:
+                    if rows is not None:
+                        out, _ = M.attention(model, layer, rows, ())
+                        rows = rows + out + M.mlp(model, layer, rows)
+                    for part in new:
+                        e = (base.post[layer] + (shift if part == "attn" else 0)).detach().requires_grad_(True)
+                        entries.append(e)
+                        rows = e if rows is None else torch.cat([rows, e])
+                    continue
+                if rows is not None:
+                    rows = rows + M.attention(model, layer, rows, ())[0]
+                if "attn" in new:
+                    e = (base.mid[layer] + shift).detach().requires_grad_(True)
+                    entries.append(e)
+                    rows = e if rows is None else torch.cat([rows, e])
+                if has_mlp and rows is not None:
+                    rows = rows + M.mlp(model, layer, rows)
+                if "mlp" in new:
+                    e = base.post[layer].detach().requires_grad_(True)
+                    entries.append(e)
+                    rows = e if rows is None else torch.cat([rows, e])
+            logits = M.unembed(model, rows)
+            b = len(chunk)
+            total = sum(reward_fn(logits[i * b : (i + 1) * b], chunk).sum() for i in range(len(entries)))
+            got = torch.autograd.grad(total, entries)
+        for key, g in zip(todo, got):
+            grads[key] = g
+    gp_attn = [grads[(layer, "attn")] for layer in range(L)]
+    gp_mlp = [grads[(layer, "mlp")] for layer in range(L)] if has_mlp else []
+    return gp_attn, gp_mlp
