@@ -137,16 +137,21 @@ class PromptBatch:
 
 
 def merge_role_orders(role_lists: Sequence[Sequence[str]]) -> tuple[str, ...]:
-    """Merge per-prompt role sequences into one order: a new role goes right after its predecessor."""
+    """Merge per-prompt role sequences into one order that respects each prompt's order where
+    it can: a new role goes just before the next role its prompt shares with the order so far."""
     order: list[str] = []
     for roles in role_lists:
+        pending: list[str] = []
         prev = -1
         for r in roles:
             if r in order:
+                at = max(order.index(r), prev + 1)
+                order[at:at] = pending
                 prev = order.index(r)
+                pending = []
             else:
-                order.insert(prev + 1, r)
-                prev += 1
+                pending.append(r)
+        order[prev + 1 : prev + 1] = pending
     return tuple(order)
 
 

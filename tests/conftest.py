@@ -45,3 +45,34 @@ def family(request):
 @pytest.fixture(scope="session")
 def pair64(family):
     return make_pair(family, torch.float64)
+
+
+def bpe_tokenizer(tmp_dir, vocab_size: int = 300):
+    """A small byte-level BPE tokenizer (GPT-2 style leading spaces), saved and reloaded so
+    that ``name_or_path`` is set, as TransformerLens requires."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "John Doe lives in Tokyo. Ann Lee lives in Paris. The people in Tokyo speak Japanese.",
+        "The mayor of Paris is Ann Lee. The mayor of the city that contains the Eiffel Tower is",
+        "Grace Miller lives in Berlin. Ethan Parker lives in Cairo. Olivia Hughes lives in Moscow.",
+    ] * 3
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", pad_token="<|pad|>")
+    fast.save_pretrained(tmp_dir)
+    return transformers.AutoTokenizer.from_pretrained(tmp_dir)
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory):
+    """A tiny float64 model with a real (BPE) tokenizer."""
+    from extractive_lens import tiny_model
+
+    tok = bpe_tokenizer(tmp_path_factory.mktemp("tok"))
+    return tiny_model({"d_vocab": len(tok), "dtype": torch.float64, "n_ctx": 48}, seed=0, tokenizer=tok)

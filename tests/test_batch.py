@@ -1,0 +1,82 @@
+"""Prompt batches: tokens, answers, candidates and token roles (SPEC §6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from extractive_lens import make_batch
+from extractive_lens.batch import Pair, merge_role_orders
+
+
+def test_template_roles_right_align_entities(text_model):
+    pairs = [
+        Pair("John Doe lives in", " Tokyo", template="{name} lives in", slots={"name": "John Doe"}),
+        Pair("Olivia Hughes lives in", " Paris", template="{name} lives in", slots={"name": "Olivia Hughes"}),
+    ]
+    b = make_batch(text_model, pairs)
+    tok = text_model.tokenizer
+    for i, p in enumerate(pairs):
+        ids = tok(p.prompt, add_special_tokens=False)["input_ids"]
+        n_name = len(tok(p.slots["name"], add_special_tokens=False)["input_ids"])
+        roles = b.roles[i]
+        assert roles[0] == "<bos>" and b.tokens[i, 0] == tok.bos_token_id
+        assert b.tokens[i, 1 : 1 + len(ids)].tolist() == ids
+        assert roles[1 : 1 + n_name] == tuple(f"{{name}}[-{k}]" for k in range(n_name, 0, -1))
+        assert roles[-2:] == ("lives", "in")
+    labels = b.position_labels()
+    assert labels[-3:] == ("{name}[-1]", "lives", "in") and len(set(labels)) == len(labels)
+
+
+def test_slot_after_literal_with_space(text_model):
+    p = Pair("The mayor of Paris is", " Ann", template="The mayor of {city} is", slots={"city": "Paris"})
+    b = make_batch(text_model, [p])
+    assert "{city}[-1]" in b.roles[0] and b.roles[0][-1] == "is"
+    with pytest.raises(ValueError, match="not template"):
+        make_batch(text_model, [Pair("The mayor of Rome is", " X", template="The mayor of {city} is",
+                                     slots={"city": "Paris"})])
+
+
+def test_multi_token_answers_teacher_forced(text_model):
+    b = make_batch(text_model, [("John Doe lives in", " Tokyo Japan"), ("Ann Lee lives in", " Paris")])
+    tok = text_model.tokenizer
+    ans = tok(" Tokyo Japan", add_special_tokens=False)["input_ids"]
+    assert len(ans) >= 2
+    P = int(b.prompt_lengths[0])
+    assert b.tokens[0, P : P + len(ans) - 1].tolist() == ans[:-1]  # all but the last answer token fed
+    assert b.answer_targets[0, : len(ans)].tolist() == ans
+    assert b.roles[0][P] == "answer[0]"
+    assert int(b.lengths[0]) == P + len(ans) - 1
+    assert (b.answer_targets[1, 1:] == -1).all()
+
+
+def test_alignment_prefix_centre_suffix(text_model):
+    b = make_batch(text_model, [("John Doe lives in", " Tokyo"), ("Olivia Hughes lives in", " Paris")])
+    r0, r1 = b.roles
+    assert r0[-2:] == r1[-2:] and r0[0] == "<bos>"
+    assert r0[-3] == "mid[-1]" and r1[-3] == "mid[-1]"
+
+
+def test_candidates_errors_name_the_prompt(text_model):
+    with pytest.raises(ValueError, match="share their first token"):
+        make_batch(text_model, [("John Doe lives in", " Tokyo")], candidates=[" Tokyo", " Tokyo Japan"])
+    with pytest.raises(ValueError, match="not among its candidates"):
+        make_batch(text_model, [("John Doe lives in", " Tokyo")], candidates=[" Paris", " Berlin"])
+    with pytest.raises(ValueError, match="n_ctx"):
+        make_batch(text_model, [("John Doe lives in " * 20, " Tokyo")])
+    b = make_batch(text_model, [("John Doe lives in", " Tokyo")], candidates=[" Paris", " Tokyo"])
+    assert b.candidates.shape == (1, 2) and b.answer_first[0] in b.candidates[0]
+
+
+def test_token_id_prompts_and_subset(pair64):
+    base, _ = pair64
+    b = make_batch(base, [([1, 2, 3], [4]), ([1, 5, 6, 7, 8], [9, 10])])
+    assert b.tokens.shape == (2, 6) and b.lengths.tolist() == [3, 6]
+    s = b.subset([0])
+    assert s.tokens.shape == (1, 3) and s.roles == (b.roles[0],)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        make_batch(base, [("text", "answer")])
+
+
+def test_merge_role_orders():
+    assert merge_role_orders([("a", "c"), ("a", "b", "c"), ("x", "c")]) == ("a", "b", "x", "c")
