@@ -498,22 +498,26 @@ def mlp_input(model: nn.Module, resid_pre: Tensor, resid_mid: Tensor) -> Tensor:
     return resid_pre if model.cfg.parallel_attn_mlp else resid_mid
 
 
+def head_param_names(names: Any, layer: int) -> list[str]:
+    """Of ``names``, the parameters a layer's attention reads (``ln1`` and ``attn``)."""
+    prefixes = (f"blocks.{layer}.ln1.", f"blocks.{layer}.attn.")
+    return [n for n in names if n.startswith(prefixes)]
+
+
+def mlp_param_names(names: Any, layer: int) -> list[str]:
+    """Of ``names``, the parameters a layer's MLP reads (``ln2`` and ``mlp``)."""
+    prefixes = (f"blocks.{layer}.ln2.", f"blocks.{layer}.mlp.")
+    return [n for n in names if n.startswith(prefixes)]
+
+
 def head_params(model: nn.Module, layer: int) -> dict[str, Tensor]:
-    """The parameters a layer's attention reads (``ln1`` and ``attn``), by full name."""
-    prefix = f"blocks.{layer}."
-    return {
-        n: p for n, p in model.named_parameters()
-        if n.startswith(prefix + "ln1.") or n.startswith(prefix + "attn.")
-    }
+    params = dict(model.named_parameters())
+    return {n: params[n] for n in head_param_names(params, layer)}
 
 
 def mlp_params(model: nn.Module, layer: int) -> dict[str, Tensor]:
-    """The parameters a layer's MLP reads (``ln2`` and ``mlp``), by full name."""
-    prefix = f"blocks.{layer}."
-    return {
-        n: p for n, p in model.named_parameters()
-        if n.startswith(prefix + "ln2.") or n.startswith(prefix + "mlp.")
-    }
+    params = dict(model.named_parameters())
+    return {n: params[n] for n in mlp_param_names(params, layer)}
 
 
 def W_O(model: nn.Module, layer: int) -> Float[Tensor, "head d_head d_model"]:

@@ -71,6 +71,11 @@ def logit_diff(logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch) -
     return a - b
 
 
+# The built-in rewards read logits only at positions last_prompt_pos .. last_prompt_pos + K - 1
+# (K answer tokens), so the scoring engines unembed just those positions.
+for _fn in (answer_logprob, logit_margin, logit_diff):
+    _fn.answer_positions_only = True  # type: ignore[attr-defined]
+
 REWARDS: dict[str, Reward] = {
     "answer_logprob": answer_logprob,
     "logit_margin": logit_margin,

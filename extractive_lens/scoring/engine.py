@@ -88,9 +88,11 @@ def forward_run(
             attn_outs.append(out)
             caps.append(cap)
         run.post_final = x.detach()
-        logits = M.unembed(model, x)
+        if keep_logits:
+            run.logits = M.unembed(model, x).detach()
         if reward_fn is not None:
-            R = reward_fn(logits, batch)
+            R, logits, x_read = readout(model, x, batch, reward_fn)
+            run.post_final = x_read.detach()
             run.reward = R.detach()
             if grad:
                 names = [n for n in capture if n != "z"]
@@ -105,9 +107,45 @@ def forward_run(
                 run.g_captured = [
                     {n: rest[i * len(names) + j] for j, n in enumerate(names)} for i in range(L)
                 ]
-        if keep_logits:
-            run.logits = logits.detach()
     return run
+
+
+@dataclass(frozen=True)
+class ReadoutBatch:
+    """The fields a built-in reward reads, for logits gathered at the answer positions only."""
+
+    answer_targets: Tensor
+    candidates: Tensor | None
+    counterfactual: Tensor | None
+
+    @property
+    def last_prompt_pos(self) -> Tensor:
+        return torch.zeros(self.answer_targets.shape[0], dtype=torch.long, device=self.answer_targets.device)
+
+    @property
+    def answer_first(self) -> Tensor:
+        return self.answer_targets[:, 0]
+
+
+def readout(
+    model: nn.Module, resid: Tensor, batch: PromptBatch, reward_fn: Any, groups: int = 1
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(R, logits, resid_read)`` from the final residual stream of ``groups`` stacked copies of
+    ``batch``. Built-in rewards read only the answer positions, so only those are unembedded
+    (``resid_read`` is the gathered stream); custom rewards get the full logits."""
+    b = len(batch)
+    if getattr(reward_fn, "answer_positions_only", False):
+        K = batch.answer_targets.shape[1]
+        dev = resid.device
+        pos = batch.last_prompt_pos.to(dev)[:, None] + torch.arange(K, device=dev)[None, :]
+        pos = torch.minimum(pos, batch.lengths.to(dev)[:, None] - 1).repeat(groups, 1)
+        resid = resid.gather(1, pos[..., None].expand(-1, -1, resid.shape[-1]))
+        view: Any = ReadoutBatch(batch.answer_targets, batch.candidates, batch.counterfactual)
+    else:
+        view = batch
+    logits = M.unembed(model, resid)
+    R = torch.cat([reward_fn(logits[g * b : (g + 1) * b], view) for g in range(groups)])
+    return R, logits, resid
 
 
 def head_grad(g_attn: Tensor, W_O: Tensor) -> Tensor:
@@ -144,7 +182,9 @@ class AblationTable:
         k: int = 10,
         seed: int = 3,
         batch_size: int | None = None,
+        runs: list[tuple[PromptBatch, Run]] | None = None,
     ) -> None:
+        """``runs``: already computed base runs covering the source prompts in order (saves a pass)."""
         if ablation not in ("mean", "zero", "resample"):
             raise ValueError(f"ablation must be 'mean', 'zero' or 'resample', got {ablation!r}")
         self.ablation = ablation
@@ -159,8 +199,9 @@ class AblationTable:
         # per source prompt, role -> (z [L, H, dh], mlp [L, dm])
         self.z_src: list[dict[str, Tensor]] = []
         self.m_src: list[dict[str, Tensor]] = []
-        for chunk in source.chunks(batch_size):
-            run = forward_run(model, chunk, grad=False)
+        if runs is None:
+            runs = [(chunk, forward_run(model, chunk, grad=False)) for chunk in source.chunks(batch_size)]
+        for chunk, run in runs:
             z = torch.stack(run.z, dim=2)  # batch pos layer head d_head
             m = torch.stack(run.mlp_out, dim=2) if self.has_mlp else None
             for i, roles in enumerate(chunk.roles):

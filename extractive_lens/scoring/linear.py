@@ -32,6 +32,7 @@ from extractive_lens.scoring.engine import (
     forward_run,
     head_grad,
     progress,
+    readout,
     resolve_kinds,
     wide,
 )
@@ -89,17 +90,21 @@ def linear_scores(
     diff._check_compatible(model)
     deltas = {n: d.to(cfg.device) for n, d in diff.deltas.items()}
     _check_covered(model, deltas)
-    table = (
-        AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed, batch_size=batch_size)
-        if "upstream" in kinds else None
-    )
-    per_token, totals, other = [], [], []
     chunks = batch.chunks(batch_size)
+    capture = ("z", "q", "k", "v") if authors and "informative" in kinds else ("z",)
+    first = forward_run(model, chunks[0], reward_fn, grad=True, capture=capture)
+    table = None
+    if "upstream" in kinds:
+        reuse = [(chunks[0], first)] if reference is None and len(chunks) == 1 else None
+        table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
+                              batch_size=batch_size, runs=reuse)
+    per_token, totals, other = [], [], []
     start = 0
-    for chunk in progress(chunks, len(chunks), "linear scores", show_progress):
+    for i, chunk in enumerate(progress(chunks, len(chunks), "linear scores", show_progress)):
         rows = list(range(start, start + len(chunk)))
         start += len(chunk)
-        v, o = _chunk(model, diff, deltas, chunk, rows, reward_fn, kinds, table, authors, upstream_group)
+        base = first if i == 0 else forward_run(model, chunk, reward_fn, grad=True, capture=capture)
+        v, o = _chunk(model, diff, deltas, chunk, base, rows, reward_fn, kinds, table, authors, upstream_group)
         per_token.append(v)
         totals.append(v.sum(-1))
         other.append(o)
@@ -124,16 +129,14 @@ def _select(deltas: dict[str, Tensor], names: Any, exclude: tuple[str, ...] = ()
 
 
 def _chunk(
-    model: nn.Module, diff: WeightDiff, deltas: dict[str, Tensor], chunk: PromptBatch, rows: list[int],
-    reward_fn: Reward, kinds: tuple[ScoreKind, ...], table: AblationTable | None, authors: bool,
+    model: nn.Module, diff: WeightDiff, deltas: dict[str, Tensor], chunk: PromptBatch, base: Run,
+    rows: list[int], reward_fn: Reward, kinds: tuple[ScoreKind, ...], table: AblationTable | None, authors: bool,
     upstream_group: int | None,
 ) -> tuple[Tensor, Tensor]:
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     has_mlp = M.has_mlp(model)
     want_inf = "informative" in kinds
-    capture = ("z", "q", "k", "v") if authors and want_inf else ("z",)
-    base = forward_run(model, chunk, reward_fn, grad=True, capture=capture)
     dtype = wide(base.pre[0]).dtype
     b, pos = chunk.tokens.shape
     out = torch.zeros(len(kinds), b, L, H + has_mlp, pos, dtype=dtype, device=base.pre[0].device)
@@ -144,9 +147,14 @@ def _chunk(
         k = kinds.index("informative")
         out[k], other = _informative(model, deltas, chunk, base, g_z, authors, dtype)
     ft = None
-    if "downstream" in kinds or ("upstream" in kinds and authors):
-        with diff.applied(model):
-            ft = forward_run(model, chunk, reward_fn, grad="upstream" in kinds and authors)
+    gp_attn = gp_mlp = None
+    need_ft = "downstream" in kinds or ("upstream" in kinds and authors)
+    if need_ft or "upstream" in kinds:
+        with diff.applied(model):  # one application for the finetuned run and the resumed passes
+            if need_ft:
+                ft = forward_run(model, chunk, reward_fn, grad="upstream" in kinds and authors)
+            if "upstream" in kinds and not authors:
+                gp_attn, gp_mlp = upstream_gradients(model, diff, chunk, base, reward_fn, upstream_group)
     if "downstream" in kinds:
         k = kinds.index("downstream")
         with torch.no_grad():
@@ -164,7 +172,6 @@ def _chunk(
             gp_z = [head_grad(wide(ft.g_attn[l]), ft.W_O[l]) for l in range(L)]
             gp_mlp = ft.g_mlp
         else:
-            gp_attn, gp_mlp = upstream_gradients(model, diff, chunk, base, reward_fn, upstream_group)
             gp_z = [head_grad(wide(gp_attn[l]), base.W_O[l]) for l in range(L)]
         for layer in range(L):
             dz = wide(base.z[layer]) - z_star[:, :, layer]
@@ -180,29 +187,42 @@ def _informative(
     model: nn.Module, deltas: dict[str, Tensor], chunk: PromptBatch, base: Run, g_z: list[Tensor],
     authors: bool, dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """``Ī[batch, layer, component, pos]`` and the "other" parameters' share ``[batch]``."""
+    """``Ī[batch, layer, component, pos]`` and the "other" parameters' share ``[batch]``.
+
+    One forward-mode pass: every layer's attention and MLP re-run on its cached base input with
+    the weights' tangent set to Δ (``b_O``, and ``W_O`` in the authors' convention, excluded:
+    they are credited separately).
+    """
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     has_mlp = M.has_mlp(model)
     b, pos = chunk.tokens.shape
     inf = torch.zeros(b, L, H + has_mlp, pos, dtype=dtype, device=g_z[0].device)
     other = torch.zeros(b, dtype=dtype, device=inf.device)
+    exclude = (".attn.b_O", ".attn.W_O") if authors else (".attn.b_O",)
+    capture = ("z", "q", "k", "v") if authors else ("z",)
+    tang = _select(deltas, [n for l in range(L) for n in M.head_param_names(deltas, l)], exclude)
+    if has_mlp:
+        tang.update(_select(deltas, [n for l in range(L) for n in M.mlp_param_names(deltas, l)]))
+
+    def layers(m: nn.Module) -> tuple[list[dict[str, Tensor]], list[Tensor]]:
+        caps = [M.attention(m, l, base.pre[l], capture)[1] for l in range(L)]
+        outs = [M.mlp(m, l, base.mlp_in[l]) for l in range(L)] if has_mlp else []
+        return caps, outs
+
+    with torch.no_grad():
+        _, (cap_dot, mlp_dot) = M.jvp(model, layers, (), tang)
     for layer in range(L):
-        exclude = (".attn.b_O", ".attn.W_O") if authors else (".attn.b_O",)
-        tang = _select(deltas, M.head_params(model, layer), exclude)
-        if tang:
-            capture = ("z", "q", "k", "v") if authors else ("z",)
-            with torch.no_grad():
-                _, _, _, dot = M.attention_jvp(model, layer, base.pre[layer], tang, capture)
-            if authors:  # Q credited at the query position, K and V at the key position
-                g = base.g_captured[layer]
-                per = sum((wide(g[n]) * wide(dot[n])).sum(-1) for n in ("q", "k", "v"))
-            else:
-                per = (g_z[layer] * wide(dot["z"])).sum(-1)
-            inf[:, layer, :H] = per.transpose(1, 2)
+        dot = cap_dot[layer]
+        if authors:  # Q credited at the query position, K and V at the key position
+            g = base.g_captured[layer]
+            per = sum((wide(g[n]) * wide(dot[n])).sum(-1) for n in ("q", "k", "v"))
+        else:
+            per = (g_z[layer] * wide(dot["z"])).sum(-1)
+        inf[:, layer, :H] = per.transpose(1, 2)
         d_WO = deltas.get(f"blocks.{layer}.attn.W_O")
-        if d_WO is not None:
-            w_o = torch.einsum("bpd,bphe,hed->bph", wide(base.g_attn[layer]), wide(base.z[layer]), d_WO.to(dtype))
+        if d_WO is not None:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>
+            w_o = (head_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
             if authors:
                 other += w_o.sum((1, 2))
             else:
@@ -211,11 +231,7 @@ def _informative(
         if d_bO is not None:
             other += (wide(base.g_attn[layer]).sum(1) * d_bO.to(dtype)).sum(-1)
         if has_mlp:
-            tang = _select(deltas, M.mlp_params(model, layer))
-            if tang:
-                with torch.no_grad():
-                    _, y_dot = M.mlp_jvp(model, layer, base.mlp_in[layer], tang)
-                inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(y_dot)).sum(-1)
+            inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(mlp_dot[layer])).sum(-1)
     tokens = chunk.tokens.to(cfg.device)
     with torch.no_grad():
         tang = _select(deltas, [n for n in deltas if n.startswith(("embed.", "pos_embed."))])
@@ -235,6 +251,9 @@ def upstream_gradients(
 ) -> tuple[list[Tensor], list[Tensor]]:
     """``ŷ'`` at every layer boundary: ``dR/dy_c`` with ``W_late`` finetuned, at base activations.
 
+    Call with the finetuned weights applied (``with diff.applied(model):``); ``base`` is the
+    cached base run.
+
     The base residual stream enters the finetuned model right after each component (heads of
     layer l: after attention, with ``b_O'``; MLP l: after the MLP) as extra rows of one
     growing batch; one backward gives every boundary's gradient.
@@ -250,7 +269,7 @@ def upstream_gradients(
     for g0 in range(0, len(boundaries), group):
         todo = boundaries[g0 : g0 + group]
         entries: list[Tensor] = []
-        with diff.applied(model), M.frozen_parameters(model), torch.enable_grad():
+        with M.frozen_parameters(model), torch.enable_grad():
             rows: Tensor | None = None
             for layer in range(todo[0][0], L):
                 new = [p for (lay, p) in todo if lay == layer]
@@ -277,10 +296,8 @@ def upstream_gradients(
                     e = base.post[layer].detach().requires_grad_(True)
                     entries.append(e)
                     rows = e if rows is None else torch.cat([rows, e])
-            logits = M.unembed(model, rows)
-            b = len(chunk)
-            total = sum(reward_fn(logits[i * b : (i + 1) * b], chunk).sum() for i in range(len(entries)))
-            got = torch.autograd.grad(total, entries)
+            R, _, _ = readout(model, rows, chunk, reward_fn, groups=len(entries))
+            got = torch.autograd.grad(R.sum(), entries)
         for key, g in zip(todo, got):
             grads[key] = g
     gp_attn = [grads[(layer, "attn")] for layer in range(L)]
