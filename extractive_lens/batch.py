@@ -103,11 +103,11 @@ class PromptBatch:
         """All roles in a consistent order (each prompt's order respected)."""
         return merge_role_orders(self.roles)
 
-    def subset(self, index: Sequence[int] | slice) -> PromptBatch:
-        """Rows ``index`` as a batch, trimmed to their longest row."""
-        idx = list(range(len(self)))[index] if isinstance(index, slice) else list(index)
+    def subset(self, index: Sequence[int] | slice, *, trim: bool = True) -> PromptBatch:
+        """Rows ``index`` (repeats allowed) as a batch, trimmed to their longest row unless ``trim=False``."""
+        idx = list(range(len(self)))[index] if isinstance(index, slice) else [int(i) for i in index]
         t = torch.as_tensor(idx, dtype=torch.long, device=self.tokens.device)
-        width = int(self.lengths[t].max()) if len(idx) else 0
+        width = int(self.lengths[t].max()) if (len(idx) and trim) else self.n_pos
         return replace(
             self,
             tokens=self.tokens[t, :width],

@@ -457,9 +457,14 @@ def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "
 def attention(
     model: nn.Module, layer: int, resid_pre: Float[Tensor, "batch pos d_model"],
     capture: tuple[str, ...] = ("z",),
+    past_kv: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Float[Tensor, "batch pos d_model"], dict[str, Tensor]]:
     """Layer ``layer``'s attention on ``resid_pre``: its output ``Σ_h z_h W_O[h] + b_O``, and the
-    values at the attention hook points named in ``capture`` (``z``, ``q``, ``k``, ``v``, ``pattern``)."""
+    values at the attention hook points named in ``capture`` (``z``, ``q``, ``k``, ``v``, ``pattern``).
+
+    ``past_kv``: keys and values (as at ``hook_k`` / ``hook_v``) of earlier positions; then
+    ``resid_pre`` holds only the positions after them (TransformerLens's KV cache, frozen).
+    """
     block = model.blocks[layer]
     captured: dict[str, Tensor] = {}
     handles = []
@@ -467,9 +472,14 @@ def attention(
         hp = getattr(block.attn, f"hook_{name}")
         handles.append(hp.register_forward_hook(
             lambda _m, _i, out, name=name: captured.__setitem__(name, out)))
+    entry = None
+    if past_kv is not None:
+        from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry
+
+        entry = TransformerLensKeyValueCacheEntry(past_kv[0], past_kv[1], frozen=True)
     try:
         x = block.ln1(resid_pre)
-        out = block.attn(query_input=x, key_input=x, value_input=x)
+        out = block.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
     finally:
         for h in handles:
             h.remove()

@@ -128,20 +128,23 @@ class ReadoutBatch:
 
 
 def readout(
-    model: nn.Module, resid: Tensor, batch: PromptBatch, reward_fn: Any, groups: int = 1
+    model: nn.Module, resid: Tensor, batch: Any, reward_fn: Any, groups: int = 1, offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(R, logits, resid_read)`` from the final residual stream of ``groups`` stacked copies of
     ``batch``. Built-in rewards read only the answer positions, so only those are unembedded
-    (``resid_read`` is the gathered stream); custom rewards get the full logits."""
+    (``resid_read`` is the gathered stream); custom rewards get the full logits.
+    ``offset``: ``resid`` holds positions ``offset ..`` only (built-in rewards only)."""
     b = len(batch)
     if getattr(reward_fn, "answer_positions_only", False):
         K = batch.answer_targets.shape[1]
         dev = resid.device
-        pos = batch.last_prompt_pos.to(dev)[:, None] + torch.arange(K, device=dev)[None, :]
-        pos = torch.minimum(pos, batch.lengths.to(dev)[:, None] - 1).repeat(groups, 1)
+        pos = batch.last_prompt_pos.to(dev)[:, None] + torch.arange(K, device=dev)[None, :] - offset
+        pos = torch.minimum(pos, batch.lengths.to(dev)[:, None] - 1 - offset).repeat(groups, 1)
         resid = resid.gather(1, pos[..., None].expand(-1, -1, resid.shape[-1]))
         view: Any = ReadoutBatch(batch.answer_targets, batch.candidates, batch.counterfactual)
     else:
+        if offset:
+            raise ValueError("A custom reward reads the full logits: resume from position 0.")
         view = batch
     logits = M.unembed(model, resid)
     R = torch.cat([reward_fn(logits[g * b : (g + 1) * b], view) for g in range(groups)])

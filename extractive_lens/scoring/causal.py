@@ -1,0 +1,343 @@
+"""Exact causal informative / upstream / downstream scores by activation patching (SPEC §4).
+
+>>> exact = causal_scores(base, diff, batch)                       # doctest: +SKIP  per token
+>>> exact = causal_scores(base, diff, batch, per="component")      # doctest: +SKIP  whole components
+>>> exact = causal_scores(base, diff, batch, top_k=5)              # doctest: +SKIP  AtP*-style
+
+The engine, not a loop of full forwards:
+- the base run is cached once (residual stream at every boundary, keys and values);
+- a patch of component ``c`` at position ``t`` adds ``Δy = y_new - y`` to the cached stream
+  right after ``c`` and resumes from there: the heads of layer ``l`` re-enter before MLP ``l``
+  (after it, for parallel blocks), MLP ``l`` re-enters before layer ``l + 1``;
+- positions before ``t`` are unchanged (causal attention), so only positions ``>= t`` are
+  recomputed, reading earlier keys and values from the cache (TransformerLens's KV cache);
+- many (prompt, component) interventions share one pass, stacked along the batch axis in
+  chunks of at most ``max_batch`` rows;
+- patch values come from cached quantities: ``f_c(z_c, W'_c)`` from the finetuned layer on the
+  cached base input, ``f_c(z'_c, W_c)`` from the base layer on the finetuned run's input, and
+  ``y*``; upstream's ``W_late`` runs resume inside ``diff.applied``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from extractive_lens import model as M
+from extractive_lens.batch import PromptBatch
+from extractive_lens.results import ComponentScores
+from extractive_lens.rewards import Reward, resolve_reward
+from extractive_lens.scoring.engine import (
+    AblationTable,
+    Run,
+    assemble,
+    base_metadata,
+    forward_run,
+    progress,
+    readout,
+    resolve_kinds,
+    wide,
+)
+from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
+from extractive_lens.weight_diff import WeightDiff
+
+
+def causal_scores(
+    model: nn.Module,
+    diff: WeightDiff,
+    batch: PromptBatch,
+    *,
+    kinds: Sequence[ScoreKind] | ScoreKind = SCORE_KINDS,
+    per: Literal["token", "component"] = "token",
+    ablation: Ablation = "mean",
+    reference: PromptBatch | None = None,
+    reward: str | Reward | None = None,
+    max_batch: int = 256,
+    top_k: int | None = None,
+    linear: ComponentScores | None = None,
+    batch_size: int | None = 16,
+    resample_k: int = 10,
+    seed: int = 3,
+    show_progress: bool | None = None,
+) -> ComponentScores:
+    """Exact scores of every head and MLP, per output position (``per="token"``) or with all
+    positions patched at once (``per="component"``).
+
+    Args:
+        kinds, ablation, reference, reward: as in ``linear_scores`` (paper convention).
+        max_batch: interventions per resumed pass (memory bound).
+        top_k: score only the ``k`` components the linear scores rank highest (by |total|,
+            per kind); the others are reported as 0 and listed in ``metadata["skipped"]``.
+        linear: precomputed linear scores for ``top_k`` (computed if not given).
+
+    Whole-component totals (``totals``) are always the exact whole-component patch, also for
+    ``per="token"`` (where they are not the sum of the per-token scores).
+    """
+    M.check_scorable(model)
+    kinds = resolve_kinds(kinds)
+    if per not in ("token", "component"):
+        raise ValueError(f"per must be 'token' or 'component', got {per!r}")
+    reward_fn, reward_name = resolve_reward(reward)
+    diff._check_compatible(model)
+    selected = _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference)
+    chunks = batch.chunks(batch_size)
+    first = forward_run(model, chunks[0], reward_fn, capture=("z", "k", "v"))
+    table = None
+    if "upstream" in kinds:
+        reuse = [(chunks[0], first)] if reference is None and len(chunks) == 1 else None
+        table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
+                              batch_size=batch_size, runs=reuse)
+    per_token, totals = [], []
+    start = 0
+    for i, chunk in enumerate(chunks):
+        rows = list(range(start, start + len(chunk)))
+        start += len(chunk)
+        base = first if i == 0 else forward_run(model, chunk, reward_fn, capture=("z", "k", "v"))
+        engine = _Engine(model, diff, chunk, base, reward_fn, max_batch)
+        v, t = engine.scores(kinds, table, rows, per, selected, show_progress)
+        per_token.append(v)
+        totals.append(t)
+    meta = base_metadata(
+        model, diff, method="causal", reward=reward_name, per=per,
+        ablation=ablation if "upstream" in kinds else None, convention="paper",
+        reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
+        top_k=top_k, skipped={k: [c for c in v] for k, v in selected.items()} if top_k else None,
+    )
+    if per == "component":
+        b = len(batch)
+        roles = tuple(("all",) for _ in range(b))
+        pv = torch.cat(totals, dim=1)[..., None]
+        one = PromptBatch(
+            tokens=torch.zeros(b, 1, dtype=torch.long), lengths=torch.ones(b, dtype=torch.long),
+            prompt_lengths=torch.ones(b, dtype=torch.long), answer_targets=batch.answer_targets,
+            candidates=batch.candidates, counterfactual=batch.counterfactual, roles=roles,
+            prompts=batch.prompts, answers=batch.answers,
+        )
+        return assemble(model, one, kinds, [pv], totals, method="causal", other=None, metadata=meta)
+    return assemble(model, batch, kinds, per_token, totals, method="causal", other=None, metadata=meta)
+
+
+def _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference) -> dict[str, list[str]]:
+    """Per kind, the component labels to skip (everything outside the linear top k)."""
+    if top_k is None:
+        return {}
+    if linear is None:
+        from extractive_lens.scoring.linear import linear_scores
+
+        linear = linear_scores(model, diff, batch, kinds=kinds, reward=reward_fn, ablation=ablation,
+                               reference=reference, show_progress=False)
+    skipped = {}
+    for kind in kinds:
+        keep = {lab for _, lab, _ in linear.top(top_k, kind)}
+        tot = linear.totals[linear.kind_index(kind)]
+        skipped[kind] = [f"L{l}{c}" for l in range(tot.shape[0]) for c in linear.component_labels
+                         if f"L{l}{c}" not in keep]
+    return skipped
+
+
+@dataclass
+class _Context:
+    """Where interventions resume: the stream at a boundary, its keys/values, its reward."""
+
+    stream: Tensor  # [batch pos d_model] right after the component group
+    part: str  # "mid" (before this layer's MLP) or "post" (after the layer)
+    kv: dict[int, tuple[Tensor, Tensor]]  # later layer -> (k, v) [batch pos kv_head d_head]
+    reward: Tensor  # [batch] unpatched reward in this context
+    finetuned: bool
+
+
+class _Engine:
+    def __init__(self, model: nn.Module, diff: WeightDiff, chunk: PromptBatch, base: Run,
+                 reward_fn: Reward, max_batch: int) -> None:
+        self.model, self.diff, self.chunk, self.base = model, diff, chunk, base
+        self.reward_fn, self.max_batch = reward_fn, max_batch
+        cfg = model.cfg
+        self.L, self.H = cfg.n_layers, cfg.n_heads
+        self.has_mlp = M.has_mlp(model)
+        self.parallel = cfg.parallel_attn_mlp
+        self.suffix_ok = bool(getattr(reward_fn, "answer_positions_only", False))
+        # the last position any reward reads, per prompt: later patches cannot change R
+        n_ans = (chunk.answer_targets >= 0).sum(-1)
+        self.last_read = (chunk.last_prompt_pos + n_ans - 1).clamp(max=chunk.lengths - 1).tolist()
+        self.min_prompt_last = int(chunk.last_prompt_pos.min())
+
+    # ------------------------------------------------------------------ patch values Δy
+    def deltas(self, kind: ScoreKind, table: AblationTable | None, rows: list[int]) -> list[tuple[Tensor, Tensor | None]]:
+        """Per layer: ``(Δ heads [batch pos head d_model], Δ MLP [batch pos d_model])``."""
+        base, model = self.base, self.model
+        out = []
+        with torch.no_grad():
+            if kind == "informative":
+                new = []
+                with self.diff.applied(model):
+                    for layer in range(self.L):
+                        _, cap = M.attention(model, layer, base.pre[layer])
+                        W_O = M.W_O(model, layer).detach().clone()
+                        m = M.mlp(model, layer, base.mlp_in[layer]) if self.has_mlp else None
+                        new.append((cap["z"], W_O, m))
+                for layer, (z_new, W_O_new, m_new) in enumerate(new):
+                    dh = _head_out(z_new, W_O_new) - _head_out(base.z[layer], base.W_O[layer])
+                    dm = None if m_new is None else wide(m_new) - wide(base.mlp_out[layer])
+                    out.append((dh, dm))
+            elif kind == "downstream":
+                with self.diff.applied(model):
+                    ft = forward_run(model, self.chunk)
+                for layer in range(self.L):
+                    _, cap = M.attention(model, layer, ft.pre[layer])
+                    dz = wide(cap["z"]) - wide(base.z[layer])
+                    dh = _head_out(dz, base.W_O[layer])
+                    dm = None
+                    if self.has_mlp:
+                        dm = wide(M.mlp(model, layer, ft.mlp_in[layer])) - wide(base.mlp_out[layer])
+                    out.append((dh, dm))
+            else:
+                z_star, m_star = table.for_rows(rows, self.chunk, base)
+                for layer in range(self.L):
+                    dh = _head_out(z_star[:, :, layer] - wide(base.z[layer]), base.W_O[layer])
+                    dm = None if m_star is None else m_star[:, :, layer] - wide(base.mlp_out[layer])
+                    out.append((dh, dm))
+        return out
+
+    # ------------------------------------------------------------------ contexts
+    def context(self, layer: int, group: str, finetuned: bool) -> _Context:
+        base = self.base
+        part = "post" if (group == "mlp" or self.parallel or not self.has_mlp) else "mid"
+        stream = base.post[layer] if part == "post" else base.mid[layer]
+        if not finetuned:
+            kv = {l: (base.captured[l]["k"], base.captured[l]["v"]) for l in range(layer + 1, self.L)}
+            return _Context(stream, part, kv, base.reward, False)
+        if group == "heads":
+            d_bO = self.diff.deltas.get(f"blocks.{layer}.attn.b_O")
+            if d_bO is not None:
+                stream = stream + d_bO.to(device=stream.device, dtype=stream.dtype)
+        with torch.no_grad(), self.diff.applied(self.model):
+            x, kv = self.resume(stream, layer, part, start=0, kv=None, capture_kv=True)
+            R, _, _ = readout(self.model, x, self.chunk, self.reward_fn)
+        return _Context(stream, part, kv, R, True)
+
+    def resume(self, x: Tensor, layer: int, part: str, start: int, kv: dict | None,
+               capture_kv: bool = False) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
+        """Continue the forward pass from boundary ``(layer, part)`` on positions ``start..``."""
+        model = self.model
+        if part == "mid" and self.has_mlp:
+            x = x + M.mlp(model, layer, x)
+        kvs = {}
+        for l in range(layer + 1, self.L):
+            past = None if kv is None else kv[l]
+            out, cap = M.attention(model, l, x, ("k", "v") if capture_kv else (), past_kv=past)
+            if capture_kv:
+                kvs[l] = (cap["k"], cap["v"])
+            if not self.has_mlp:
+                x = x + out
+            elif self.parallel:
+                x = x + out + M.mlp(model, l, x)
+            else:
+                mid = x + out
+                x = mid + M.mlp(model, l, mid)
+        return x, kvs
+
+    # ------------------------------------------------------------------ patched rewards
+    def patched_rewards(self, ctx: _Context, delta: Tensor, per: str) -> Tensor:
+        """R with ``delta [batch pos comp d_model]`` added in ``ctx``: ``[batch, comp, pos]``
+        (per token; unaffected positions keep the context's reward) or ``[batch, comp]``."""
+        b, pos, n_comp, _ = delta.shape
+        if per == "component":
+            jobs = [(bi, c, None) for bi in range(b) for c in range(n_comp)]
+            out = torch.empty(b, n_comp, dtype=ctx.reward.dtype, device=ctx.reward.device)
+        else:
+            jobs = [(bi, c, t) for t in range(pos) for bi in range(b) for c in range(n_comp)
+                    if t <= self.last_read[bi]]
+            out = ctx.reward[:, None, None].expand(b, n_comp, pos).clone()
+        # group by the first recomputed position so that rows in a pass share the cached prefix
+        by_start: dict[int, list] = {}
+        for job in jobs:
+            by_start.setdefault(self._start(job[2]), []).append(job)
+        with torch.no_grad(), (self.diff.applied(self.model) if ctx.finetuned else _null()):
+            for s, group in by_start.items():
+                for i in range(0, len(group), self.max_batch):
+                    part = group[i : i + self.max_batch]
+                    bi = torch.tensor([j[0] for j in part], device=delta.device)
+                    x = ctx.stream[bi, s:].clone()
+                    for r, (pb, c, t) in enumerate(part):
+                        if t is None:
+                            x[r] += delta[pb, s:, c].to(x.dtype)
+                        else:
+                            x[r, t - s] += delta[pb, t, c].to(x.dtype)
+                    kv = None if s == 0 else {l: (k[bi, :s], v[bi, :s]) for l, (k, v) in ctx.kv.items()}
+                    x, _ = self.resume(x, self._layer, ctx.part, s, kv)
+                    R, _, _ = readout(self.model, x, self.chunk.subset(bi.tolist(), trim=False),
+                                      self.reward_fn, offset=s)
+                    for r, (pb, c, t) in enumerate(part):
+                        if t is None:
+                            out[pb, c] = R[r]
+                        else:
+                            out[pb, c, t] = R[r]
+        return out
+
+    def _start(self, t: int | None) -> int:
+        if t is None or not self.suffix_ok:
+            return 0
+        return min(t, self.min_prompt_last)
+
+    # ------------------------------------------------------------------ all scores
+    def scores(self, kinds: tuple[ScoreKind, ...], table: AblationTable | None, rows: list[int], per: str,
+               skipped: dict[str, list[str]], show_progress: bool | None) -> tuple[Tensor, Tensor]:
+        b, pos = self.chunk.tokens.shape
+        C = self.H + self.has_mlp
+        dtype = wide(self.base.pre[0]).dtype
+        dev = self.base.pre[0].device
+        vals = torch.zeros(len(kinds), b, self.L, C, pos, dtype=dtype, device=dev)
+        tots = torch.zeros(len(kinds), b, self.L, C, dtype=dtype, device=dev)
+        steps = [(k, kind, layer) for k, kind in enumerate(kinds) for layer in range(self.L)]
+        deltas: dict[str, list] = {}
+        for k, kind, layer in progress(steps, len(steps), "causal scores", show_progress):
+            if kind not in deltas:
+                deltas = {kind: self.deltas(kind, table, rows)}
+            dh, dm = deltas[kind][layer]
+            groups = [("heads", dh, slice(0, self.H))]
+            if dm is not None:
+                groups.append(("mlp", dm[:, :, None], slice(self.H, self.H + 1)))
+            for group, delta, cols in groups:
+                labels = [f"L{layer}H{h}" for h in range(self.H)] if group == "heads" else [f"L{layer}MLP"]
+                keep = [i for i, lab in enumerate(labels) if lab not in set(skipped.get(kind, ()))]
+                if not keep:
+                    continue
+                delta = delta[:, :, keep]
+                self._layer = layer
+                ctx = self.context(layer, group, finetuned=False)
+                whole = self.patched_rewards(ctx, delta, "component")
+                tok = self.patched_rewards(ctx, delta, "token") if per == "token" else None
+                if kind == "upstream":
+                    late = self.context(layer, group, finetuned=True)
+                    whole = (late.reward[:, None] - self.patched_rewards(late, delta, "component")) - (
+                        ctx.reward[:, None] - whole)
+                    if tok is not None:
+                        tok = (late.reward[:, None, None] - self.patched_rewards(late, delta, "token")) - (
+                            ctx.reward[:, None, None] - tok)
+                else:
+                    whole = whole - ctx.reward[:, None]
+                    if tok is not None:
+                        tok = tok - ctx.reward[:, None, None]
+                idx = torch.tensor(keep, device=dev) + cols.start
+                tots[k, :, layer, idx] = whole.to(dtype)
+                if tok is not None:
+                    vals[k, :, layer, idx] = tok.to(dtype)
+        mask = self.chunk.position_mask.to(dev)
+        return vals * mask[None, :, None, None, :], tots
+
+
+def _head_out(z: Tensor, W_O: Tensor) -> Tensor:
+    """Each head's write ``z_h W_O[h]``: ``[batch pos head d_model]`` (one layer at a time)."""
+    return torch.einsum("bphe,hed->bphd", wide(z), W_O.to(wide(z).dtype))
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
