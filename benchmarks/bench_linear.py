@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import peak_rss_mb, random_batch, random_pair, table, timeit, write  # noqa: E402
+from benchmarks.common import PeakMemory, random_batch, random_pair, rss_mb, table, timeit, write  # noqa: E402
 
 
 def run_case(shape: str, convention: str, repeats: int, upstream_group=None) -> dict:
@@ -51,24 +51,26 @@ def run_case(shape: str, convention: str, repeats: int, upstream_group=None) -> 
 
 
 def memory_probe(shape: str, what: str, convention: str = "paper", upstream_group=None) -> dict:
-    """Run in a fresh process: peak RSS after building model+diff+batch, then after the op."""
+    """In a fresh process: resident memory of model + diff + batch, then the peak above it
+    during one forward+backward or one ``linear_scores`` call (sampled every ms)."""
+    import gc
+
     from extractive_lens import linear_scores
 
     base, diff, ft = random_pair(shape)
     del ft
     batch = random_batch(base)
-    import gc
-
     gc.collect()
-    before = peak_rss_mb()
-    if what == "fwd_bwd":
-        logits = base(batch.tokens)
-        logits.float().logsumexp(-1).sum().backward()
-    else:
-        linear_scores(base, diff, batch, convention=convention, batch_size=None, show_progress=False,
-                      reward="answer_logprob" if convention == "paper" else "logit_margin",
-                      upstream_group=upstream_group)
-    return dict(before_mb=before, peak_mb=peak_rss_mb())
+    resident = rss_mb()
+    with PeakMemory() as mem:
+        if what == "fwd_bwd":
+            logits = base(batch.tokens)
+            logits.float().logsumexp(-1).sum().backward()
+        else:
+            linear_scores(base, diff, batch, convention=convention, batch_size=None, show_progress=False,
+                          reward="answer_logprob" if convention == "paper" else "logit_margin",
+                          upstream_group=upstream_group)
+    return dict(resident_mb=resident, extra_mb=mem.extra_mb)
 
 
 def main() -> None:
@@ -91,14 +93,14 @@ def main() -> None:
                 out = subprocess.run([sys.executable, __file__, "--probe", shape, what, conv, str(group or "all")],
                                      capture_output=True, text=True, check=True)
                 probes[what] = json.loads(out.stdout.strip().splitlines()[-1])
-            r["fwd_bwd_extra_mb"] = probes["fwd_bwd"]["peak_mb"] - probes["fwd_bwd"]["before_mb"]
-            r["linear_extra_mb"] = probes["linear"]["peak_mb"] - probes["linear"]["before_mb"]
-            r["model_diff_batch_mb"] = probes["linear"]["before_mb"]
+            r["fwd_bwd_extra_mb"] = probes["fwd_bwd"]["extra_mb"]
+            r["linear_extra_mb"] = probes["linear"]["extra_mb"]
+            r["resident_mb"] = probes["linear"]["resident_mb"]
             rows.append(r)
             print(table([r], list(r)), flush=True)
     print()
     cols = ["shape", "convention", "upstream_group", "fwd_bwd_s", "linear_s", "ratio", "target", "meets",
-            "model_diff_batch_mb", "fwd_bwd_extra_mb", "linear_extra_mb"]
+            "resident_mb", "fwd_bwd_extra_mb", "linear_extra_mb"]
     print(table(rows, cols))
     print("wrote", write("bench_linear", {"rows": rows}))
 

@@ -44,6 +44,40 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+class PeakMemory:
+    """Peak resident memory above the level at entry, sampled every millisecond (MB)."""
+
+    def __enter__(self) -> "PeakMemory":
+        import threading
+
+        self.start = rss_mb()
+        self.peak = self.start
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, rss_mb())
+                self._stop.wait(0.001)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_mb())
+
+    @property
+    def extra_mb(self) -> float:
+        return self.peak - self.start
+
+
 def write(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

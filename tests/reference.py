@@ -108,7 +108,7 @@ def component_outputs(model_f, batch, layer, source_inputs):
     return store
 
 
-def literal_exact(base, ft, batch, reward, kinds, y_star=None, per="token"):
+def literal_exact(base, ft, batch, reward, kinds, y_star=None, per="token", layers=None):
     """Exact scores by one forward per intervention: ``{kind: [batch, layer, component, pos]}``.
 
     ``y_star``: ``(result_star [batch pos layer head d_model], mlp_star [batch pos layer d_model])``.
@@ -126,18 +126,17 @@ def literal_exact(base, ft, batch, reward, kinds, y_star=None, per="token"):
     R0 = reward_of(B, batch, reward)
     positions = [[t] for t in range(T)] if per == "token" else [list(range(T))]
     out = {k: torch.zeros(len(batch), L, C, len(positions), dtype=R0.dtype) for k in kinds}
-    for layer in range(L):
+    for layer in range(L) if layers is None else layers:
         late_models = {}
+        layer_values = {}
+        if "informative" in kinds:
+            layer_values["informative"] = component_outputs(F, batch, layer, base_cache)
+        if "downstream" in kinds:
+            layer_values["downstream"] = component_outputs(B, batch, layer, ft_cache)
         for c in range(C):
             is_head = c < H
             y = base_cache[f"blocks.{layer}.attn.hook_result"] if is_head else base_cache[f"blocks.{layer}.hook_mlp_out"]
-            patch_values = {}
-            if "informative" in kinds:
-                st = component_outputs(F, batch, layer, base_cache)
-                patch_values["informative"] = st["result"] if is_head else st["mlp"]
-            if "downstream" in kinds:
-                st = component_outputs(B, batch, layer, ft_cache)
-                patch_values["downstream"] = st["result"] if is_head else st["mlp"]
+            patch_values = {kind: st["result"] if is_head else st["mlp"] for kind, st in layer_values.items()}
             for kind, new in patch_values.items():
                 for i, pos in enumerate(positions):
                     hook = _patch_head(layer, c, pos, new) if is_head else _patch_mlp(layer, pos, new)

@@ -38,6 +38,7 @@ from extractive_lens.scoring.engine import (
     base_metadata,
     forward_run,
     progress,
+    read_positions,
     readout,
     resolve_kinds,
     wide,
@@ -59,6 +60,7 @@ def causal_scores(
     max_batch: int = 256,
     top_k: int | None = None,
     linear: ComponentScores | None = None,
+    layers: Sequence[int] | None = None,
     batch_size: int | None = 16,
     resample_k: int = 10,
     seed: int = 3,
@@ -73,6 +75,7 @@ def causal_scores(
         top_k: score only the ``k`` components the linear scores rank highest (by |total|,
             per kind); the others are reported as 0 and listed in ``metadata["skipped"]``.
         linear: precomputed linear scores for ``top_k`` (computed if not given).
+        layers: score only the components of these layers (others are reported as 0).
 
     Whole-component totals (``totals``) are always the exact whole-component patch, also for
     ``per="token"`` (where they are not the sum of the per-token scores).
@@ -84,6 +87,16 @@ def causal_scores(
     reward_fn, reward_name = resolve_reward(reward)
     diff._check_compatible(model)
     selected = _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference)
+    if layers is not None:
+        bad = [layer for layer in layers if not 0 <= layer < model.cfg.n_layers]
+        if bad:
+            raise ValueError(f"layers {bad} out of range 0..{model.cfg.n_layers - 1}")
+        layer_set = set(layers)
+        for kind in kinds:
+            selected.setdefault(kind, [])
+            selected[kind] = sorted(set(selected[kind]) | {
+                f"L{l}{c}" for l in range(model.cfg.n_layers) if l not in layer_set
+                for c in [f"H{h}" for h in range(model.cfg.n_heads)] + (["MLP"] if M.has_mlp(model) else [])})
     chunks = batch.chunks(batch_size)
     first = forward_run(model, chunks[0], reward_fn, capture=("z", "k", "v"))
     table = None
@@ -105,7 +118,8 @@ def causal_scores(
         model, diff, method="causal", reward=reward_name, per=per,
         ablation=ablation if "upstream" in kinds else None, convention="paper",
         reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
-        top_k=top_k, skipped={k: [c for c in v] for k, v in selected.items()} if top_k else None,
+        top_k=top_k, layers=None if layers is None else sorted(layers),
+        skipped={k: list(v) for k, v in selected.items()} if (top_k or layers is not None) else None,
     )
     if per == "component":
         b = len(batch)
@@ -148,6 +162,8 @@ class _Context:
     kv: dict[int, tuple[Tensor, Tensor]]  # later layer -> (k, v) [batch pos kv_head d_head]
     reward: Tensor  # [batch] unpatched reward in this context
     finetuned: bool
+    post: Tensor | None = None  # part "mid": the stream after this layer's MLP, unpatched
+    mlp_out: Tensor | None = None  # part "mid": this layer's MLP output, unpatched
 
 
 class _Engine:
@@ -209,74 +225,120 @@ class _Engine:
         stream = base.post[layer] if part == "post" else base.mid[layer]
         if not finetuned:
             kv = {l: (base.captured[l]["k"], base.captured[l]["v"]) for l in range(layer + 1, self.L)}
+            if part == "mid":
+                return _Context(stream, part, kv, base.reward, False, base.post[layer], base.mlp_out[layer])
             return _Context(stream, part, kv, base.reward, False)
         if group == "heads":
             d_bO = self.diff.deltas.get(f"blocks.{layer}.attn.b_O")
             if d_bO is not None:
                 stream = stream + d_bO.to(device=stream.device, dtype=stream.dtype)
         with torch.no_grad(), self.diff.applied(self.model):
-            x, kv = self.resume(stream, layer, part, start=0, kv=None, capture_kv=True)
+            post = mlp_out = None
+            if part == "mid":
+                mlp_out = M.mlp(self.model, layer, stream)
+                post = stream + mlp_out
+            x, kv = self.resume(stream if post is None else post, layer, "post", start=0, kv=None,
+                                capture_kv=True)
             R, _, _ = readout(self.model, x, self.chunk, self.reward_fn)
-        return _Context(stream, part, kv, R, True)
+        return _Context(stream, part, kv, R, True, post, mlp_out)
 
     def resume(self, x: Tensor, layer: int, part: str, start: int, kv: dict | None,
-               capture_kv: bool = False) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
-        """Continue the forward pass from boundary ``(layer, part)`` on positions ``start..``."""
+               capture_kv: bool = False, read_pos: Tensor | None = None,
+               ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
+        """Continue the forward pass from boundary ``(layer, part)`` on positions ``start..``.
+
+        ``read_pos`` ``[rows, K]``: the only positions the reward reads (relative to ``start``);
+        the last layer's MLP then runs on those alone and the gathered stream is returned.
+        """
         model = self.model
         if part == "mid" and self.has_mlp:
             x = x + M.mlp(model, layer, x)
+        if read_pos is not None and layer + 1 >= self.L:
+            return _gather(x, read_pos), {}
         kvs = {}
         for l in range(layer + 1, self.L):
             past = None if kv is None else kv[l]
             out, cap = M.attention(model, l, x, ("k", "v") if capture_kv else (), past_kv=past)
             if capture_kv:
                 kvs[l] = (cap["k"], cap["v"])
+            last = read_pos is not None and l == self.L - 1
             if not self.has_mlp:
                 x = x + out
             elif self.parallel:
                 x = x + out + M.mlp(model, l, x)
             else:
                 mid = x + out
+                if last:
+                    mid = _gather(mid, read_pos)
                 x = mid + M.mlp(model, l, mid)
+                continue
+            if last:
+                x = _gather(x, read_pos)
         return x, kvs
 
-    # ------------------------------------------------------------------ patched rewards
     def patched_rewards(self, ctx: _Context, delta: Tensor, per: str) -> Tensor:
         """R with ``delta [batch pos comp d_model]`` added in ``ctx``: ``[batch, comp, pos]``
         (per token; unaffected positions keep the context's reward) or ``[batch, comp]``."""
         b, pos, n_comp, _ = delta.shape
+        dev = delta.device
         if per == "component":
-            jobs = [(bi, c, None) for bi in range(b) for c in range(n_comp)]
+            grid = torch.cartesian_prod(torch.arange(b), torch.arange(n_comp))
+            jobs = torch.cat([grid, torch.full((len(grid), 1), -1)], dim=1)
             out = torch.empty(b, n_comp, dtype=ctx.reward.dtype, device=ctx.reward.device)
         else:
-            jobs = [(bi, c, t) for t in range(pos) for bi in range(b) for c in range(n_comp)
-                    if t <= self.last_read[bi]]
+            grid = torch.cartesian_prod(torch.arange(pos), torch.arange(b), torch.arange(n_comp))
+            jobs = grid[:, [1, 2, 0]]  # (prompt, component, position), sorted by position
+            last = torch.tensor(self.last_read)
+            jobs = jobs[jobs[:, 2] <= last[jobs[:, 0]]]
             out = ctx.reward[:, None, None].expand(b, n_comp, pos).clone()
-        # group by the first recomputed position so that rows in a pass share the cached prefix
-        by_start: dict[int, list] = {}
-        for job in jobs:
-            by_start.setdefault(self._start(job[2]), []).append(job)
+        jobs = jobs.to(dev)
         with torch.no_grad(), (self.diff.applied(self.model) if ctx.finetuned else _null()):
-            for s, group in by_start.items():
-                for i in range(0, len(group), self.max_batch):
-                    part = group[i : i + self.max_batch]
-                    bi = torch.tensor([j[0] for j in part], device=delta.device)
-                    x = ctx.stream[bi, s:].clone()
-                    for r, (pb, c, t) in enumerate(part):
-                        if t is None:
-                            x[r] += delta[pb, s:, c].to(x.dtype)
-                        else:
-                            x[r, t - s] += delta[pb, t, c].to(x.dtype)
-                    kv = None if s == 0 else {l: (k[bi, :s], v[bi, :s]) for l, (k, v) in ctx.kv.items()}
-                    x, _ = self.resume(x, self._layer, ctx.part, s, kv)
-                    R, _, _ = readout(self.model, x, self.chunk.subset(bi.tolist(), trim=False),
-                                      self.reward_fn, offset=s)
-                    for r, (pb, c, t) in enumerate(part):
-                        if t is None:
-                            out[pb, c] = R[r]
-                        else:
-                            out[pb, c, t] = R[r]
+            for i in range(0, len(jobs), self.max_batch):
+                part = jobs[i : i + self.max_batch]
+                pb, c, t = part[:, 0], part[:, 1], part[:, 2]
+                s = 0 if per == "component" else self._start(int(t.min()))
+                entry = ctx.part
+                if per == "component":
+                    x = ctx.stream[pb, s:] + delta[pb, s:, c].to(ctx.stream.dtype)
+                elif ctx.part == "mid" and self.has_mlp:
+                    # Only position t changed: this layer's MLP runs on that position alone.
+                    rows = torch.arange(len(part), device=dev)
+                    d = delta[pb, t, c].to(ctx.stream.dtype)
+                    xm = ctx.stream[pb, t] + d
+                    m = M.mlp(self.model, self._layer, xm[:, None])[:, 0]
+                    x = ctx.post[pb, s:].clone()
+                    x[rows, t - s] += d + m - ctx.mlp_out[pb, t]
+                    entry = "post"
+                else:
+                    rows = torch.arange(len(part), device=dev)
+                    x = ctx.stream[pb, s:].clone()
+                    x[rows, t - s] += delta[pb, t, c].to(x.dtype)
+                kv = None if s == 0 else {l: (k[pb, :s], v[pb, :s]) for l, (k, v) in ctx.kv.items()}
+                rows_batch = self._rows(pb)
+                read = self._read_pos(rows_batch, s)
+                x, _ = self.resume(x, self._layer, entry, s, kv, read_pos=read)
+                R, _, _ = readout(self.model, x, rows_batch, self.reward_fn, offset=s, gathered=read is not None)
+                if per == "component":
+                    out[pb, c] = R.to(out.dtype)
+                else:
+                    out[pb, c, t] = R.to(out.dtype)
         return out
+
+    def _read_pos(self, rows: Any, start: int) -> Tensor | None:
+        """Positions (relative to ``start``) the built-in rewards read, per row: ``[rows, K]``."""
+        if not getattr(self.reward_fn, "answer_positions_only", False):
+            return None
+        return read_positions(rows, start)
+
+    def _rows(self, index: Tensor) -> Any:
+        """The chunk's prompts ``index`` (repeats allowed), as the reward needs them."""
+        ch = self.chunk
+        if getattr(self.reward_fn, "answer_positions_only", False):
+            i = index.to(ch.lengths.device)
+            return _Rows(ch.lengths[i], ch.prompt_lengths[i], ch.answer_targets[i],
+                         None if ch.candidates is None else ch.candidates[i],
+                         None if ch.counterfactual is None else ch.counterfactual[i])
+        return ch.subset(index.tolist(), trim=False)
 
     def _start(self, t: int | None) -> int:
         if t is None or not self.suffix_ok:
@@ -295,6 +357,9 @@ class _Engine:
         steps = [(k, kind, layer) for k, kind in enumerate(kinds) for layer in range(self.L)]
         deltas: dict[str, list] = {}
         for k, kind, layer in progress(steps, len(steps), "causal scores", show_progress):
+            n_layer_comps = self.H + self.has_mlp
+            if sum(lab.startswith(f"L{layer}H") or lab == f"L{layer}MLP" for lab in skipped.get(kind, ())) == n_layer_comps:
+                continue
             if kind not in deltas:
                 deltas = {kind: self.deltas(kind, table, rows)}
             dh, dm = deltas[kind][layer]
@@ -328,6 +393,28 @@ class _Engine:
                     vals[k, :, layer, idx] = tok.to(dtype)
         mask = self.chunk.position_mask.to(dev)
         return vals * mask[None, :, None, None, :], tots
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Rows of a batch with the fields the built-in rewards and ``readout`` read."""
+
+    lengths: Tensor
+    prompt_lengths: Tensor
+    answer_targets: Tensor
+    candidates: Tensor | None
+    counterfactual: Tensor | None
+
+    def __len__(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def last_prompt_pos(self) -> Tensor:
+        return self.prompt_lengths - 1
+
+
+def _gather(x: Tensor, pos: Tensor) -> Tensor:
+    return x.gather(1, pos[..., None].expand(-1, -1, x.shape[-1]))
 
 
 def _head_out(z: Tensor, W_O: Tensor) -> Tensor:

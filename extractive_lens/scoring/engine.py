@@ -127,20 +127,28 @@ class ReadoutBatch:
         return self.answer_targets[:, 0]
 
 
+def read_positions(batch: Any, offset: int = 0) -> Tensor:
+    """``[batch, K]``: the positions a built-in reward reads (answer positions), minus ``offset``."""
+    K = batch.answer_targets.shape[1]
+    dev = batch.lengths.device
+    pos = batch.last_prompt_pos.to(dev)[:, None] + torch.arange(K, device=dev)[None, :] - offset
+    return torch.minimum(pos, batch.lengths[:, None] - 1 - offset)
+
+
 def readout(
     model: nn.Module, resid: Tensor, batch: Any, reward_fn: Any, groups: int = 1, offset: int = 0,
+    gathered: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(R, logits, resid_read)`` from the final residual stream of ``groups`` stacked copies of
     ``batch``. Built-in rewards read only the answer positions, so only those are unembedded
     (``resid_read`` is the gathered stream); custom rewards get the full logits.
-    ``offset``: ``resid`` holds positions ``offset ..`` only (built-in rewards only)."""
+    ``offset``: ``resid`` holds positions ``offset ..`` only; ``gathered``: ``resid`` already
+    holds just the read positions (built-in rewards only)."""
     b = len(batch)
     if getattr(reward_fn, "answer_positions_only", False):
-        K = batch.answer_targets.shape[1]
-        dev = resid.device
-        pos = batch.last_prompt_pos.to(dev)[:, None] + torch.arange(K, device=dev)[None, :] - offset
-        pos = torch.minimum(pos, batch.lengths.to(dev)[:, None] - 1 - offset).repeat(groups, 1)
-        resid = resid.gather(1, pos[..., None].expand(-1, -1, resid.shape[-1]))
+        if not gathered:
+            pos = read_positions(batch, offset).to(resid.device).repeat(groups, 1)
+            resid = resid.gather(1, pos[..., None].expand(-1, -1, resid.shape[-1]))
         view: Any = ReadoutBatch(batch.answer_targets, batch.candidates, batch.counterfactual)
     else:
         if offset:
