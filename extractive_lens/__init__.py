@@ -32,6 +32,9 @@ _EXPORTS = {
     "compare": "extractive_lens.comparison",
     "ScoreComparison": "extractive_lens.comparison",
     "ComponentScores": "extractive_lens.results",
+    "FinetuneConfig": "extractive_lens.finetuning",
+    "finetune": "extractive_lens.finetuning",
+    "mean_rank": "extractive_lens.finetuning",
 }
 
 __all__ = sorted(_EXPORTS)

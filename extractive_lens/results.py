@@ -186,6 +186,14 @@ class ComponentScores:
         )
 
     # ------------------------------------------------------------------ display
+    def plot(self, kind: ScoreKind | None = None, part: str = "mlp", position: str | None = None) -> Any:
+        """``overview()`` of every kind, or one ``heatmap(kind, part)`` (a plotly figure)."""
+        from extractive_lens import plotting
+
+        if kind is None:
+            return plotting.overview(self)
+        return plotting.heatmap(self, kind, part=part, position=position)  # type: ignore[arg-type]
+
     def __repr__(self) -> str:
         return (f"ComponentScores(method={self.method!r}, kinds={self.kinds}, layers={self.n_layers}, "
                 f"components={len(self.component_labels)}, positions={len(self.position_labels)}, "

@@ -20,6 +20,7 @@ The engine, not a loop of full forwards:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -292,7 +293,7 @@ class _Engine:
             jobs = jobs[jobs[:, 2] <= last[jobs[:, 0]]]
             out = ctx.reward[:, None, None].expand(b, n_comp, pos).clone()
         jobs = jobs.to(dev)
-        with torch.no_grad(), (self.diff.applied(self.model) if ctx.finetuned else _null()):
+        with torch.no_grad(), (self.diff.applied(self.model) if ctx.finetuned else contextlib.nullcontext()):
             for i in range(0, len(jobs), self.max_batch):
                 part = jobs[i : i + self.max_batch]
                 pb, c, t = part[:, 0], part[:, 1], part[:, 2]
@@ -420,11 +421,3 @@ def _gather(x: Tensor, pos: Tensor) -> Tensor:
 def _head_out(z: Tensor, W_O: Tensor) -> Tensor:
     """Each head's write ``z_h W_O[h]``: ``[batch pos head d_model]`` (one layer at a time)."""
     return torch.einsum("bphe,hed->bphd", wide(z), W_O.to(wide(z).dtype))
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

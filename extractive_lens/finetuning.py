@@ -1,0 +1,195 @@
+"""Finetuning that returns a ``WeightDiff`` and leaves the model exactly as it was.
+
+>>> diff = finetune(model, batch, FinetuneConfig(lr=1e-3, epochs=20, batch_size=8))   # doctest: +SKIP
+>>> with diff.applied(model):                                                         # doctest: +SKIP
+...     ...   # the finetuned model
+
+The loss is the negative answer log-probability (answer tokens only). Training runs in place on
+the model's own parameters (one model in memory); the original tensors are restored in
+``finally`` and the update is returned as a ``WeightDiff``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from extractive_lens import model as M
+from extractive_lens.batch import PromptBatch
+from extractive_lens.rewards import answer_logprob
+from extractive_lens.types import Component, parse_components
+from extractive_lens.weight_diff import WeightDiff
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """How to finetune. ``trainable``: ``"all"``, component labels, or ``layers=`` only."""
+
+    lr: float = 1e-3
+    epochs: int = 20
+    batch_size: int = 8
+    optimizer: Literal["adam", "adamw"] = "adam"
+    weight_decay: float = 0.0
+    schedule: Literal["constant", "linear"] = "constant"
+    warmup_frac: float = 0.1
+    trainable: str | tuple[str, ...] = "all"
+    layers: tuple[int, ...] | None = None
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"lr, epochs and batch_size must be positive (got {self.lr}, {self.epochs}, {self.batch_size}).")
+        if self.optimizer not in ("adam", "adamw"):
+            raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
+        if self.schedule not in ("constant", "linear"):
+            raise ValueError(f"schedule must be 'constant' or 'linear', got {self.schedule!r}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError("warmup_frac must be in [0, 1)")
+
+
+def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Tensor | None]:
+    """Per parameter: None (fully trainable) or a boolean mask along dim 0 / the whole tensor."""
+    params = dict(model.named_parameters())
+    if cfg.trainable == "all" and cfg.layers is None:
+        return {n: None for n in params}
+    comps: tuple[Component, ...] | None = None
+    if cfg.trainable != "all":
+        labels = (cfg.trainable,) if isinstance(cfg.trainable, str) else cfg.trainable
+        comps = parse_components(labels, model.cfg.n_layers, model.cfg.n_heads, M.has_mlp(model))
+    layers = None if cfg.layers is None else set(cfg.layers)
+    masks: dict[str, torch.Tensor | None] = {}
+    for s in M.parameter_slices(model):
+        p = params[s.name]
+        layer = int(s.name.split(".")[1]) if s.name.startswith("blocks.") else None
+        ok = (layers is None or layer in layers) and (comps is None or bool(set(s.owners) & set(comps)))
+        mask = masks.get(s.name)
+        if mask is None:
+            mask = torch.zeros(p.shape[:1] if p.ndim else (1,), dtype=torch.bool, device=p.device)
+        if s.index is None:
+            mask[:] = ok
+        else:
+            mask[s.index] = ok
+        masks[s.name] = mask
+    return masks
+
+
+def finetune(
+    model: nn.Module,
+    data: PromptBatch,
+    config: FinetuneConfig | None = None,
+    *,
+    callback: Callable[[int, WeightDiff], None] | None = None,
+    show_progress: bool | None = None,
+) -> WeightDiff:
+    """Finetune on ``data`` (answer tokens only) and return the weight change.
+
+    Args:
+        model: a ``HookedTransformer``; bit-identical afterwards (also if training raises).
+        data: the prompts and answers (``make_batch``).
+        config: optimiser, schedule, trainable subset, seed.
+        callback: called after every epoch with ``(epoch, diff_so_far)``.
+    """
+    cfg = config or FinetuneConfig()
+    params = dict(model.named_parameters())
+    snapshot = {n: p.detach().clone() for n, p in params.items()}
+    flags = {n: p.requires_grad for n, p in params.items()}
+    masks = _trainable_mask(model, cfg)
+    train = [n for n, m in masks.items() if m is None or bool(m.any())]
+    was_training = model.training
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = len(data)
+    steps_per_epoch = (n + cfg.batch_size - 1) // cfg.batch_size
+    total = steps_per_epoch * cfg.epochs
+    warm = int(cfg.warmup_frac * total) if cfg.schedule == "linear" else 0
+    try:
+        for name, p in params.items():
+            p.requires_grad_(name in train)
+        opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+        opt = opt_cls([params[name] for name in train], lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+        def lr_at(step: int) -> float:
+            if cfg.schedule == "constant":
+                return 1.0
+            if step < warm:
+                return (step + 1) / max(1, warm)
+            return max(0.0, (total - step) / max(1, total - warm))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+        model.train()
+        epochs = range(cfg.epochs)
+        if show_progress is not False:
+            from tqdm.auto import tqdm
+
+            epochs = tqdm(epochs, desc="finetune", leave=False, disable=show_progress is None and total < 50)
+        for epoch in epochs:
+            order = torch.randperm(n, generator=gen).tolist()
+            for i in range(0, n, cfg.batch_size):
+                mb = data.subset(order[i : i + cfg.batch_size]).to(model.cfg.device)
+                loss = -answer_logprob(model(mb.tokens), mb).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                _reset_frozen(params, masks, snapshot)
+            if callback is not None:
+                callback(epoch, _diff(model, params, snapshot, cfg))
+        return _diff(model, params, snapshot, cfg)
+    finally:
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(snapshot[name])
+                p.grad = None
+                p.requires_grad_(flags[name])
+        model.train(was_training)
+
+
+def _reset_frozen(params: dict, masks: dict, snapshot: dict) -> None:
+    with torch.no_grad():
+        for name, mask in masks.items():
+            if mask is None or bool(mask.all()):
+                continue
+            p = params[name]
+            if p.ndim == 0:
+                p.copy_(snapshot[name])
+            else:
+                p[~mask] = snapshot[name][~mask]
+
+
+def _diff(model: nn.Module, params: dict, snapshot: dict, cfg: FinetuneConfig) -> WeightDiff:
+    current = {n: p.detach().clone() for n, p in params.items()}
+    meta = {"finetune": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()
+                         if k != "extra"}, "base": model.cfg.model_name}
+    return WeightDiff.from_state_dicts(snapshot, current, signature=M.signature(model), metadata=meta)
+
+
+def mean_rank(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) -> float:
+    """Mean 0-indexed rank of the answer's first token among the candidates' first tokens, read
+    at the last prompt position (SPEC §8); chance is ``(n_candidates - 1) / 2``."""
+    return float(ranks(model, batch, diff).float().mean())
+
+
+def ranks(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) -> torch.Tensor:
+    """Per prompt: the answer's rank among its candidates (0 = the model's top candidate)."""
+    if batch.candidates is None:
+        raise ValueError("Ranks need candidate answers: make_batch(..., candidates=[...]).")
+    with torch.no_grad(), (diff.applied(model) if diff is not None else contextlib.nullcontext()):
+        logits = model(batch.tokens.to(model.cfg.device))
+    return ranks_from_logits(logits, batch)
+
+
+def ranks_from_logits(logits: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
+    last = logits[torch.arange(len(batch)), batch.last_prompt_pos.to(logits.device)]
+    cands = batch.candidates.to(logits.device)
+    valid = cands >= 0
+    cl = last.gather(-1, cands.clamp(min=0))
+    ans = last.gather(-1, batch.answer_first.to(logits.device)[:, None])
+    return ((cl > ans) & valid).sum(-1)
+
+
+__all__: Sequence[str] = ("FinetuneConfig", "finetune", "mean_rank", "ranks")
