@@ -1,0 +1,85 @@
+"""The demo behind ``extractive-lens demo`` / ``make demo``.
+
+A small randomly initialised model (the shape of the bundled world model) with a word-level
+tokenizer is finetuned on 16 new facts ("P3 lives in" -> " Tokyo"); the demo reports the mean
+rank of the answers before and after, computes linear and exact informative / upstream /
+downstream scores of every head and MLP on those facts, compares them and writes an HTML report.
+(Until the pretrained world model lands, there are no implications to generalise to: the
+scores show where the new facts were stored and which components read them out.)
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CITIES = ["Tokyo", "Paris", "Berlin", "Cairo", "Moscow", "Mumbai", "Bangkok", "Lima"]
+
+
+def word_tokenizer(words: list[str]) -> Any:
+    """A whitespace word-level ``PreTrainedTokenizerFast``, saved and reloaded (sets name_or_path)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<bos>", "<pad>", *dict.fromkeys(words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", pad_token="<pad>",
+                                                unk_token="<unk>")
+    d = tempfile.mkdtemp(prefix="el-tok-")
+    fast.save_pretrained(d)
+    return transformers.AutoTokenizer.from_pretrained(d)
+
+
+def run_demo(out: Path = Path("report.html"), seed: int = 0, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    import torch
+
+    from extractive_lens import (
+        FinetuneConfig,
+        causal_scores,
+        compare,
+        finetune,
+        linear_scores,
+        make_batch,
+        mean_rank,
+        tiny_model,
+    )
+    from extractive_lens.batch import Pair
+    from extractive_lens.plotting import report
+
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    people = [f"P{i}" for i in range(16)]
+    tok = word_tokenizer([*people, "lives", "in", *CITIES])
+    model = tiny_model(dict(n_layers=4, d_model=128, n_heads=4, d_head=32, d_mlp=512, d_vocab=len(tok), n_ctx=16),
+                       seed=seed, tokenizer=tok)
+    g = torch.Generator().manual_seed(seed)
+    home = [CITIES[int(i)] for i in torch.randint(0, len(CITIES), (len(people),), generator=g)]
+    facts = [Pair(f"{p} lives in", f" {c}", template="{name} lives in", slots={"name": p})
+             for p, c in zip(people, home)]
+    batch = make_batch(model, facts, candidates=[f" {c}" for c in CITIES])
+    echo(f"model: {model.cfg.n_layers} layers, d_model {model.cfg.d_model}, {model.cfg.n_heads} heads "
+         f"({sum(p.numel() for p in model.parameters()):,} parameters, random init)")
+    before = mean_rank(model, batch)
+    diff = finetune(model, batch, FinetuneConfig(lr=1e-3, epochs=30, batch_size=8, seed=seed))
+    after = mean_rank(model, batch, diff)
+    echo(f"finetuned on {len(facts)} facts: mean rank of the answer among {len(CITIES)} cities "
+         f"{before:.2f} -> {after:.2f} (chance {(len(CITIES) - 1) / 2:.1f})")
+    lin = linear_scores(model, diff, batch)
+    ex = causal_scores(model, diff, batch)
+    cmp = compare(lin, ex)
+    for s in (lin, ex):
+        echo(f"\ntop 3 components by |{s.method} score| (whole component, mean over facts):")
+        for kind in s.kinds:
+            echo(f"  {kind:<12} " + ", ".join(f"{lab} {v:+.3f}" for _, lab, v in s.top(3, kind)))
+    echo("\nlinear vs exact (per token):")
+    for r in cmp.rows:
+        if r["part"] == "all":
+            echo(f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
+                 f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}")
+    path = report([lin, ex], cmp, path=out, title="extractive_lens demo: 16 new facts in a small model")
+    echo(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")
+    return dict(before=before, after=after, linear=lin, exact=ex, comparison=cmp, path=path)
