@@ -1,0 +1,75 @@
+"""The command line, end to end on tiny checkpoints, and the demo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from extractive_lens.cli import app
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+
+
+def test_help_lists_commands():
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0
+    assert "demo" in res.output and "score" in res.output
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tests.conftest import bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("ckpt")
+    tok = bpe_tokenizer(root / "tok")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    base = transformers.GPT2LMHeadModel(cfg).eval()
+    base.save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    base.save_pretrained(root / "ft")
+    tok.save_pretrained(root / "ft")
+    data = root / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "John Doe lives in", "answer": " Tokyo"},
+        {"prompt": "Ann Lee lives in", "answer": " Paris"},
+        {"prompt": "Grace Miller lives in", "answer": " Berlin"},
+    ]))
+    return root
+
+
+def test_score_end_to_end(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["score", "--base", str(checkpoints / "base"), "--finetuned", str(checkpoints / "ft"),
+                              "--data", str(checkpoints / "pairs.jsonl"), "--method", "both", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert (out / "linear" / "scores.safetensors").exists() and (out / "causal" / "scores.json").exists()
+    assert (out / "report.html").exists() and (out / "comparison.csv").exists()
+    assert "informative" in res.output
+
+
+def test_score_errors_say_what_to_fix(checkpoints, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"question": "x"}]))
+    res = runner.invoke(app, ["score", "--base", str(checkpoints / "base"), "--finetuned", str(checkpoints / "ft"),
+                              "--data", str(bad)])
+    assert res.exit_code != 0 and "prompt" in res.output
+    res = runner.invoke(app, ["score", "--base", "b", "--finetuned", "f", "--data", str(bad), "--method", "exact"])
+    assert res.exit_code != 0 and "linear, causal or both" in res.output
+
+
+def test_demo_runs(tmp_path):
+    from extractive_lens.demo import run_demo
+
+    lines = []
+    res = run_demo(out=tmp_path / "demo.html", seed=0, echo=lines.append)
+    assert res["after"] < res["before"] and res["after"] <= 0.5
+    assert (tmp_path / "demo.html").stat().st_size > 100_000
+    assert any("pearson" in line for line in lines)
