@@ -136,6 +136,59 @@ def comparison_plot(comparison: ScoreComparison) -> go.Figure:
     return fig
 
 
+def token_view(scores: ComponentScores, kind: ScoreKind, component: str, prompt: int = 0) -> Any:
+    """A prompt's tokens coloured by one component's per-token score (circuitsvis).
+
+    ``component``: ``"L3H2"``, ``"L3MLP"`` or ``"L3ATTN"`` (heads summed). Returns circuitsvis's
+    ``RenderedHTML``; use ``.local_src`` for offline HTML (its ``_repr_html_`` loads from a CDN).
+    """
+    from circuitsvis.tokens import colored_tokens
+
+    from extractive_lens.types import Component
+
+    v = scores.prompt_values[scores.kind_index(kind), prompt]  # layer component pos
+    n = len(scores.prompt_roles[prompt])
+    if component.endswith("ATTN"):
+        layer = int(component[1:-4])
+        vals = v[layer, [i for i, c in enumerate(scores.component_labels) if c != "MLP"], :n].sum(0)
+    else:
+        c = Component.parse(component)
+        vals = v[c.layer, scores.component_labels.index(c.short_label), :n]
+    tokens = (scores.metadata.get("prompt_tokens") or [list(r) for r in scores.prompt_roles])[prompt][:n]
+    lim = float(vals.abs().max()) or 1.0
+    return colored_tokens([_safe_token(t) for t in tokens], vals.double().tolist(), min_value=-lim, max_value=lim,
+                          negative_color="#2166ac", positive_color="#b2182b")
+
+
+def attention_view(model: Any, batch: Any, layer: int, heads: list[int] | None = None, prompt: int = 0) -> Any:
+    """Attention patterns of ``heads`` of ``layer`` on one prompt (circuitsvis ``attention_patterns``)."""
+    import torch
+    from circuitsvis.attention import attention_patterns
+
+    from extractive_lens import model as M
+
+    n = int(batch.lengths[prompt])
+    tokens = batch.tokens[prompt : prompt + 1, :n].to(model.cfg.device)
+    with torch.no_grad():
+        x = M.embed(model, tokens)
+        for layer_i in range(layer):
+            out, _ = M.attention(model, layer_i, x, ())
+            mid = x + out
+            x = mid + (M.mlp(model, layer_i, M.mlp_input(model, x, mid)) if M.has_mlp(model) else 0)
+        _, cap = M.attention(model, layer, x, ("pattern",))
+    pattern = cap["pattern"][0]
+    if heads is not None:
+        pattern = pattern[heads]
+    tok = getattr(model, "tokenizer", None)
+    strs = [tok.decode([int(t)]) if tok is not None else f"t{int(t)}" for t in tokens[0].tolist()]
+    return attention_patterns([_safe_token(t) for t in strs], pattern.float().cpu())
+
+
+def _safe_token(t: str) -> str:
+    """Token text made safe inside circuitsvis's inline script: no ``</`` sequences survive."""
+    return t.replace("<", "\u2039").replace(">", "\u203a")
+
+
 def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows)
@@ -153,6 +206,7 @@ def report(
     *,
     title: str = "extractive_lens report",
     extra_figures: list[tuple[str, go.Figure]] | None = None,
+    token_views: list[tuple[str, Any]] | None = None,
 ) -> Path:
     """Write one self-contained HTML file: every view, the metadata and the top-component table.
 
@@ -168,11 +222,23 @@ def report(
     if comparison is not None:
         figures.append(("linear vs exact", comparison_plot(comparison)))
     figures += extra_figures or []
+    if token_views is None:  # the top informative component's per-token scores on prompt 0
+        s0 = results[0]
+        kind = "informative" if "informative" in s0.kinds else s0.kinds[0]
+        if s0.position_labels != ("all",):
+            _, lab, _ = s0.top(1, kind)[0]
+            token_views = [(f"{s0.method} {kind} of {lab}, prompt 0", token_view(s0, kind, lab))]
     parts = []
     for i, (name, fig) in enumerate(figures):
         div = fig.to_html(full_html=False, include_plotlyjs=(i == 0), div_id=f"fig{i}",
                           config={"displaylogo": False})
         parts.append(f"<section><h2>{html.escape(name)}</h2>{div}</section>")
+    for name, view in token_views or []:
+        src = view.local_src if hasattr(view, "local_src") else str(view)
+        page_doc = f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{src}</body></html>"
+        parts.append(f"<section><h2>{html.escape(name)}</h2><iframe class='tokens' sandbox='allow-scripts' "
+                     f"style='width:100%;height:140px;border:0' srcdoc=\"{html.escape(page_doc, quote=True)}\">"
+                     "</iframe></section>")
     tops = []
     for s in results:
         rows = [(s.method, k, lab, v) for k in s.kinds for (_, lab, v) in s.top(5, k)]

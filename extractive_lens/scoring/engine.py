@@ -295,6 +295,11 @@ def assemble(
     metadata: dict[str, Any],
 ) -> ComponentScores:
     """Concatenate per-chunk ``[kind, batch, layer, component, pos]`` tensors into ``ComponentScores``."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is not None and "prompt_tokens" not in metadata:
+        metadata["prompt_tokens"] = [
+            [tok.decode([int(t)]) for t in batch.tokens[i, : int(batch.lengths[i])].tolist()] for i in range(len(batch))
+        ]
     width = batch.n_pos
     pv = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[-1])) for v in per_token], dim=1)
     pt = torch.cat(totals, dim=1)

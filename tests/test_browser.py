@@ -1,0 +1,62 @@
+"""The HTML report in a real headless browser (Debian's chromium via Playwright): every plot
+renders, hover data is there, no console errors and no network requests. Saves a screenshot."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_plotting import scored  # noqa: F401  (fixture)
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--disable-quic"]
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (.ci/run installs it)")
+
+
+def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from extractive_lens import compare
+    from extractive_lens.plotting import report
+
+    lin, ex = scored
+    path = report([lin, ex], compare(lin, ex), path=tmp_path / "report.html")
+    expected = len(re.findall(r'class="plotly-graph-div"', path.read_text()))
+    assert expected >= 9
+    requests, errors = [], []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page(viewport={"width": 1280, "height": 1600})
+        page.on("request", lambda r: requests.append(r.url))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(path.as_uri())
+        page.wait_for_function(
+            f"window.Plotly && document.querySelectorAll('.js-plotly-plot .main-svg').length >= {expected}",
+            timeout=60_000)
+        rendered = page.evaluate("document.querySelectorAll('.js-plotly-plot').length")
+        template = page.evaluate("document.querySelectorAll('.js-plotly-plot')[0].data[0].hovertemplate")
+        box = page.locator(".js-plotly-plot").first.locator(".nsewdrag").first.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_selector(".hoverlayer .hovertext", timeout=10_000)
+        hover = {"template": template, "hovertext": page.evaluate("document.querySelectorAll('.hovertext').length"),
+                 "text": page.evaluate("document.querySelector('.hoverlayer .hovertext').textContent")}
+        shot = tmp_path / "report.png"
+        page.screenshot(path=str(shot), full_page=False)
+        browser.close()
+    assert rendered == expected
+    assert "score" in hover["template"] and hover["hovertext"] >= 1
+    assert "layer" in hover["text"] and "score" in hover["text"]
+    assert errors == [], errors
+    external = [u for u in requests if not u.startswith(("file:", "data:", "about:", "blob:"))]
+    assert external == [], external
+    assert shot.stat().st_size > 10_000
+    out = os.environ.get("EL_SCREENSHOT_DIR")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(out) / "report.png")
