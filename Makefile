@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q tests --nbmake examples
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
