@@ -8,8 +8,6 @@ torch and TransformerLens are imported lazily, so ``--help`` is instant.
 
 from __future__ import annotations
 
-import csv
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -26,27 +24,6 @@ app = typer.Typer(
 
 def _echo(msg: str) -> None:
     typer.echo(msg, err=False)
-
-
-def load_pairs(path: str | Path) -> list[dict[str, Any]]:
-    """(prompt, answer[, candidates]) records from a JSON list, JSONL or CSV file."""
-    path = Path(path)
-    if not path.exists():
-        raise typer.BadParameter(f"{path} does not exist.")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".csv":
-        rows = list(csv.DictReader(text.splitlines()))
-        for r in rows:
-            if r.get("candidates"):
-                r["candidates"] = [c for c in r["candidates"].split("|")]
-    elif path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    else:
-        rows = json.loads(text)
-    for i, r in enumerate(rows):
-        if "prompt" not in r or "answer" not in r:
-            raise typer.BadParameter(f"{path}: record {i} needs 'prompt' and 'answer' fields, got {sorted(r)}.")
-    return rows
 
 
 def _load_model(name_or_dir: str, dtype: str, device: str) -> Any:
@@ -78,14 +55,17 @@ def score(
     from extractive_lens import WeightDiff, causal_scores, compare, linear_scores, make_batch
     from extractive_lens.plotting import report
 
-    pairs = load_pairs(data)
+    from extractive_lens.datasets import load_pairs
+
+    try:
+        pairs = load_pairs(data)
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from None
     base_m = _load_model(base, dtype, device)
     ft_m = _load_model(finetuned, dtype, device)
     diff = WeightDiff.from_models(base_m, ft_m)
     del ft_m
-    cands = [p.get("candidates") for p in pairs]
-    batch = make_batch(base_m, [(p["prompt"], p["answer"]) for p in pairs],
-                       candidates=cands[0] if cands and all(c == cands[0] for c in cands) and cands[0] else None)
+    batch = make_batch(base_m, pairs)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     if method in ("linear", "both"):

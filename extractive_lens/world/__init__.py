@@ -1,0 +1,17 @@
+"""The bundled world model: a small HookedTransformer pretrained on a synthetic world.
+
+>>> from extractive_lens.world import load_world_model, first_hop, second_hop
+>>> model = load_world_model()                 # offline, about a second
+>>> model.to_tokens("T3 lives in")             # doctest: +SKIP
+>>> facts, impls = first_hop().batches(model)  # 20 new people: facts to finetune on, implications
+
+Retrain it deterministically with ``python -m extractive_lens.world train --seed 0``.
+"""
+
+from __future__ import annotations
+
+from extractive_lens.world.data import World, build_world, first_hop, second_hop
+from extractive_lens.world.model import FINETUNE, WORLD_DIR, load_world_model, train_world_model
+
+__all__ = ["World", "build_world", "first_hop", "second_hop", "load_world_model", "train_world_model",
+           "FINETUNE", "WORLD_DIR"]
