@@ -1,11 +1,13 @@
-"""The demo behind ``extractive-lens demo`` / ``make demo``.
+"""The demos behind ``extractive-lens demo`` / ``make demo``.
 
-A small randomly initialised model (the shape of the bundled world model) with a word-level
-tokenizer is finetuned on 16 new facts ("P3 lives in" -> " Tokyo"); the demo reports the mean
-rank of the answers before and after, computes linear and exact informative / upstream /
-downstream scores of every head and MLP on those facts, compares them and writes an HTML report.
-(Until the pretrained world model lands, there are no implications to generalise to: the
-scores show where the new facts were stored and which components read them out.)
+``run_world_demo`` (the default): the bundled world model is finetuned on 20 new facts
+("T3 lives in" -> " Tokyo"); the demo reports the mean ranks of the facts and of their
+implications ("The people in the city T3 is from speak" -> " Japanese") before and after,
+computes linear and exact informative / upstream / downstream scores of every head and MLP on
+the implications, compares them and writes an HTML report.
+
+``run_demo``: the same on a small randomly initialised model and 16 facts (no implications),
+for a model-free smoke test.
 """
 
 from __future__ import annotations
@@ -83,3 +85,40 @@ def run_demo(out: Path = Path("report.html"), seed: int = 0, echo: Callable[[str
     path = report([lin, ex], cmp, path=out, title="extractive_lens demo: 16 new facts in a small model")
     echo(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")
     return dict(before=before, after=after, linear=lin, exact=ex, comparison=cmp, path=path)
+
+
+def run_world_demo(out: Path = Path("report.html"), seed: int = 0, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    from extractive_lens import FinetuneConfig, causal_scores, compare, finetune, linear_scores, mean_rank
+    from extractive_lens.plotting import report
+    from extractive_lens.world import FINETUNE, first_hop, load_world_model
+
+    t0 = time.perf_counter()
+    model = load_world_model()
+    ds = first_hop()
+    facts, impls = ds.batches(model)
+    echo(f"world model: {model.cfg.n_layers} layers, d_model {model.cfg.d_model}, {model.cfg.n_heads} heads, "
+         f"{sum(p.numel() for p in model.parameters()):,} parameters (loaded in {time.perf_counter() - t0:.1f} s)")
+    echo(f"finetuning on {len(facts)} new facts, e.g. {ds.facts[0].prompt!r} -> {ds.facts[0].answer!r}")
+    diff = finetune(model, facts, FinetuneConfig(**FINETUNE, seed=seed))
+    rows = [("facts", mean_rank(model, facts), mean_rank(model, facts, diff)),
+            ("implications", mean_rank(model, impls), mean_rank(model, impls, diff))]
+    echo(f"mean rank among {len(ds.fact_candidates)} candidates (chance {(len(ds.fact_candidates) - 1) / 2:.1f}):")
+    for name, before, after in rows:
+        echo(f"  {name:<13} {before:5.2f} -> {after:5.2f}")
+    echo(f"scoring the implications, e.g. {ds.implications[0].prompt!r} -> {ds.implications[0].answer!r}")
+    lin = linear_scores(model, diff, impls)
+    ex = causal_scores(model, diff, impls)
+    cmp = compare(lin, ex)
+    for s in (lin, ex):
+        echo(f"\ntop 3 components by |{s.method} score| (whole component, mean over implications):")
+        for kind in s.kinds:
+            echo(f"  {kind:<12} " + ", ".join(f"{lab} {v:+.3f}" for _, lab, v in s.top(3, kind)))
+    echo("\nlinear vs exact (per token):")
+    for r in cmp.rows:
+        if r["part"] == "all":
+            echo(f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
+                 f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}")
+    path = report([lin, ex], cmp, path=out,
+                  title="extractive_lens demo: the world model learns 20 new facts")
+    echo(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")
+    return dict(ranks=rows, linear=lin, exact=ex, comparison=cmp, path=path)

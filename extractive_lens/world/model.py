@@ -7,7 +7,6 @@ import json
 import math
 import tempfile
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 from extractive_lens.world.data import World, build_world
 
-WORLD_DIR = Path(str(resources.files("extractive_lens.data"))) / "world"
+WORLD_DIR = Path(__file__).resolve().parent.parent / "data" / "world"
 MODEL_CFG = dict(n_layers=4, d_model=128, n_heads=4, d_head=32, d_mlp=512, n_ctx=16, act_fn="gelu",
                  normalization_type="LN", positional_embedding_type="standard")
 PRETRAIN = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), batch_size=128, steps=600, warmup_frac=0.05,
