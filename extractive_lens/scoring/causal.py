@@ -58,7 +58,7 @@ def causal_scores(
     ablation: Ablation = "mean",
     reference: PromptBatch | None = None,
     reward: str | Reward | None = None,
-    max_batch: int = 256,
+    max_batch: int = 128,
     top_k: int | None = None,
     linear: ComponentScores | None = None,
     layers: Sequence[int] | None = None,
