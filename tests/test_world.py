@@ -57,3 +57,16 @@ def test_finetuning_recipe_generalises(world_model):
     assert r["first_hop implications before"] > 6 and r["second_hop implications before"] > 6
     assert r["second_hop implications after"] <= 2.0
     assert r["first_hop implications after"] <= 5.0  # the issue's bar is 3: see the README
+
+
+def test_training_is_deterministic():
+    """Two runs with one seed give bit-identical weights (the shipped model was checked the
+    same way at full length: `python -m extractive_lens.world train --seed 0` reproduces it)."""
+    from extractive_lens.world import train_world_model
+
+    a = train_world_model(0, steps=5, show_progress=False)
+    b = train_world_model(0, steps=5, show_progress=False)
+    c = train_world_model(1, steps=5, show_progress=False)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["embed.W_E"][:5], c.state_dict()["embed.W_E"][:5])
