@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import random_batch, random_pair, table, timeit, write  # noqa: E402

@@ -53,9 +53,8 @@ def score(
     if method not in ("linear", "causal", "both"):
         raise typer.BadParameter("--method must be linear, causal or both.")
     from extractive_lens import WeightDiff, causal_scores, compare, linear_scores, make_batch
-    from extractive_lens.plotting import report
-
     from extractive_lens.datasets import load_pairs
+    from extractive_lens.plotting import report
 
     try:
         pairs = load_pairs(data)

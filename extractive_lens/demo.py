@@ -36,19 +36,29 @@ def word_tokenizer(words: list[str]) -> Any:
     return transformers.AutoTokenizer.from_pretrained(d)
 
 
+def score_and_compare(model: Any, diff: Any, batch: Any, what: str, echo: Callable[[str], None]) -> tuple:
+    """Linear and exact scores on ``batch``, their comparison, and a printed summary."""
+    from extractive_lens import causal_scores, compare, linear_scores
+
+    lin = linear_scores(model, diff, batch)
+    ex = causal_scores(model, diff, batch)
+    cmp = compare(lin, ex)
+    for s in (lin, ex):
+        echo(f"\ntop 3 components by |{s.method} score| (whole component, mean over {what}):")
+        for kind in s.kinds:
+            echo(f"  {kind:<12} " + ", ".join(f"{lab} {v:+.3f}" for _, lab, v in s.top(3, kind)))
+    echo("\nlinear vs exact (per token):")
+    for r in cmp.rows:
+        if r["part"] == "all":
+            echo(f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
+                 f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}")
+    return lin, ex, cmp
+
+
 def run_demo(out: Path = Path("report.html"), seed: int = 0, echo: Callable[[str], None] = print) -> dict[str, Any]:
     import torch
 
-    from extractive_lens import (
-        FinetuneConfig,
-        causal_scores,
-        compare,
-        finetune,
-        linear_scores,
-        make_batch,
-        mean_rank,
-        tiny_model,
-    )
+    from extractive_lens import FinetuneConfig, finetune, make_batch, mean_rank, tiny_model
     from extractive_lens.batch import Pair
     from extractive_lens.plotting import report
 
@@ -70,25 +80,14 @@ def run_demo(out: Path = Path("report.html"), seed: int = 0, echo: Callable[[str
     after = mean_rank(model, batch, diff)
     echo(f"finetuned on {len(facts)} facts: mean rank of the answer among {len(CITIES)} cities "
          f"{before:.2f} -> {after:.2f} (chance {(len(CITIES) - 1) / 2:.1f})")
-    lin = linear_scores(model, diff, batch)
-    ex = causal_scores(model, diff, batch)
-    cmp = compare(lin, ex)
-    for s in (lin, ex):
-        echo(f"\ntop 3 components by |{s.method} score| (whole component, mean over facts):")
-        for kind in s.kinds:
-            echo(f"  {kind:<12} " + ", ".join(f"{lab} {v:+.3f}" for _, lab, v in s.top(3, kind)))
-    echo("\nlinear vs exact (per token):")
-    for r in cmp.rows:
-        if r["part"] == "all":
-            echo(f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
-                 f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}")
+    lin, ex, cmp = score_and_compare(model, diff, batch, "facts", echo)
     path = report([lin, ex], cmp, path=out, title="extractive_lens demo: 16 new facts in a small model")
     echo(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")
     return dict(before=before, after=after, linear=lin, exact=ex, comparison=cmp, path=path)
 
 
 def run_world_demo(out: Path = Path("report.html"), seed: int = 0, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    from extractive_lens import FinetuneConfig, causal_scores, compare, finetune, linear_scores, mean_rank
+    from extractive_lens import FinetuneConfig, finetune, mean_rank
     from extractive_lens.plotting import report
     from extractive_lens.world import FINETUNE, first_hop, load_world_model
 
@@ -106,18 +105,7 @@ def run_world_demo(out: Path = Path("report.html"), seed: int = 0, echo: Callabl
     for name, before, after in rows:
         echo(f"  {name:<13} {before:5.2f} -> {after:5.2f}")
     echo(f"scoring the implications, e.g. {ds.implications[0].prompt!r} -> {ds.implications[0].answer!r}")
-    lin = linear_scores(model, diff, impls)
-    ex = causal_scores(model, diff, impls)
-    cmp = compare(lin, ex)
-    for s in (lin, ex):
-        echo(f"\ntop 3 components by |{s.method} score| (whole component, mean over implications):")
-        for kind in s.kinds:
-            echo(f"  {kind:<12} " + ", ".join(f"{lab} {v:+.3f}" for _, lab, v in s.top(3, kind)))
-    echo("\nlinear vs exact (per token):")
-    for r in cmp.rows:
-        if r["part"] == "all":
-            echo(f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
-                 f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}")
+    lin, ex, cmp = score_and_compare(model, diff, impls, "implications", echo)
     path = report([lin, ex], cmp, path=out,
                   title="extractive_lens demo: the world model learns 20 new facts")
     echo(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from extractive_lens import make_batch
 from extractive_lens.batch import Pair, merge_role_orders

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from extractive_lens.datasets import daxwug, first_hop, load_cities, load_names, load_pairs, second_hop
+from extractive_lens.datasets import (
+    daxwug,
+    first_hop,
+    load_cities,
+    load_names,
+    load_pairs,
+    second_hop,
+)
 
 
 def test_shared_data_copied_into_package():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 import numpy as np
@@ -18,21 +18,21 @@ SECOND_HOP_FACT = "The mayor of {city} is"
 SECOND_HOP_IMPLICATION = "The mayor of the city that contains {landmark} is"
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_cities() -> tuple[dict[str, str], ...]:
     """The 49 rows of ``cities.json`` (city, country, language, landmark, ...)."""
     text = resources.files("extractive_lens.data").joinpath("cities.json").read_text(encoding="utf-8")
     return tuple(json.loads(text))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_names() -> tuple[str, ...]:
     """The 104 fictitious full names of ``names.csv``."""
     text = resources.files("extractive_lens.data").joinpath("names.csv").read_text(encoding="utf-8")
     return tuple(f"{r['first']} {r['last']}" for r in csv.DictReader(text.splitlines()))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_animals() -> tuple[str, ...]:
     text = resources.files("extractive_lens.data").joinpath("animals.txt").read_text(encoding="utf-8")
     return tuple(line.strip() for line in text.splitlines() if line.strip())

@@ -20,7 +20,12 @@ def main() -> None:
     c.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     from extractive_lens.world.check import finetune_check
-    from extractive_lens.world.model import WORLD_DIR, load_world_model, save_world_model, train_world_model
+    from extractive_lens.world.model import (
+        WORLD_DIR,
+        load_world_model,
+        save_world_model,
+        train_world_model,
+    )
 
     if args.cmd == "train":
         t0 = time.perf_counter()
