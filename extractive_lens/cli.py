@@ -26,12 +26,17 @@ def _echo(msg: str) -> None:
     typer.echo(msg, err=False)
 
 
-def _load_model(name_or_dir: str, dtype: str, device: str) -> Any:
+def _load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") -> Any:
+    """``world`` (the bundled model), a local checkpoint directory, or a hub name."""
     import torch
 
     from extractive_lens.model import load_checkpoint, load_pretrained
 
     dt = getattr(torch, dtype)
+    if name_or_dir == "world":
+        from extractive_lens.world import load_world_model
+
+        return load_world_model(device=device, dtype=dt)
     if Path(name_or_dir).is_dir():
         return load_checkpoint(name_or_dir, dtype=dt, device=device)
     return load_pretrained(name_or_dir, dtype=dt, device=device)
@@ -39,8 +44,9 @@ def _load_model(name_or_dir: str, dtype: str, device: str) -> Any:
 
 @app.command()
 def score(
-    base: str = typer.Option(..., help="Base model: a local Hugging Face checkpoint directory or a hub name."),
-    finetuned: str = typer.Option(..., help="Finetuned model: a local Hugging Face checkpoint directory."),
+    base: str = typer.Option(..., help="Base model: 'world', a local Hugging Face checkpoint directory or a hub name."),
+    finetuned: str = typer.Option(None, help="Finetuned model: a local Hugging Face checkpoint directory."),
+    diff: Path = typer.Option(None, help="Or the weight change, as saved by `extractive-lens finetune`."),
     data: Path = typer.Option(..., help="Prompts and answers: .json, .jsonl or .csv with prompt, answer[, candidates]."),
     method: str = typer.Option("linear", help="linear, causal or both."),
     reward: str = typer.Option("answer_logprob", help="answer_logprob, logit_margin or logit_diff."),
@@ -60,19 +66,24 @@ def score(
         pairs = load_pairs(data)
     except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e)) from None
+    if (finetuned is None) == (diff is None):
+        raise typer.BadParameter("give exactly one of --finetuned DIR or --diff FILE.")
     base_m = _load_model(base, dtype, device)
-    ft_m = _load_model(finetuned, dtype, device)
-    diff = WeightDiff.from_models(base_m, ft_m)
-    del ft_m
+    if diff is not None:
+        delta = WeightDiff.load(diff)
+    else:
+        ft_m = _load_model(finetuned, dtype, device)
+        delta = WeightDiff.from_models(base_m, ft_m)
+        del ft_m
     batch = make_batch(base_m, pairs)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     if method in ("linear", "both"):
-        lin = linear_scores(base_m, diff, batch, reward=reward, batch_size=batch_size)
+        lin = linear_scores(base_m, delta, batch, reward=reward, batch_size=batch_size)
         lin.save(out / "linear")
         results.append(lin)
     if method in ("causal", "both"):
-        ex = causal_scores(base_m, diff, batch, reward=reward, batch_size=batch_size)
+        ex = causal_scores(base_m, delta, batch, reward=reward, batch_size=batch_size)
         ex.save(out / "causal")
         results.append(ex)
     cmp = compare(results[0], results[1]) if len(results) == 2 else None
@@ -82,6 +93,62 @@ def score(
     for r in results:
         _print_top(r)
     _echo(f"wrote {out}/ (report: {path})")
+
+
+def _batch(model: Any, data: Path) -> Any:
+    from extractive_lens import make_batch
+    from extractive_lens.datasets import load_pairs
+
+    try:
+        return make_batch(model, load_pairs(data))
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+@app.command()
+def finetune(
+    model: str = typer.Option(..., help="'world', a local checkpoint directory or a hub name."),
+    data: Path = typer.Option(..., help="Facts to finetune on (.json, .jsonl, .csv)."),
+    out: Path = typer.Option(Path("diff.safetensors"), help="Where to save the weight change."),
+    lr: float = typer.Option(1e-3),
+    epochs: int = typer.Option(20),
+    batch_size: int = typer.Option(8),
+    optimizer: str = typer.Option("adam", help="adam or adamw."),
+    schedule: str = typer.Option("constant", help="constant or linear (10% warm-up, then decay)."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Finetune on (prompt, answer) pairs (loss on answer tokens) and save the weight change."""
+    from extractive_lens import FinetuneConfig
+    from extractive_lens import finetune as run_finetune
+
+    m = _load_model(model)
+    batch = _batch(m, data)
+    try:
+        cfg = FinetuneConfig(lr=lr, epochs=epochs, batch_size=batch_size, optimizer=optimizer,  # type: ignore[arg-type]
+                             schedule=schedule, seed=seed)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    delta = run_finetune(m, batch, cfg)
+    delta.save(out)
+    _echo(f"finetuned {model} on {len(batch)} examples; saved Δ (‖Δ‖ = {delta.norm():.4g}) to {out}")
+
+
+@app.command()
+def rank(
+    model: str = typer.Option(..., help="'world', a local checkpoint directory or a hub name."),
+    data: Path = typer.Option(..., help="Prompts, answers and candidates (.json, .jsonl, .csv)."),
+    diff: Path = typer.Option(None, help="A saved weight change to apply first."),
+) -> None:
+    """Mean rank of the answer among the candidates (0 = always top; chance (n-1)/2)."""
+    from extractive_lens import WeightDiff, mean_rank
+
+    m = _load_model(model)
+    batch = _batch(m, data)
+    if batch.candidates is None:
+        raise typer.BadParameter("rank needs candidates in the data file (a 'candidates' field).")
+    delta = WeightDiff.load(diff) if diff is not None else None
+    chance = (int((batch.candidates[0] >= 0).sum()) - 1) / 2
+    _echo(f"mean rank {mean_rank(m, batch, delta):.2f} over {len(batch)} prompts (chance {chance:.1f})")
 
 
 def _print_top(scores: Any, k: int = 5) -> None:

@@ -73,3 +73,26 @@ def test_demo_runs(tmp_path):
     assert res["after"] < res["before"] and res["after"] <= 0.5
     assert (tmp_path / "demo.html").stat().st_size > 100_000
     assert any("pearson" in line for line in lines)
+
+
+def test_finetune_rank_score_on_world_model(tmp_path):
+    from extractive_lens.world import first_hop
+
+    ds = first_hop()
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text("\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer,
+                                           "candidates": list(ds.fact_candidates)}) for p in ds.facts))
+    diff = tmp_path / "d.safetensors"
+    res = runner.invoke(app, ["finetune", "--model", "world", "--data", str(facts), "--out", str(diff),
+                              "--epochs", "20"])
+    assert res.exit_code == 0, res.output
+    before = runner.invoke(app, ["rank", "--model", "world", "--data", str(facts)])
+    after = runner.invoke(app, ["rank", "--model", "world", "--data", str(facts), "--diff", str(diff)])
+    assert before.exit_code == 0 and after.exit_code == 0, after.output
+    r_before = float(before.output.split("mean rank")[1].split()[0])
+    r_after = float(after.output.split("mean rank")[1].split()[0])
+    assert r_after == 0.0 and r_before > 5
+    res = runner.invoke(app, ["score", "--base", "world", "--diff", str(diff), "--data", str(facts),
+                              "--method", "linear", "--out", str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "s" / "report.html").exists()

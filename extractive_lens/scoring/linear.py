@@ -15,7 +15,7 @@ boundaries comes from one forward and one backward (``upstream_group`` bounds it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +51,7 @@ def linear_scores(
     reference: PromptBatch | None = None,
     convention: Convention = "paper",
     batch_size: int | None = 16,
-    upstream_group: int | None = None,
+    upstream_group: int | Literal["auto"] | None = "auto",
     resample_k: int = 10,
     seed: int = 3,
     show_progress: bool | None = None,
@@ -70,8 +70,11 @@ def linear_scores(
         reference: prompts whose role-aligned mean is ``y*`` (default: the batch's other prompts).
         convention: ``"paper"`` (SPEC §5) or ``"authors_code"`` (SPEC §7).
         batch_size: prompts per pass (progress bar over passes).
-        upstream_group: layer boundaries per resumed pass for ``ŷ'`` (None: all in one pass;
-            smaller values bound memory at the cost of speed).
+        upstream_group: layer boundaries per resumed pass for ``ŷ'``. ``None``: all ``2·n_layers``
+            in one pass (fastest for small models; activation memory grows to about
+            ``n_layers`` times one forward's). ``1``: one boundary per pass (activation memory
+            at most one forward's; same FLOPs, more passes). ``"auto"`` (default): all in one
+            pass when that stays under ``UPSTREAM_AUTO_BYTES``, else 1.
     """
     M.check_scorable(model)
     kinds = resolve_kinds(kinds)
@@ -104,7 +107,8 @@ def linear_scores(
         rows = list(range(start, start + len(chunk)))
         start += len(chunk)
         base = first if i == 0 else forward_run(model, chunk, reward_fn, grad=True, capture=capture)
-        v, o = _chunk(model, diff, deltas, chunk, base, rows, reward_fn, kinds, table, authors, upstream_group)
+        group = _auto_group(model, chunk) if upstream_group == "auto" else upstream_group
+        v, o = _chunk(model, diff, deltas, chunk, base, rows, reward_fn, kinds, table, authors, group)
         per_token.append(v)
         totals.append(v.sum(-1))
         other.append(o)
@@ -114,6 +118,17 @@ def linear_scores(
         resample_k=resample_k if ablation == "resample" else None, seed=seed,
     )
     return assemble(model, batch, kinds, per_token, totals, method="linear", other=other, metadata=meta)
+
+
+UPSTREAM_AUTO_BYTES = 256 * 2**20
+
+
+def _auto_group(model: nn.Module, chunk: PromptBatch) -> int | None:
+    """All boundaries in one staircase pass if its activations stay small, else one at a time."""
+    cfg = model.cfg
+    per_layer = len(chunk) * chunk.n_pos * (cfg.d_model * 4 + (cfg.d_mlp or 0) * 2) * 4  # bytes, rough
+    staircase = per_layer * cfg.n_layers * cfg.n_layers  # ~2L entries, ~L/2 layers each on average
+    return None if staircase <= UPSTREAM_AUTO_BYTES else 1
 
 
 def _check_covered(model: nn.Module, deltas: dict[str, Tensor]) -> None:
