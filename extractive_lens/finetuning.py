@@ -93,7 +93,8 @@ def finetune(
         model: a ``HookedTransformer``; bit-identical afterwards (also if training raises).
         data: the prompts and answers (``make_batch``).
         config: optimiser, schedule, trainable subset, seed.
-        callback: called after every epoch with ``(epoch, diff_so_far)``.
+        callback: called after every epoch with ``(epoch, diff_so_far)``, while the model holds
+            its original weights (so ``diff_so_far.applied(model)`` evaluates the checkpoint).
     """
     cfg = config or FinetuneConfig()
     params = dict(model.named_parameters())
@@ -137,8 +138,20 @@ def finetune(
                 opt.step()
                 sched.step()
                 _reset_frozen(params, masks, snapshot)
-            if callback is not None:
-                callback(epoch, _diff(model, params, snapshot, cfg))
+            if callback is not None:  # the callback sees the original model and the diff so far
+                diff = _diff(model, params, snapshot, cfg)
+                training = {n: p.detach().clone() for n, p in params.items()}
+                with torch.no_grad():
+                    for name, p in params.items():
+                        p.copy_(snapshot[name])
+                model.eval()
+                try:
+                    callback(epoch, diff)
+                finally:
+                    with torch.no_grad():
+                        for name, p in params.items():
+                            p.copy_(training[name])
+                    model.train()
         return _diff(model, params, snapshot, cfg)
     finally:
         with torch.no_grad():
@@ -168,6 +181,22 @@ def _diff(model: nn.Module, params: dict, snapshot: dict, cfg: FinetuneConfig) -
     return WeightDiff.from_state_dicts(snapshot, current, signature=M.signature(model), metadata=meta)
 
 
+def rank_trajectory(
+    model: nn.Module, data: PromptBatch, evaluate: dict[str, PromptBatch], config: FinetuneConfig | None = None,
+) -> tuple[WeightDiff, Any]:
+    """Finetune on ``data`` and record the mean rank of every ``evaluate`` batch before training
+    and after each epoch: ``(diff, DataFrame[epoch, split, mean_rank])`` (epoch 0 = before)."""
+    import pandas as pd
+
+    rows = [(0, name, mean_rank(model, b)) for name, b in evaluate.items()]
+
+    def record(epoch: int, diff: WeightDiff) -> None:
+        rows.extend((epoch + 1, name, mean_rank(model, b, diff)) for name, b in evaluate.items())
+
+    diff = finetune(model, data, config, callback=record)
+    return diff, pd.DataFrame(rows, columns=["epoch", "split", "mean_rank"])
+
+
 def mean_rank(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) -> float:
     """Mean 0-indexed rank of the answer's first token among the candidates' first tokens, read
     at the last prompt position (SPEC §8); chance is ``(n_candidates - 1) / 2``."""
@@ -192,4 +221,4 @@ def ranks_from_logits(logits: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
     return ((cl > ans) & valid).sum(-1)
 
 
-__all__: Sequence[str] = ("FinetuneConfig", "finetune", "mean_rank", "ranks")
+__all__: Sequence[str] = ("FinetuneConfig", "finetune", "mean_rank", "ranks", "rank_trajectory")

@@ -261,3 +261,60 @@ pre{{background:#f6f6f6;padding:1em;overflow:auto;max-height:20em}}</style></hea
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def heads_by_position(scores: ComponentScores, kind: ScoreKind) -> go.Figure:
+    """Layer × head heat map with a slider over token roles (one colour scale for all positions)."""
+    import plotly.graph_objects as go
+
+    v = scores[kind].detach().double().numpy()
+    heads = [i for i, c in enumerate(scores.component_labels) if c != "MLP"]
+    z = v[:, heads, :]
+    lim = float(np.abs(z).max()) or 1.0
+    fig = go.Figure()
+    for p, label in enumerate(scores.position_labels):
+        fig.add_trace(go.Heatmap(
+            z=z[:, :, p], x=[scores.component_labels[i] for i in heads], y=_layer_labels(v.shape[0]),
+            zmid=0.0, zmin=-lim, zmax=lim, colorscale=COLORSCALE, visible=p == len(scores.position_labels) - 1,
+            name=label,
+            hovertemplate=f"{kind} · %{{x}} · layer %{{y}}<br>at {html.escape(label)}<br>score %{{z:.4g}}<extra></extra>"))
+    steps = [dict(method="update", label=label,
+                  args=[{"visible": [i == p for i in range(len(scores.position_labels))]},
+                        {"title": f"{scores.method} {kind} scores of each head at {label}"}])
+             for p, label in enumerate(scores.position_labels)]
+    fig.update_layout(
+        sliders=[dict(active=len(steps) - 1, steps=steps, currentvalue=dict(prefix="position: "))],
+        title=f"{scores.method} {kind} scores of each head at {scores.position_labels[-1]}",
+        xaxis_title="head", yaxis_title="layer", template="plotly_white", height=360 + 18 * v.shape[0])
+    return fig
+
+
+def rank_curves(df: Any, *, x: str = "epoch", y: str = "mean_rank", color: str = "split",
+                chance: float | None = None, title: str = "mean rank during finetuning") -> go.Figure:
+    """Mean rank against epoch, one line per ``color`` group (e.g. facts vs implications)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for name, g in df.groupby(color, sort=False):
+        g = g.sort_values(x)
+        fig.add_trace(go.Scatter(x=g[x], y=g[y], mode="lines+markers", name=str(name),
+                                 hovertemplate=f"{name}<br>{x} %{{x}}<br>{y} %{{y:.2f}}<extra></extra>"))
+    if chance is not None:
+        fig.add_hline(y=chance, line_dash="dot", line_color="gray", annotation_text="chance")
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y.replace("_", " "), template="plotly_white")
+    return fig
+
+
+def table_heatmap(df: Any, *, index: str, columns: str, values: str, title: str = "",
+                  colorscale: str = "Viridis_r", fmt: str = ".2f") -> go.Figure:
+    """An annotated heat map of a tidy table (layer-freezing or grafting mean ranks)."""
+    import plotly.graph_objects as go
+
+    table = df.pivot_table(index=index, columns=columns, values=values, aggfunc="mean", sort=False)
+    z = table.to_numpy(dtype=float)
+    text = [[format(v, fmt) for v in row] for row in z]
+    fig = go.Figure(go.Heatmap(z=z, x=[str(c) for c in table.columns], y=[str(i) for i in table.index],
+                               text=text, texttemplate="%{text}", colorscale=colorscale,
+                               hovertemplate=f"{index} %{{y}}<br>{columns} %{{x}}<br>{values} %{{z:.3f}}<extra></extra>"))
+    fig.update_layout(title=title, template="plotly_white", yaxis=dict(autorange="reversed"))
+    return fig

@@ -87,3 +87,13 @@ def test_config_validation():
         FinetuneConfig(optimizer="sgd")
     with pytest.raises(ValueError, match="positive"):
         FinetuneConfig(epochs=0)
+
+
+def test_rank_trajectory_records_every_epoch():
+    from extractive_lens.finetuning import rank_trajectory
+
+    base, _ = make_pair("ln_gelu", torch.float32)
+    data = _facts(base)
+    diff, df = rank_trajectory(base, data, {"facts": data}, FinetuneConfig(lr=3e-3, epochs=3, batch_size=4))
+    assert list(df.epoch) == [0, 1, 2, 3] and set(df.split) == {"facts"}
+    assert df.mean_rank.iloc[-1] == mean_rank(base, data, diff)

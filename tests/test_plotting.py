@@ -71,3 +71,25 @@ def test_report_self_contained_and_escaped(scored, tmp_path):
     assert "<script>alert(1)</script>" not in text
     assert text.count("plotly.js v") <= 2  # embedded once (the bundle names itself in a comment)
     assert "top components" in text and "linear vs exact" in text
+
+
+def test_heads_slider_and_experiment_figures(scored):
+    import pandas as pd
+
+    from extractive_lens.plotting import heads_by_position, rank_curves, table_heatmap
+
+    lin, _ = scored
+    fig = heads_by_position(lin, "informative")
+    assert len(fig.data) == len(lin.position_labels) and len(fig.layout.sliders[0].steps) == len(fig.data)
+    p = 2
+    assert np.allclose(np.array(fig.data[p].z), lin["informative"][:, :-1, p].numpy())
+    assert sum(bool(t.visible) for t in fig.data) == 1
+    df = pd.DataFrame({"epoch": [0, 1, 2, 0, 1, 2], "split": ["facts"] * 3 + ["implications"] * 3,
+                       "mean_rank": [9.0, 2.0, 0.0, 9.5, 6.0, 4.0]})
+    rc = rank_curves(df, chance=9.5)
+    assert [t.name for t in rc.data] == ["facts", "implications"] and list(rc.data[1].y) == [9.5, 6.0, 4.0]
+    tab = pd.DataFrame({"reverted": ["None", "None", "Early", "Early"], "split": ["fact", "impl"] * 2,
+                        "mean_rank": [0.0, 1.8, 5.1, 8.4]})
+    th = table_heatmap(tab, index="reverted", columns="split", values="mean_rank")
+    assert np.allclose(np.array(th.data[0].z), [[0.0, 1.8], [5.1, 8.4]])
+    assert th.data[0].text[1][1] == "8.40"
