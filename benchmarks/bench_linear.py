@@ -45,7 +45,7 @@ def run_case(shape: str, convention: str, repeats: int, upstream_group=None) -> 
     t_lin = timeit(scores, repeats=repeats)
     L = base.cfg.n_layers
     target = L / 2 + 4 if convention == "paper" else 4.0
-    return dict(shape=shape, convention=convention, upstream_group=upstream_group or "all",
+    return dict(shape=shape, convention=convention, upstream_group=str(upstream_group or "all"),
                 n_layers=L, fwd_bwd_s=t_base, linear_s=t_lin, ratio=t_lin / t_base, target=target,
                 meets=t_lin / t_base <= target)
 
@@ -73,6 +73,10 @@ def memory_probe(shape: str, what: str, convention: str = "paper", upstream_grou
     return dict(resident_mb=resident, extra_mb=mem.extra_mb)
 
 
+def _group(text: str):
+    return None if text == "all" else ("auto" if text == "auto" else int(text))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["bundled", "gpt2-small"])
@@ -82,11 +86,11 @@ def main() -> None:
     torch.set_grad_enabled(True)
     if args.probe:
         shape, what, conv, group = args.probe
-        print(json.dumps(memory_probe(shape, what, conv, None if group == "all" else int(group))))
+        print(json.dumps(memory_probe(shape, what, conv, _group(group))))
         return
     rows = []
     for shape in args.shapes:
-        for conv, group in (("paper", None), ("paper", 4), ("authors_code", None)):
+        for conv, group in (("paper", "auto"), ("paper", None), ("paper", 1), ("authors_code", "auto")):
             r = run_case(shape, conv, args.repeats, group)
             probes = {}
             for what in ("fwd_bwd", "linear"):

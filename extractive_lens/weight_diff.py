@@ -15,6 +15,7 @@ them on exit (never ``+= Δ`` then ``-= Δ``, which is not an exact round trip).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -281,20 +282,26 @@ class WeightDiff:
 
         Rows are layers; columns follow ``component_labels()`` (``H0 .. H{n-1}``, ``MLP``).
         """
+        return self._norms[0].clone()
+
+    def other_norm(self) -> float:
+        """Norm of Δ on parameters no component owns (embeddings, ``b_O``, unembedding)."""
+        return self._norms[1]
+
+    @functools.cached_property
+    def _norms(self) -> tuple[Tensor, float]:
         n_layers, n_heads, mlp = self._shape()
         sq = torch.zeros(n_layers, n_heads + int(mlp), dtype=torch.float64)
+        other = 0.0
         for s in self.slices():
             d = self.deltas[s.name]
             part = d if s.index is None else d[s.index]
             v = float(part.double().pow(2).sum())
+            if not s.owners:
+                other += v
             for c in s.owners:
                 sq[c.layer, n_heads if c.head is None else c.head] += v
-        return sq.sqrt()
-
-    def other_norm(self) -> float:
-        """Norm of Δ on parameters no component owns (embeddings, ``b_O``, unembedding)."""
-        return float(sum(self.deltas[s.name].double().pow(2).sum() for s in self.slices()
-                         if not s.owners) ** 0.5)
+        return sq.sqrt(), other**0.5
 
     def component_labels(self) -> tuple[str, ...]:
         _, n_heads, mlp = self._shape()

@@ -220,13 +220,16 @@ def _informative(
     if has_mlp:
         tang.update(_select(deltas, [n for l in range(L) for n in M.mlp_param_names(deltas, l)]))
 
-    def layers(m: nn.Module) -> tuple[list[dict[str, Tensor]], list[Tensor]]:
+    tokens = chunk.tokens.to(cfg.device)
+    tang.update(_select(deltas, [n for n in deltas if n.startswith(("embed.", "pos_embed.", "ln_final.", "unembed."))]))
+
+    def pieces(m: nn.Module) -> tuple[list[dict[str, Tensor]], list[Tensor], Tensor, Tensor]:
         caps = [M.attention(m, l, base.pre[l], capture)[1] for l in range(L)]
         outs = [M.mlp(m, l, base.mlp_in[l]) for l in range(L)] if has_mlp else []
-        return caps, outs
+        return caps, outs, M.embed(m, tokens), M.unembed(m, base.post_final)
 
-    with torch.no_grad():
-        _, (cap_dot, mlp_dot) = M.jvp(model, layers, (), tang)
+    with torch.no_grad():  # one forward-mode pass for every component and the "other" parameters
+        _, (cap_dot, mlp_dot, e_dot, l_dot) = M.jvp(model, pieces, (), tang)
     for layer in range(L):
         dot = cap_dot[layer]
         if authors:  # Q credited at the query position, K and V at the key position
@@ -247,16 +250,8 @@ def _informative(
             other += (wide(base.g_attn[layer]).sum(1) * d_bO.to(dtype)).sum(-1)
         if has_mlp:
             inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(mlp_dot[layer])).sum(-1)
-    tokens = chunk.tokens.to(cfg.device)
-    with torch.no_grad():
-        tang = _select(deltas, [n for n in deltas if n.startswith(("embed.", "pos_embed."))])
-        if tang:
-            _, e_dot = M.embed_jvp(model, tokens, tang)
-            other += (wide(base.g_embed) * wide(e_dot)).sum((-1, -2))
-        tang = _select(deltas, [n for n in deltas if n.startswith(("ln_final.", "unembed."))])
-        if tang:
-            _, l_dot = M.unembed_jvp(model, base.post_final, tang)
-            other += (wide(base.g_logits) * wide(l_dot)).sum((-1, -2))
+    other += (wide(base.g_embed) * wide(e_dot)).sum((-1, -2))
+    other += (wide(base.g_logits) * wide(l_dot)).sum((-1, -2))
     return inf, other
 
 
