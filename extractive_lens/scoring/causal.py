@@ -38,6 +38,7 @@ from extractive_lens.scoring.engine import (
     assemble,
     base_metadata,
     forward_run,
+    plan_chunks,
     progress,
     read_positions,
     readout,
@@ -66,6 +67,7 @@ def causal_scores(
     resample_k: int = 10,
     seed: int = 3,
     show_progress: bool | None = None,
+    rows: Sequence[int] | None = None,
 ) -> ComponentScores:
     """Exact scores of every head and MLP, per output position (``per="token"``) or with all
     positions patched at once (``per="component"``).
@@ -98,21 +100,20 @@ def causal_scores(
             selected[kind] = sorted(set(selected[kind]) | {
                 f"L{l}{c}" for l in range(model.cfg.n_layers) if l not in layer_set
                 for c in [f"H{h}" for h in range(model.cfg.n_heads)] + (["MLP"] if M.has_mlp(model) else [])})
-    chunks = batch.chunks(batch_size)
+    scored, plan = plan_chunks(batch, rows, batch_size)
+    chunks = [c for c, _ in plan]
     first = forward_run(model, chunks[0], reward_fn, capture=("z", "k", "v"))
     table = None
     if "upstream" in kinds:
-        reuse = [(chunks[0], first)] if reference is None and len(chunks) == 1 else None
+        reuse = [(chunks[0], first)] if reference is None and rows is None and len(chunks) == 1 else None
         table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
                               batch_size=batch_size, runs=reuse)
     per_token, totals = [], []
-    start = 0
     for i, chunk in enumerate(chunks):
-        rows = list(range(start, start + len(chunk)))
-        start += len(chunk)
+        global_rows = plan[i][1]
         base = first if i == 0 else forward_run(model, chunk, reward_fn, capture=("z", "k", "v"))
         engine = _Engine(model, diff, chunk, base, reward_fn, max_batch)
-        v, t = engine.scores(kinds, table, rows, per, selected, show_progress)
+        v, t = engine.scores(kinds, table, global_rows, per, selected, show_progress)
         per_token.append(v)
         totals.append(t)
     meta = base_metadata(
@@ -122,6 +123,8 @@ def causal_scores(
         top_k=top_k, layers=None if layers is None else sorted(layers),
         skipped={k: list(v) for k, v in selected.items()} if (top_k or layers is not None) else None,
     )
+    meta["rows"] = None if rows is None else list(rows)
+    batch = scored
     if per == "component":
         b = len(batch)
         roles = tuple(("all",) for _ in range(b))

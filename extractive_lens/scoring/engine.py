@@ -159,6 +159,22 @@ def readout(
     return R, logits, resid
 
 
+def plan_chunks(
+    batch: PromptBatch, rows: Any, batch_size: int | None
+) -> tuple[PromptBatch, list[tuple[PromptBatch, list[int]]]]:
+    """The prompts to score (``rows`` of ``batch``, or all) and their chunks with global row ids."""
+    ids = list(range(len(batch))) if rows is None else [int(r) for r in rows]
+    if not ids:
+        raise ValueError("rows selects no prompts.")
+    if any(not 0 <= r < len(batch) for r in ids):
+        raise ValueError(f"rows must index the batch (0..{len(batch) - 1}), got {ids}")
+    scored = batch if rows is None else batch.subset(ids)
+    size = batch_size or len(ids)
+    plan = [(scored.subset(range(i, min(i + size, len(ids)))) if (batch_size and len(ids) > size) else scored,
+             ids[i : i + size]) for i in range(0, len(ids), size)]
+    return scored, plan
+
+
 def head_grad(g_attn: Tensor, W_O: Tensor) -> Tensor:
     """``ŷ_h W_O[h]^T``: the gradient of R at ``hook_z`` from the gradient at ``attn_out``."""
     return torch.einsum("bpd,hed->bphe", g_attn, W_O.to(g_attn.dtype))

@@ -30,6 +30,7 @@ from extractive_lens.scoring.engine import (
     assemble,
     base_metadata,
     forward_run,
+    plan_chunks,
     head_grad,
     progress,
     readout,
@@ -55,6 +56,7 @@ def linear_scores(
     resample_k: int = 10,
     seed: int = 3,
     show_progress: bool | None = None,
+    rows: Sequence[int] | None = None,
 ) -> ComponentScores:
     """Linearized scores of every head and MLP at every token.
 
@@ -70,6 +72,8 @@ def linear_scores(
         reference: prompts whose role-aligned mean is ``y*`` (default: the batch's other prompts).
         convention: ``"paper"`` (SPEC §5) or ``"authors_code"`` (SPEC §7).
         batch_size: prompts per pass (progress bar over passes).
+        rows: score only these prompts of ``batch`` (``y*`` still comes from the whole batch);
+            used to shard a dataset across processes.
         upstream_group: layer boundaries per resumed pass for ``ŷ'``. ``None``: all ``2·n_layers``
             in one pass (fastest for small models; activation memory grows to about
             ``n_layers`` times one forward's). ``1``: one boundary per pass (activation memory
@@ -93,22 +97,21 @@ def linear_scores(
     diff._check_compatible(model)
     deltas = {n: d.to(cfg.device) for n, d in diff.deltas.items()}
     _check_covered(model, deltas)
-    chunks = batch.chunks(batch_size)
+    scored, plan = plan_chunks(batch, rows, batch_size)
+    chunks = [c for c, _ in plan]
     capture = ("z", "q", "k", "v") if authors and "informative" in kinds else ("z",)
     first = forward_run(model, chunks[0], reward_fn, grad=True, capture=capture)
     table = None
     if "upstream" in kinds:
-        reuse = [(chunks[0], first)] if reference is None and len(chunks) == 1 else None
+        reuse = [(chunks[0], first)] if reference is None and rows is None and len(chunks) == 1 else None
         table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
                               batch_size=batch_size, runs=reuse)
     per_token, totals, other = [], [], []
-    start = 0
     for i, chunk in enumerate(progress(chunks, len(chunks), "linear scores", show_progress)):
-        rows = list(range(start, start + len(chunk)))
-        start += len(chunk)
+        global_rows = plan[i][1]
         base = first if i == 0 else forward_run(model, chunk, reward_fn, grad=True, capture=capture)
         group = _auto_group(model, chunk) if upstream_group == "auto" else upstream_group
-        v, o = _chunk(model, diff, deltas, chunk, base, rows, reward_fn, kinds, table, authors, group)
+        v, o = _chunk(model, diff, deltas, chunk, base, global_rows, reward_fn, kinds, table, authors, group)
         per_token.append(v)
         totals.append(v.sum(-1))
         other.append(o)
@@ -117,7 +120,8 @@ def linear_scores(
         convention=convention, reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
         resample_k=resample_k if ablation == "resample" else None, seed=seed,
     )
-    return assemble(model, batch, kinds, per_token, totals, method="linear", other=other, metadata=meta)
+    meta["rows"] = None if rows is None else list(rows)
+    return assemble(model, scored, kinds, per_token, totals, method="linear", other=other, metadata=meta)
 
 
 UPSTREAM_AUTO_BYTES = 256 * 2**20

@@ -1,0 +1,106 @@
+"""Data-parallel scoring on ``torch.distributed`` (launch with ``torchrun`` or ``accelerate launch``).
+
+    torchrun --nproc_per_node 8 -m extractive_lens.cli score --base DIR --finetuned DIR --data F --distributed
+
+>>> scores = distributed_scores("linear", model, diff, batch)   # doctest: +SKIP  (in every process)
+
+Each process holds one model replica. Prompts are sharded deterministically in contiguous
+blocks; every process scores its block (``y*`` still comes from the whole dataset) and the
+per-prompt scores are gathered in the original order, so every rank returns the same
+``ComponentScores`` as a single process would (up to float rounding from batch composition).
+With few prompts, exact scores shard layers instead. Outside an initialised process group this
+is just the single-process call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from extractive_lens.batch import PromptBatch
+from extractive_lens.results import ComponentScores, aggregate_by_role
+
+
+def shard_rows(n: int, rank: int, world: int) -> list[int]:
+    """Contiguous, deterministic, balanced blocks: rank r gets ``[r*n/W, (r+1)*n/W)``."""
+    return list(range(rank * n // world, (rank + 1) * n // world))
+
+
+def init_from_env(device: str | None = None) -> tuple[int, int, str]:
+    """Initialise the default process group from ``torchrun``'s environment (gloo on CPU, NCCL on
+    GPU); returns ``(rank, world_size, device)``."""
+    import os
+
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def distributed_scores(
+    method: Literal["linear", "causal"], model: Any, diff: Any, batch: PromptBatch, *,
+    shard: Literal["auto", "prompts", "layers"] = "auto", **kwargs: Any,
+) -> ComponentScores:
+    """``linear_scores`` or ``causal_scores`` spread over the processes of the default group."""
+    import torch.distributed as dist
+
+    from extractive_lens.scoring.causal import causal_scores
+    from extractive_lens.scoring.linear import linear_scores
+
+    fn = linear_scores if method == "linear" else causal_scores
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn(model, diff, batch, **kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if shard == "auto":
+        shard = "prompts" if (method == "linear" or len(batch) >= 2 * world) else "layers"
+    if shard == "layers":
+        if method != "causal":
+            raise ValueError("layer sharding is for exact (causal) scores; linear scores shard prompts.")
+        all_layers = kwargs.pop("layers", None) or list(range(model.cfg.n_layers))
+        mine = all_layers[rank::world]
+        part = fn(model, diff, batch, layers=mine or [], **kwargs) if mine else None
+        payload = None if part is None else (part.prompt_values, part.prompt_totals)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, payload)
+        pv = sum(g[0] for g in gathered if g is not None)  # other layers are exactly 0 in each part
+        pt = sum(g[1] for g in gathered if g is not None)
+        template = part if part is not None else fn(model, diff, batch.subset([0]), layers=[0], **kwargs)
+        meta = {**template.metadata, "distributed": {"world_size": world, "shard": "layers"},
+                "layers": sorted(all_layers), "skipped": None}
+        return _rebuild(template, pv, pt, None, template.prompt_roles, meta)
+    rows = shard_rows(len(batch), rank, world)
+    part = fn(model, diff, batch, rows=rows, **kwargs) if rows else None
+    payload = None if part is None else (rows, part.prompt_values, part.prompt_totals, part.other)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, payload)
+    parts = [g for g in gathered if g is not None]
+    width = max(g[1].shape[-1] for g in parts)
+    pv = torch.cat([torch.nn.functional.pad(g[1], (0, width - g[1].shape[-1])) for g in parts], dim=1)
+    pt = torch.cat([g[2] for g in parts], dim=1)
+    other = torch.cat([g[3] for g in parts]) if parts[0][3] is not None else None
+    order = [r for g in parts for r in g[0]]
+    assert order == list(range(len(batch))), "shards must cover the batch in order"
+    template = part if part is not None else fn(model, diff, batch.subset([0]), **kwargs)
+    roles = batch.roles if template.position_labels != ("all",) else tuple(("all",) for _ in range(len(batch)))
+    meta = {**template.metadata, "rows": None, "distributed": {"world_size": world, "shard": "prompts"}}
+    meta.pop("prompt_tokens", None)
+    return _rebuild(template, pv, pt, other, roles, meta)
+
+
+def _rebuild(template: ComponentScores, pv: torch.Tensor, pt: torch.Tensor, other: torch.Tensor | None,
+             roles: Any, meta: dict) -> ComponentScores:
+    from extractive_lens.batch import merge_role_orders
+
+    labels = merge_role_orders(roles)
+    return ComponentScores(
+        values=aggregate_by_role(pv, roles, labels), totals=pt.mean(1), prompt_values=pv, prompt_totals=pt,
+        kinds=template.kinds, component_labels=template.component_labels, position_labels=labels,
+        prompt_roles=tuple(tuple(r) for r in roles), method=template.method, other=other, metadata=meta,
+    )

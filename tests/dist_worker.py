@@ -1,0 +1,28 @@
+"""A worker for the 2-process gloo test (importable by torch.multiprocessing.spawn)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def run(rank: int, world: int, port: int, out: str, method: str, shard: str, per: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from extractive_lens import WeightDiff
+        from extractive_lens.distributed import distributed_scores
+        from tests.conftest import make_pair
+        from tests.test_linear import small_batch
+
+        base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
+        batch = small_batch(base, n=5)
+        kw = {"per": per} if method == "causal" else {}
+        s = distributed_scores(method, base, WeightDiff.from_models(base, ft), batch, shard=shard, **kw)
+        s.save(f"{out}/rank{rank}")
+    finally:
+        dist.destroy_process_group()

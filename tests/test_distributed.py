@@ -1,0 +1,49 @@
+"""Two gloo processes on CPU give the single-process scores (linear and exact)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from extractive_lens import ComponentScores, WeightDiff, causal_scores, linear_scores
+from extractive_lens.distributed import shard_rows
+from tests.conftest import make_pair
+from tests.test_linear import small_batch
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_shards_cover_in_order():
+    for n in (1, 5, 16):
+        for w in (1, 2, 3):
+            rows = [r for k in range(w) for r in shard_rows(n, k, w)]
+            assert rows == list(range(n))
+
+
+@pytest.mark.parametrize("method,shard,per", [("linear", "prompts", "token"), ("causal", "prompts", "token"),
+                                              ("causal", "layers", "component")])
+def test_two_processes_match_single_process(tmp_path, method, shard, per):
+    import torch.multiprocessing as mp
+
+    from tests import dist_worker
+
+    mp.spawn(dist_worker.run, args=(2, _port(), str(tmp_path), method, shard, per), nprocs=2, join=True)
+    base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
+    batch = small_batch(base, n=5)
+    diff = WeightDiff.from_models(base, ft)
+    single = linear_scores(base, diff, batch) if method == "linear" else causal_scores(base, diff, batch, per=per)
+    for rank in (0, 1):
+        got = ComponentScores.load(tmp_path / f"rank{rank}")
+        assert got.position_labels == single.position_labels and got.prompt_roles == single.prompt_roles
+        assert (got.prompt_values - single.prompt_values).abs().max() <= 1e-10
+        assert (got.values - single.values).abs().max() <= 1e-10
+        assert (got.totals - single.totals).abs().max() <= 1e-10
+        if method == "linear":
+            assert (got.other - single.other).abs().max() <= 1e-10
+        assert got.metadata["distributed"]["world_size"] == 2
