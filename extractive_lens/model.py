@@ -446,6 +446,22 @@ def check_scorable(model: nn.Module) -> None:
         )
 
 
+def on_block(model: nn.Module, layer: int, x: Tensor) -> Tensor:
+    """``x`` on the device of block ``layer`` (models split over devices with ``n_devices``)."""
+    if getattr(model.cfg, "n_devices", 1) <= 1:
+        return x
+    dev = model.blocks[layer].ln1.w.device if hasattr(model.blocks[layer].ln1, "w") else next(
+        model.blocks[layer].parameters()).device
+    return x.to(dev)
+
+
+def on_final(model: nn.Module, x: Tensor) -> Tensor:
+    """``x`` on the device of the unembedding."""
+    if getattr(model.cfg, "n_devices", 1) <= 1:
+        return x
+    return x.to(model.unembed.W_U.device)
+
+
 def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
     """The residual stream entering layer 0 (token embedding plus absolute positions)."""
     x = model.hook_embed(model.embed(tokens))
@@ -466,6 +482,9 @@ def attention(
     ``resid_pre`` holds only the positions after them (TransformerLens's KV cache, frozen).
     """
     block = model.blocks[layer]
+    resid_pre = on_block(model, layer, resid_pre)
+    if past_kv is not None:
+        past_kv = (on_block(model, layer, past_kv[0]), on_block(model, layer, past_kv[1]))
     captured: dict[str, Tensor] = {}
     handles = []
     for name in capture:
@@ -489,11 +508,12 @@ def attention(
 def mlp(model: nn.Module, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
     """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
     block = model.blocks[layer]
-    return block.mlp(block.ln2(mlp_in))
+    return block.mlp(block.ln2(on_block(model, layer, mlp_in)))
 
 
 def unembed(model: nn.Module, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
     """Final norm, unembedding and logit soft-capping."""
+    resid = on_final(model, resid)
     if model.cfg.normalization_type is not None:
         resid = model.ln_final(resid)
     logits = model.unembed(resid)

@@ -261,6 +261,7 @@ class _Engine:
             return _gather(x, read_pos), {}
         kvs = {}
         for l in range(layer + 1, self.L):
+            x = M.on_block(model, l, x)
             past = None if kv is None else kv[l]
             out, cap = M.attention(model, l, x, ("k", "v") if capture_kv else (), past_kv=past)
             if capture_kv:

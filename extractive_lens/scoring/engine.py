@@ -68,6 +68,7 @@ def forward_run(
         x = x0
         attn_outs, mlp_outs, caps = [], [], []
         for layer in range(model.cfg.n_layers):
+            x = M.on_block(model, layer, x)
             run.pre.append(x.detach())
             out, cap = M.attention(model, layer, x, capture)
             mid = x + out

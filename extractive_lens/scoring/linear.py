@@ -287,6 +287,8 @@ def upstream_gradients(
             rows: Tensor | None = None
             for layer in range(todo[0][0], L):
                 new = [p for (lay, p) in todo if lay == layer]
+                if rows is not None:
+                    rows = M.on_block(model, layer, rows)
                 d_bO = deltas.get(f"blocks.{layer}.attn.b_O")
                 shift = 0 if d_bO is None else d_bO.to(device=base.mid[layer].device, dtype=base.mid[layer].dtype)
                 if parallel:
