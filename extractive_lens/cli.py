@@ -54,13 +54,21 @@ def score(
     dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     batch_size: int = typer.Option(16, help="Prompts per pass."),
+    distributed: bool = typer.Option(False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."),
 ) -> None:
     """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
     if method not in ("linear", "causal", "both"):
         raise typer.BadParameter("--method must be linear, causal or both.")
-    from extractive_lens import WeightDiff, causal_scores, compare, linear_scores, make_batch
+    from extractive_lens import WeightDiff, compare, make_batch
     from extractive_lens.datasets import load_pairs
+    from extractive_lens.distributed import distributed_scores, init_from_env
     from extractive_lens.plotting import report
+
+    rank = 0
+    if distributed:
+        rank, world, device = init_from_env(None if device == "cpu" else device)
+        if rank == 0:
+            _echo(f"{world} processes, rank 0 on {device}")
 
     try:
         pairs = load_pairs(data)
@@ -79,13 +87,15 @@ def score(
     out.mkdir(parents=True, exist_ok=True)
     results = []
     if method in ("linear", "both"):
-        lin = linear_scores(base_m, delta, batch, reward=reward, batch_size=batch_size)
-        lin.save(out / "linear")
+        lin = distributed_scores("linear", base_m, delta, batch, reward=reward, batch_size=batch_size)
         results.append(lin)
     if method in ("causal", "both"):
-        ex = causal_scores(base_m, delta, batch, reward=reward, batch_size=batch_size)
-        ex.save(out / "causal")
+        ex = distributed_scores("causal", base_m, delta, batch, reward=reward, batch_size=batch_size)
         results.append(ex)
+    if rank != 0:
+        return
+    for r in results:
+        r.save(out / r.method)
     cmp = compare(results[0], results[1]) if len(results) == 2 else None
     if cmp is not None:
         cmp.summary.to_csv(out / "comparison.csv", index=False)
