@@ -93,3 +93,27 @@ def test_heads_slider_and_experiment_figures(scored):
     th = table_heatmap(tab, index="reverted", columns="split", values="mean_rank")
     assert np.allclose(np.array(th.data[0].z), [[0.0, 1.8], [5.1, 8.4]])
     assert th.data[0].text[1][1] == "8.40"
+
+
+def test_token_and_attention_views(scored, text_model):
+    from extractive_lens import make_batch
+    from extractive_lens.plotting import attention_view, token_view
+
+    lin, _ = scored
+    view = token_view(lin, "informative", "L1MLP", prompt=0)
+    src = view.local_src
+    from circuitsvis.tokens import colored_tokens
+
+    bundle = colored_tokens(["a"], [0.0]).local_src  # the circuitsvis bundle alone
+    evil = "<script>alert(1)</script>"
+    assert src.count(evil) == bundle.count(evil)
+    assert ("\\u2039" in src or "\u2039" in src) and "</script" not in src.split("ColoredTokens")[-1][:-20]
+    n = len(lin.prompt_roles[0])
+    want = lin.prompt_values[0, 0, 1, -1, :n].tolist()
+    assert all(f"{v:.6g}"[:6] in src or abs(v) < 1e-12 for v in want[:3])
+    batch = make_batch(text_model, [("John Doe lives in", " Tokyo")])
+    att = attention_view(text_model, batch, layer=1, heads=[0, 2])
+    with torch.no_grad():
+        _, cache = text_model.run_with_cache(batch.tokens)
+    pattern = cache["blocks.1.attn.hook_pattern"][0, [0, 2]]
+    assert f"{float(pattern[1, 3, 2]):.6g}"[:6] in att.local_src
