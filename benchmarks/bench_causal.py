@@ -25,7 +25,7 @@ from benchmarks.common import random_batch, random_pair, table, timeit, write  #
 
 KINDS = ("informative", "upstream", "downstream")
 CONFIG = {
-    "bundled": dict(batch=8, pos=16, layers=None),
+    "bundled": dict(batch=16, pos=16, layers=None),
     "gpt2-small": dict(batch=2, pos=8, layers=[0, 11]),
 }
 
