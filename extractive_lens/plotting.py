@@ -157,7 +157,7 @@ def token_view(scores: ComponentScores, kind: ScoreKind, component: str, prompt:
     tokens = (scores.metadata.get("prompt_tokens") or [list(r) for r in scores.prompt_roles])[prompt][:n]
     lim = float(vals.abs().max()) or 1.0
     return colored_tokens([_safe_token(t) for t in tokens], vals.double().tolist(), min_value=-lim, max_value=lim,
-                          negative_color="#2166ac", positive_color="#b2182b")
+                          negative_color="#b2182b", positive_color="#2166ac")  # as RdBu
 
 
 def attention_view(model: Any, batch: Any, layer: int, heads: list[int] | None = None, prompt: int = 0) -> Any:

@@ -211,12 +211,32 @@ class ComponentScores:
             f"{html.escape(str(k))}={html.escape(str(self.metadata.get(k)))}"
             for k in ("model", "reward", "ablation", "convention") if k in self.metadata
         )
+        grids = "".join(self._grid_html(kd) for kd in self.kinds)
         return (
             f"<div><b>ComponentScores</b> ({html.escape(self.method)}; {self.n_layers} layers × "
             f"{len(self.component_labels)} components × {len(self.position_labels)} positions; "
             f"{self.n_prompts} prompts)<br><small>{meta}</small>"
-            f"<table>{''.join(rows)}</table><small>top 5 whole-component scores by |value|</small></div>"
+            f"<table>{''.join(rows)}</table><small>top 5 whole-component scores by |value|</small>"
+            f"<div style='display:flex;gap:1em;flex-wrap:wrap'>{grids}</div></div>"
         )
+
+    def _grid_html(self, kind: ScoreKind) -> str:
+        """The overview as a static table: layer (top = last) × component, coloured by total."""
+        t = self.totals[self.kind_index(kind)].double()
+        lim = float(t.abs().max()) or 1.0
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.component_labels)
+        body = []
+        for layer in reversed(range(t.shape[0])):
+            cells = []
+            for c in range(t.shape[1]):
+                v = float(t[layer, c])
+                a = min(1.0, abs(v) / lim)
+                rgb = "33,102,172" if v > 0 else "178,24,43"  # as plotly RdBu: positive blue
+                cells.append(f"<td title='L{layer}{html.escape(self.component_labels[c])} {v:+.4g}' "
+                             f"style='background:rgba({rgb},{a:.2f});width:1.6em;height:1.2em'></td>")
+            body.append(f"<tr><th>L{layer}</th>{''.join(cells)}</tr>")
+        return (f"<table style='border-collapse:collapse;font-size:80%'><caption>{html.escape(kind)}</caption>"
+                f"<tr><th></th>{head}</tr>{''.join(body)}</table>")
 
 
 def _indices(shape: Sequence[int]):

@@ -48,3 +48,11 @@ def test_shape_validation(scores):
         ComponentScores(scores.values, scores.totals, scores.prompt_values, scores.prompt_totals,
                         scores.kinds, scores.component_labels[:-1], scores.position_labels,
                         scores.prompt_roles, "linear")
+
+
+def test_html_overview_grid_colours_follow_totals(scores):
+    html = scores._repr_html_()
+    assert html.count("<caption>") == 3
+    top_kind, top_label, top_val = scores.top(1, "informative")[0]
+    assert f"title='{top_label} {top_val:+.4g}'" in html
+    assert "rgba(" in html and "1.00)" in html  # the largest |total| is fully saturated
