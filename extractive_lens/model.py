@@ -629,11 +629,3 @@ def attention_jvp(
 def mlp_jvp(model: nn.Module, layer: int, mlp_in: Tensor, tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """``(out, out_dot)`` of a layer's MLP along ``tangents``."""
     return jvp(model, lambda m, x: mlp(m, layer, x), (mlp_in,), tangents)
-
-
-def embed_jvp(model: nn.Module, tokens: Tensor, tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    return jvp(model, embed, (tokens,), tangents)
-
-
-def unembed_jvp(model: nn.Module, resid: Tensor, tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    return jvp(model, unembed, (resid,), tangents)
