@@ -374,11 +374,15 @@ _MLP_MODULES = {"mlp", "ln2", "ln2_post"}
 
 def parameter_slices(model: nn.Module) -> list[ParamSlice]:
     """The ownership partition of every parameter element of ``model`` (SPEC §2)."""
-    cfg = model.cfg
-    n_heads = cfg.n_heads
-    n_kv = cfg.n_key_value_heads or n_heads
+    names = [n for n, _ in model.named_parameters()]
+    return slices_for_names(names, model.cfg.n_heads, model.cfg.n_key_value_heads)
+
+
+def slices_for_names(names: Any, n_heads: int, n_key_value_heads: int | None = None) -> list[ParamSlice]:
+    """``parameter_slices`` from parameter names and head counts alone (for a ``WeightDiff``)."""
+    n_kv = n_key_value_heads or n_heads
     out: list[ParamSlice] = []
-    for name, _ in model.named_parameters():
+    for name in names:
         m = re.match(r"^blocks\.(\d+)\.(.+)\.(\w+)$", name)
         if m is None:
             out.append(ParamSlice(name, None, ()))

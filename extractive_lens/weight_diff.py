@@ -275,7 +275,8 @@ class WeightDiff:
 
     def slices(self) -> list[_model.ParamSlice]:
         """The ownership partition (SPEC §2) of the parameters Δ covers."""
-        return [s for s in _model.parameter_slices(_ShapeOnly(self)) if s.name in self.deltas]
+        sig = self.signature
+        return _model.slices_for_names(list(self.deltas), int(sig["n_heads"]), sig.get("n_key_value_heads"))
 
     def norms(self) -> Float[Tensor, "layer component"]:
         """Frobenius norm of each component's owned Δ (shared slices counted for every owner).
@@ -353,22 +354,3 @@ class WeightDiff:
 def _layer_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[1]) if parts[0] == "blocks" else None
-
-
-class _ShapeOnly(nn.Module):
-    """Lets ``parameter_slices`` run on a diff: parameter names and a config-like signature."""
-
-    def __init__(self, diff: WeightDiff) -> None:
-        super().__init__()
-        self._names = list(diff.deltas)
-        self.cfg = _Cfg(diff.signature)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
-        for n in self._names:
-            yield n, None
-
-
-class _Cfg:
-    def __init__(self, sig: Mapping[str, Any]) -> None:
-        self.n_heads = int(sig["n_heads"])
-        self.n_key_value_heads = sig.get("n_key_value_heads")
