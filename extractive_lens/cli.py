@@ -181,6 +181,43 @@ def demo(
     (run_demo if random_model else run_world_demo)(out=out, seed=seed, echo=_echo)
 
 
+def _parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` or ``"0-2"`` -> ``[0, 1, 2]``."""
+    seeds: list[int] = []
+    try:
+        for part in text.replace(" ", "").split(","):
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1)
+                seeds.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                seeds.append(int(part))
+    except ValueError:
+        raise typer.BadParameter(f"--seeds takes integers like '0,1,2' or '0-2', got {text!r}") from None
+    if not seeds:
+        raise typer.BadParameter("--seeds is empty")
+    return seeds
+
+
+@app.command()
+def experiment(
+    name: str = typer.Argument(..., help="layer_freezing, data_ordering, weight_grafting or localization."),
+    seeds: str = typer.Option("0", help="World-model seeds, e.g. '0,1,2' or '0-2' (seeds other than 0 are "
+                                        "pretrained once, ~2 min each, and cached)."),
+    out: Path = typer.Option(Path("experiments"), help="Output directory: NAME/seed*.json|html, NAME/summary.*"),
+    quick: bool = typer.Option(False, help="Short finetunes (a smoke run; not the experiment's numbers)."),
+) -> None:
+    """Run one of the paper's experiments on the world model and write JSON, figures and a
+    summary table (mean ± std over seeds, the paper's numbers in brackets)."""
+    from extractive_lens.experiments.runner import EXPERIMENTS, run_experiment
+
+    if name not in EXPERIMENTS:
+        raise typer.BadParameter(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}.")
+    t0 = time.perf_counter()
+    run = run_experiment(name, _parse_seeds(seeds), out, quick=quick)
+    _echo(run.markdown())
+    _echo(f"\nwrote {out / name}/ in {time.perf_counter() - t0:.0f} s")
+
+
 @app.command()
 def version() -> None:
     """Print the versions of extractive_lens, torch and TransformerLens."""

@@ -96,3 +96,21 @@ def test_finetune_rank_score_on_world_model(tmp_path):
                               "--method", "linear", "--out", str(tmp_path / "s")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "s" / "report.html").exists()
+
+
+def test_experiment_command(tmp_path):
+    res = runner.invoke(app, ["experiment", "layer_freezing", "--quick", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "| Early |" in res.output and (tmp_path / "layer_freezing" / "summary.json").exists()
+    summary = json.loads((tmp_path / "layer_freezing" / "summary.json").read_text())
+    assert summary["seeds"] == [0] and summary["quick"] is True
+    bad = runner.invoke(app, ["experiment", "nope", "--out", str(tmp_path)])
+    assert bad.exit_code != 0 and "choose from" in bad.output
+    bad = runner.invoke(app, ["experiment", "layer_freezing", "--seeds", "a,b", "--out", str(tmp_path)])
+    assert bad.exit_code != 0 and "--seeds" in bad.output
+
+
+def test_parse_seeds():
+    from extractive_lens.cli import _parse_seeds
+
+    assert _parse_seeds("0,1,2") == [0, 1, 2] and _parse_seeds("0-2") == [0, 1, 2] and _parse_seeds("3") == [3]

@@ -37,3 +37,117 @@ def test_layer_freezing_on_world_model():
     assert r[("Early (pre)", "facts")] <= 1.0 and r[("Late (pre)", "facts")] <= 1.0  # either half can store it
     assert res.table().shape == (6, 2)
     assert len(res.plot().data) == 1
+
+
+# ---------------------------------------------------------------- dax/zong experiments (world model)
+@pytest.fixture(scope="module")
+def world():
+    from extractive_lens.world import build_world, load_world_model
+
+    model = load_world_model()
+    return model, build_world(model.cfg.extractive_lens_world["seed"])
+
+
+QUICK = FinetuneConfig(lr=1e-3, epochs=3, batch_size=8)
+
+
+def test_world_daxwug_is_single_tokens(world):
+    model, w = world
+    dax = w.daxwug()
+    assert len(dax.test) == 20 and len(dax.train) == 84
+    unk = model.tokenizer.unk_token_id
+    for ds in (dax.train, dax.test, dax.counterfactual):
+        for p in (*ds.facts, *ds.implications):
+            ids = model.to_tokens(p.prompt + p.answer)[0].tolist()
+            assert unk not in ids and len(ids) == len((p.prompt + p.answer).split()) + 1
+    # the counterfactual re-draws every training name's city, and implications follow the city
+    for f, cf, ci in zip(dax.train.facts, dax.counterfactual.facts, dax.counterfactual.implications):
+        assert f.prompt == cf.prompt and f.answer != cf.answer
+        assert ci.answer == " " + dax.city_to_animal[cf.answer.strip()]
+
+
+def test_continued_pretraining_orders_are_sequential(world):
+    """facts_first = train on facts, then on implications from there (checked by redoing it by hand)."""
+    from extractive_lens import make_batch
+    from extractive_lens.experiments import continued_pretraining
+    from extractive_lens.finetuning import finetune
+
+    model, w = world
+    dax = w.daxwug()
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    cfg = FinetuneConfig(lr=1e-3, epochs=1, batch_size=16, seed=4)
+    got = continued_pretraining(model, dax, "facts_first", cfg)
+    d1 = finetune(model, make_batch(model, list(dax.train.facts)), cfg, show_progress=False)
+    with d1.applied(model):
+        d2 = finetune(model, make_batch(model, list(dax.train.implications)), FinetuneConfig(
+            lr=1e-3, epochs=1, batch_size=16, seed=5), show_progress=False)
+    for name, d in got.deltas.items():
+        torch.testing.assert_close(d, (d1 + d2).deltas[name], rtol=0, atol=1e-6)
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+    with pytest.raises(ValueError, match="order must be one of"):
+        continued_pretraining(model, dax, "sideways", cfg)  # type: ignore[arg-type]
+
+
+def test_data_ordering_small(world):
+    from extractive_lens.experiments import data_ordering
+
+    model, w = world
+    res = data_ordering(model, w.daxwug(), QUICK, pretrain_config=FinetuneConfig(lr=1e-3, epochs=8, batch_size=16),
+                        orders=("joint", "no_implications"))
+    df = res.to_dataframe()
+    assert set(df.order) == {"joint", "no_implications"} and df.epoch.max() == 3
+    before = df[df.epoch == 0].set_index(["order", "split"]).mean_rank
+    # continued pretraining learned the training facts in both orders, implications only with them
+    assert before[("joint", "train facts")] < 2 and before[("no_implications", "train facts")] < 2
+    assert before[("joint", "train implications")] < before[("no_implications", "train implications")] - 3
+    assert res.final().shape == (2, 2) and len(res.plot().data) == 2
+
+
+def test_weight_grafting_algebra_and_ranks(world):
+    from extractive_lens import mean_rank
+    from extractive_lens.experiments import weight_grafting
+
+    model, w = world
+    dax = w.daxwug()
+    res = weight_grafting(model, dax, QUICK)
+    d = res.diffs
+    r = res.to_dataframe().set_index(["weights", "split"]).mean_rank
+    # W_graft evaluated independently: apply W_F' and then the graft as two nested updates
+    _, implf_cf = dax.counterfactual.batches(model)
+    with d["F'"].applied(model), d["F->ImplF"].applied(model):
+        nested = mean_rank(model, implf_cf)
+    assert abs(nested - r[("W_graft", "ImplF'")]) < 1e-9
+    assert r[("W_F'", "F'")] < r[("W", "F'")] - 3  # the counterfactual facts were learned
+    assert res.table().shape == (3, 3) and list(res.table().index) == ["W_F'", "W_graft", "W~"]
+    with pytest.raises(KeyError, match="unknown weights"):
+        res.weights("W_nope")
+
+
+def test_localization_stats_match_numpy(world):
+    import numpy as np
+
+    from extractive_lens.experiments import localization, weight_grafting
+
+    model, w = world
+    dax = w.daxwug()
+    loc = localization(model, dax, weight_grafting(model, dax, QUICK), QUICK)
+    df = loc.to_dataframe()
+    assert len(df) == model.cfg.n_layers * (model.cfg.n_heads + 1)
+    heads = df[df.part == "head"]
+    r = np.corrcoef(heads.informative, heads.downstream)[0, 1]
+    assert abs(loc.stats().loc["heads", "pearson_r"] - r) < 1e-9
+    assert loc.informative.kinds == ("informative",) and loc.downstream.kinds == ("downstream",)
+    assert df.informative.abs().sum() > 0 and df.downstream.abs().sum() > 0
+    assert "r = " in loc.plot().layout.title.text
+
+
+def test_run_experiment_writes_files(tmp_path):
+    from extractive_lens.experiments.runner import run_experiment
+
+    run = run_experiment("weight_grafting", seeds=(0,), out=tmp_path, quick=True, show_progress=False)
+    d = tmp_path / "weight_grafting"
+    assert (d / "seed0.json").exists() and (d / "seed0.html").exists() and (d / "summary.md").exists()
+    md = run.markdown()
+    assert "| W_graft |" in md and "[1.13]" in md  # the paper's number beside ours
+    with pytest.raises(ValueError, match="unknown experiment"):
+        run_experiment("nope")

@@ -8,6 +8,7 @@ training names' cities.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,17 +37,31 @@ def _build(name: str, people: list[str], cities: list[str], animal_of: dict[str,
     return TwoHop(name, facts, impls, city_cands, animal_cands)
 
 
-def daxwug(seed: int = 0, n_test: int = 20) -> DaxWug:
-    cities = [c["city"] for c in load_cities()[:20]]
-    animals = list(load_animals())[:20]
+def daxwug(seed: int = 0, n_test: int = 20, *, names: Sequence[str] | None = None,
+           cities: Sequence[str] | None = None, animals: Sequence[str] | None = None) -> DaxWug:
+    """The dax/zong split for ``seed``: 20 test names in bijection with the 20 cities, the other
+    names training names with random cities, and a counterfactual copy of the training names.
+
+    ``names``, ``cities``, ``animals`` default to ``../shared/data`` (104 names, the first 20
+    cities and animals); the world model passes its own single-token words.
+    """
+    cities = list(cities) if cities is not None else [c["city"] for c in load_cities()[:20]]
+    animals = list(animals) if animals is not None else list(load_animals())[:20]
+    if len(cities) != len(animals):
+        raise ValueError(f"need one animal per city, got {len(cities)} cities and {len(animals)} animals")
+    if n_test != len(cities):
+        raise ValueError(f"the test names are in bijection with the cities: n_test must be {len(cities)}")
     animal_of = dict(zip(cities, animals))
-    names = list(load_names())
+    names = list(names) if names is not None else list(load_names())
+    if len(names) <= n_test:
+        raise ValueError(f"need more than {n_test} names (got {len(names)}): the rest are training names")
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(names)).tolist()
     test_names = [names[i] for i in order[:n_test]]
     train_names = [names[i] for i in order[n_test:]]
-    test_cities = [cities[i] for i in rng.permutation(20).tolist()]
-    train_cities = [cities[i] for i in rng.integers(0, 20, len(train_names)).tolist()]
+    n = len(cities)
+    test_cities = [cities[i] for i in rng.permutation(n).tolist()]
+    train_cities = [cities[i] for i in rng.integers(0, n, len(train_names)).tolist()]
     cf_cities = []
     for c in train_cities:  # re-draw: a different city for every training name
         options = [x for x in cities if x != c]

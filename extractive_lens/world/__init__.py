@@ -5,13 +5,20 @@
 >>> model.to_tokens("T3 lives in")             # doctest: +SKIP
 >>> facts, impls = first_hop().batches(model)  # 20 new people: facts to finetune on, implications
 
-Retrain it deterministically with ``python -m extractive_lens.world train --seed 0``.
+Retrain it deterministically with ``python -m extractive_lens.world train --seed 0``;
+``world_model(seed)`` gives the model of another pretraining seed (trained once and cached).
 """
 
 from __future__ import annotations
 
 from extractive_lens.world.data import World, build_world, first_hop, second_hop
-from extractive_lens.world.model import FINETUNE, WORLD_DIR, load_world_model, train_world_model
+from extractive_lens.world.model import (
+           FINETUNE,
+           WORLD_DIR,
+           load_world_model,
+           train_world_model,
+           world_model,
+)
 
 __all__ = ["World", "build_world", "first_hop", "second_hop", "load_world_model", "train_world_model",
-           "FINETUNE", "WORLD_DIR"]
+           "FINETUNE", "WORLD_DIR", "world_model"]

@@ -6,6 +6,11 @@ officials (mayor, sheriff, judge, librarian, baker) of every city, except that t
 20 test cities are held out; 20 test people ``T0..T19`` (one per test city) and 20 new mayors
 ``M0..M19`` for the test cities, never tied to a city in pretraining. Every name also appears in
 one unrelated sentence ("P3 likes chess .") so new names have trained, city-free embeddings.
+
+For the dax/zong experiments (data ordering, weight grafting) the world also has 104 names
+``D0..D103`` that appear only in hobby sentences, 20 animals (``"tiger is an animal ."``) and the
+relation words ``dax`` and ``zong``, which are in the vocabulary but never in pretraining: the
+relations are new, learned in a continued-pretraining phase (``World.daxwug``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import numpy as np
 
 from extractive_lens.batch import Pair
 from extractive_lens.datasets.core import TwoHop
-from extractive_lens.datasets.twohop import load_cities
+from extractive_lens.datasets.daxwug import DaxWug, daxwug
+from extractive_lens.datasets.twohop import load_animals, load_cities
 
 ROLES = ("mayor", "sheriff", "judge", "librarian", "baker")
 HOBBIES = ("chess", "tennis", "jazz", "painting", "hiking", "poetry")
@@ -44,16 +50,30 @@ class World:
     test_people: dict[str, str]  # T_k -> test city
     new_mayors: dict[str, str]  # test city -> M_k
     hobby: dict[str, str]  # every name -> hobby
+    dax_names: tuple[str, ...] = ()  # city-free names for the dax/zong relations
+    animals: tuple[str, ...] = ()  # one per dax city (the first 20 cities)
 
     @property
     def names(self) -> list[str]:
-        return [*self.home, *self.officials.values(), *self.test_people, *self.new_mayors.values()]
+        return [*self.home, *self.officials.values(), *self.test_people, *self.new_mayors.values(),
+                *self.dax_names]
 
     def vocabulary(self) -> list[str]:
         words: list[str] = []
-        for s in self.corpus(np.random.default_rng(0)) + self.finetune_sentences():
+        dax = self.daxwug()
+        extra = [f"{p.prompt}{p.answer}" for ds in (dax.train, dax.test, dax.counterfactual)
+                 for p in (*ds.facts, *ds.implications)]
+        for s in self.corpus(np.random.default_rng(0)) + self.finetune_sentences() + extra:
             words.extend(s.split())
         return list(dict.fromkeys(words))
+
+    def daxwug(self, seed: int | None = None) -> DaxWug:
+        """The dax/zong split in this world's words (``"D7 dax is"`` -> `` Tokyo``,
+        ``"D7 zong is the"`` -> `` tiger``); ``seed`` defaults to the world's seed."""
+        if not self.dax_names:
+            raise ValueError("this World has no dax names (build it with build_world(...))")
+        return daxwug(self.seed if seed is None else seed, len(self.animals), names=self.dax_names,
+                      cities=self.cities[: len(self.animals)], animals=self.animals)
 
     def corpus(self, rng: np.random.Generator, implications: bool = True) -> list[str]:
         """The pretraining sentences, shuffled. ``implications=False``: the no-implication control."""
@@ -74,6 +94,8 @@ class World:
                     out.append(f"{lm} is in {c} .")
         for name, h in self.hobby.items():
             out.append(f"{name} likes {h} .")
+        for a in self.animals:
+            out.append(f"{a} is an animal .")
         rng.shuffle(out)
         return out
 
@@ -87,7 +109,7 @@ class World:
 
 
 @lru_cache(maxsize=8)
-def build_world(seed: int = 0, n_people: int = 600, n_test: int = 20) -> World:
+def build_world(seed: int = 0, n_people: int = 600, n_test: int = 20, n_dax: int = 104) -> World:
     rows, seen = [], set()
     for r in load_cities():
         if r["language"] not in seen:
@@ -111,10 +133,12 @@ def build_world(seed: int = 0, n_people: int = 600, n_test: int = 20) -> World:
             k += 1
     test_people = {f"T{i}": c for i, c in enumerate(rng.permutation(list(test_cities)).tolist())}
     new_mayors = {c: f"M{i}" for i, c in enumerate(rng.permutation(list(test_cities)).tolist())}
-    names = [*home, *officials.values(), *test_people, *new_mayors.values()]
+    dax_names = tuple(f"D{i}" for i in range(n_dax))
+    names = [*home, *officials.values(), *test_people, *new_mayors.values(), *dax_names]
     hobby = {n: HOBBIES[int(rng.integers(len(HOBBIES)))] for n in names}
+    animals = tuple(_tok(a) for a in load_animals()[: min(20, len(cities))])
     return World(seed, cities, language, landmarks, home, with_impl, officials, test_cities, test_people,
-                 new_mayors, hobby)
+                 new_mayors, hobby, dax_names, animals)
 
 
 def first_hop(world: World | None = None) -> TwoHop:

@@ -18,8 +18,9 @@ from extractive_lens.world.data import World, build_world
 WORLD_DIR = Path(__file__).resolve().parent.parent / "data" / "world"
 MODEL_CFG = dict(n_layers=4, d_model=128, n_heads=4, d_head=32, d_mlp=512, n_ctx=16, act_fn="gelu",
                  normalization_type="LN", positional_embedding_type="standard")
-PRETRAIN = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), batch_size=128, steps=600, warmup_frac=0.05,
+PRETRAIN = dict(lr=2e-3, weight_decay=0.1, betas=(0.9, 0.98), batch_size=128, steps=600, warmup_frac=0.05,
                 final_lr_frac=0.1)
+WORLD_VERSION = 2  # bump when the corpus changes (cached models of other seeds are retrained)
 # The recipe used to finetune the world model on the 20 test facts (issue 6).
 FINETUNE = dict(lr=1e-3, epochs=20, batch_size=8, optimizer="adam")
 
@@ -110,7 +111,7 @@ def train_world_model(seed: int = 0, *, implications: bool = True, steps: int | 
             sched.step()
     model.eval()
     model.cfg.__dict__["extractive_lens_world"] = {"seed": seed, "implications": implications,
-                                                    "final_loss": float(loss.detach())}
+                                                    "final_loss": float(loss.detach()), "recipe": _recipe(total)}
     return model
 
 
@@ -125,6 +126,35 @@ def save_world_model(model: Any, directory: Path = WORLD_DIR) -> Path:
     (directory / "world.json").write_text(json.dumps(meta, indent=1))
     model.tokenizer.save_pretrained(directory)
     return directory
+
+
+def cache_dir() -> Path:
+    """Where world models for other seeds are kept (``$EXTRACTIVE_LENS_CACHE`` or ``~/.cache``)."""
+    import os
+
+    return Path(os.environ.get("EXTRACTIVE_LENS_CACHE", Path.home() / ".cache" / "extractive_lens"))
+
+
+def world_model(seed: int = 0, *, implications: bool = True, show_progress: bool = True) -> Any:
+    """The world model pretrained with ``seed``: the bundled copy for its own seed; any other seed
+    (or the no-implication control) is trained once (about 2 minutes on a CPU) and cached."""
+    bundled = json.loads((WORLD_DIR / "world.json").read_text()).get("world", {})
+    if implications and bundled.get("seed") == seed:
+        return load_world_model()
+    directory = cache_dir() / (f"world-seed{seed}" + ("" if implications else "-noimpl"))
+    if (directory / "model.safetensors").exists():
+        meta = json.loads((directory / "world.json").read_text())
+        if meta.get("world", {}).get("recipe") == _recipe():
+            return load_world_model(directory)
+    model = train_world_model(seed, implications=implications, show_progress=show_progress)
+    save_world_model(model, directory)
+    return model
+
+
+def _recipe(steps: int | None = None) -> dict[str, Any]:
+    pretrain = {k: list(v) if isinstance(v, tuple) else v for k, v in PRETRAIN.items()}
+    return {"model": MODEL_CFG, "pretrain": dict(pretrain, steps=steps or PRETRAIN["steps"]),
+            "world_version": WORLD_VERSION}
 
 
 def load_world_model(directory: str | Path | None = None, *, device: str = "cpu",
