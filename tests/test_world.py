@@ -70,3 +70,25 @@ def test_training_is_deterministic():
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["embed.W_E"][:5], c.state_dict()["embed.W_E"][:5])
+
+
+def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkeypatch):
+    import extractive_lens.world.model as wm
+
+    monkeypatch.setenv("EXTRACTIVE_LENS_CACHE", str(tmp_path))
+    monkeypatch.setitem(wm.PRETRAIN, "steps", 3)  # a short recipe: this checks the caching, not the model
+    a = wm.world_model(5, show_progress=False)
+    assert (tmp_path / "world-seed5" / "model.safetensors").exists()
+    assert a.cfg.extractive_lens_world["seed"] == 5
+
+    def no_training(*args, **kw):
+        raise AssertionError("should have loaded the cached model")
+
+    monkeypatch.setattr(wm, "train_world_model", no_training)
+    b = wm.world_model(5, show_progress=False)
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in b.state_dict() if not k.endswith("mask"))
+    monkeypatch.setitem(wm.PRETRAIN, "steps", 4)  # a different recipe invalidates the cache
+    with pytest.raises(AssertionError, match="cached"):
+        wm.world_model(5, show_progress=False)
+    bundled = wm.world_model(0)  # the shipped seed never trains
+    assert bundled.cfg.extractive_lens_world["seed"] == 0
