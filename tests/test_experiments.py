@@ -151,3 +151,28 @@ def test_run_experiment_writes_files(tmp_path):
     assert "| W_graft |" in md and "[1.13]" in md  # the paper's number beside ours
     with pytest.raises(ValueError, match="unknown experiment"):
         run_experiment("nope")
+
+
+def test_dax_experiments_on_any_model_with_real_names():
+    """The default dax/zong data (real names and cities, some of them several tokens) on a small
+    random model with its own tokenizer: every experiment runs and leaves the model untouched."""
+    from extractive_lens import tiny_model
+    from extractive_lens.datasets import daxwug
+    from extractive_lens.demo import word_tokenizer
+    from extractive_lens.experiments import data_ordering, localization, weight_grafting
+
+    dax = daxwug(seed=1)
+    words = [w for ds in (dax.train, dax.test, dax.counterfactual) for p in (*ds.facts, *ds.implications)
+             for w in (p.prompt + p.answer).split()]
+    tok = word_tokenizer(words)
+    model = tiny_model({"d_vocab": len(tok), "n_ctx": 16, "n_layers": 2}, seed=0, tokenizer=tok)
+    assert any(len(p.answer.split()) > 1 for p in dax.train.facts)  # multi-token cities are in there
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    cfg = FinetuneConfig(lr=1e-3, epochs=1, batch_size=16)
+    graft = weight_grafting(model, dax, cfg)
+    assert graft.table().shape == (3, 3)
+    order = data_ordering(model, dax, cfg, pretrain_config=cfg, orders=("facts_first",))
+    assert set(order.to_dataframe().split) >= {"test facts", "test implications"}
+    loc = localization(model, dax, graft, cfg)
+    assert len(loc.to_dataframe()) == 2 * (model.cfg.n_heads + 1)
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
