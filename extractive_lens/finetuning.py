@@ -96,6 +96,9 @@ def finetune(
         callback: called after every epoch with ``(epoch, diff_so_far)``, while the model holds
             its original weights (so ``diff_so_far.applied(model)`` evaluates the checkpoint).
     """
+    from extractive_lens.scoring.engine import check_arguments
+
+    check_arguments("finetune", model, batch=data, need_diff=False)
     cfg = config or FinetuneConfig()
     params = dict(model.named_parameters())
     snapshot = {n: p.detach().clone() for n, p in params.items()}
@@ -205,6 +208,11 @@ def mean_rank(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = No
 
 def ranks(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) -> torch.Tensor:
     """Per prompt: the answer's rank among its candidates (0 = the model's top candidate)."""
+    from extractive_lens.scoring.engine import check_arguments
+
+    check_arguments("mean_rank", model, batch=batch, need_diff=False)
+    if diff is not None and not isinstance(diff, WeightDiff):
+        raise TypeError(f"mean_rank(model, batch, diff): diff must be a WeightDiff or None, got {type(diff).__name__}.")
     if batch.candidates is None:
         raise ValueError("Ranks need candidate answers: make_batch(..., candidates=[...]).")
     with torch.no_grad(), (diff.applied(model) if diff is not None else contextlib.nullcontext()):

@@ -232,3 +232,25 @@ def test_gqa_authors_convention_is_refused():
     with pytest.raises(NotImplementedError, match="grouped-query"):
         linear_scores(base, WeightDiff.from_models(base, ft), small_batch(base), convention="authors_code",
                       reward="answer_logprob")
+
+
+def test_argument_mixups_say_what_to_pass():
+    import extractive_lens as el
+    from tests.conftest import make_pair
+
+    base, ft = make_pair("ln_gelu", torch.float32)
+    batch = make_batch(base, [([1, 2, 3], [4])])
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    diff = el.WeightDiff.from_models(base, ft)
+    with pytest.raises(TypeError, match=r"diff must be a WeightDiff, got HookedTransformer.*from_models"):
+        el.linear_scores(base, ft, batch)
+    with pytest.raises(TypeError, match="diff must be a WeightDiff"):
+        el.causal_scores(base, ft, batch)
+    with pytest.raises(TypeError, match="batch must be a PromptBatch, got list.*make_batch"):
+        el.linear_scores(base, diff, [("a", "b")])
+    with pytest.raises(TypeError, match="model must be a HookedTransformer, got str"):
+        el.causal_scores("gpt2", diff, None)
+    with pytest.raises(TypeError, match="finetune.*batch must be a PromptBatch, got Tensor"):
+        el.finetune(base, tokens)
+    with pytest.raises(TypeError, match="mean_rank.*batch must be a PromptBatch"):
+        el.mean_rank(base, tokens)

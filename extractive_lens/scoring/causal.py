@@ -37,6 +37,7 @@ from extractive_lens.scoring.engine import (
     Run,
     assemble,
     base_metadata,
+    check_arguments,
     forward_run,
     plan_chunks,
     progress,
@@ -83,6 +84,7 @@ def causal_scores(
     Whole-component totals (``totals``) are always the exact whole-component patch, also for
     ``per="token"`` (where they are not the sum of the per-token scores).
     """
+    check_arguments("causal_scores", model, diff, batch)
     M.check_scorable(model)
     kinds = resolve_kinds(kinds)
     if per not in ("token", "component"):

@@ -372,6 +372,23 @@ def base_metadata(model: nn.Module, diff: Any, **extra: Any) -> dict[str, Any]:
     return meta
 
 
+def check_arguments(fn: str, model: Any, diff: Any = None, batch: Any = None, *, need_diff: bool = True) -> None:
+    """Catch the common argument mix-ups with an error that says what to pass instead."""
+    from extractive_lens.weight_diff import WeightDiff
+
+    call = f"{fn}(model, diff, batch)" if need_diff else f"{fn}(model, batch)"
+    if not isinstance(model, nn.Module) or not hasattr(model, "cfg"):
+        raise TypeError(f"{call}: model must be a HookedTransformer, got {type(model).__name__}. "
+                        "Load one with load_pretrained(name), load_checkpoint(dir) or load_world_model().")
+    if need_diff and not isinstance(diff, WeightDiff):
+        hint = ("pass the weight change instead: WeightDiff.from_models(base, finetuned)"
+                if isinstance(diff, nn.Module) else "build one with WeightDiff.from_models(base, finetuned)")
+        raise TypeError(f"{call}: diff must be a WeightDiff, got {type(diff).__name__}; {hint}.")
+    if batch is not None and not isinstance(batch, PromptBatch):
+        raise TypeError(f"{call}: batch must be a PromptBatch, got {type(batch).__name__}; "
+                        "build one with make_batch(model, [(prompt, answer), ...]).")
+
+
 def resolve_kinds(kinds: Any) -> tuple[ScoreKind, ...]:
     from extractive_lens.types import SCORE_KINDS
 

@@ -29,6 +29,7 @@ from extractive_lens.scoring.engine import (
     Run,
     assemble,
     base_metadata,
+    check_arguments,
     forward_run,
     head_grad,
     plan_chunks,
@@ -80,6 +81,7 @@ def linear_scores(
             at most one forward's; same FLOPs, more passes). ``"auto"`` (default): all in one
             pass when that stays under ``UPSTREAM_AUTO_BYTES``, else 1.
     """
+    check_arguments("linear_scores", model, diff, batch)
     M.check_scorable(model)
     kinds = resolve_kinds(kinds)
     if convention not in ("paper", "authors_code"):
