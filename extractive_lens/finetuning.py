@@ -22,6 +22,7 @@ from torch import nn
 from extractive_lens import model as M
 from extractive_lens.batch import PromptBatch
 from extractive_lens.rewards import answer_logprob
+from extractive_lens.scoring.engine import check_arguments
 from extractive_lens.types import Component, parse_components
 from extractive_lens.weight_diff import WeightDiff
 
@@ -96,8 +97,6 @@ def finetune(
         callback: called after every epoch with ``(epoch, diff_so_far)``, while the model holds
             its original weights (so ``diff_so_far.applied(model)`` evaluates the checkpoint).
     """
-    from extractive_lens.scoring.engine import check_arguments
-
     check_arguments("finetune", model, batch=data, need_diff=False)
     cfg = config or FinetuneConfig()
     params = dict(model.named_parameters())
@@ -186,6 +185,7 @@ def _diff(model: nn.Module, params: dict, snapshot: dict, cfg: FinetuneConfig) -
 
 def rank_trajectory(
     model: nn.Module, data: PromptBatch, evaluate: dict[str, PromptBatch], config: FinetuneConfig | None = None,
+    *, show_progress: bool | None = None,
 ) -> tuple[WeightDiff, Any]:
     """Finetune on ``data`` and record the mean rank of every ``evaluate`` batch before training
     and after each epoch: ``(diff, DataFrame[epoch, split, mean_rank])`` (epoch 0 = before)."""
@@ -196,7 +196,7 @@ def rank_trajectory(
     def record(epoch: int, diff: WeightDiff) -> None:
         rows.extend((epoch + 1, name, mean_rank(model, b, diff)) for name, b in evaluate.items())
 
-    diff = finetune(model, data, config, callback=record)
+    diff = finetune(model, data, config, callback=record, show_progress=show_progress)
     return diff, pd.DataFrame(rows, columns=["epoch", "split", "mean_rank"])
 
 
@@ -208,8 +208,6 @@ def mean_rank(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = No
 
 def ranks(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) -> torch.Tensor:
     """Per prompt: the answer's rank among its candidates (0 = the model's top candidate)."""
-    from extractive_lens.scoring.engine import check_arguments
-
     check_arguments("mean_rank", model, batch=batch, need_diff=False)
     if diff is not None and not isinstance(diff, WeightDiff):
         raise TypeError(f"mean_rank(model, batch, diff): diff must be a WeightDiff or None, got {type(diff).__name__}.")

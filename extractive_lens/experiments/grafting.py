@@ -30,6 +30,10 @@ PAPER_TABLE_3 = {  # mean ranks: ImplF', ImplF, F'
 }
 SPLITS = ("ImplF'", "ImplF", "F'", "F")
 TABLE_ROWS = ("W_F'", "W_graft", "W~")
+WEIGHTS = {  # each setting's total change from W, as a sum of the trained updates
+    "W_F": ("F",), "W_F,ImplF": ("F", "F->ImplF"), "W_F'": ("F'",), "W_graft": ("F'", "F->ImplF"),
+    "W~": ("F'", "ImplF"),
+}
 
 
 @dataclass(frozen=True)
@@ -53,12 +57,7 @@ class GraftingResult:
 
     def weights(self, name: str) -> WeightDiff:
         """The total change from W for a row of the table: ``"W_F'"``, ``"W_graft"``, ``"W~"``, ..."""
-        d = self.diffs
-        totals = {"W_F": d["F"], "W_F,ImplF": d["F"] + d["F->ImplF"], "W_F'": d["F'"],
-                  "W_graft": d["F'"] + d["F->ImplF"], "W~": d["F'"] + d["ImplF"]}
-        if name not in totals:
-            raise KeyError(f"unknown weights {name!r}; choose from {sorted(totals)}")
-        return totals[name]
+        return _total(self.diffs, name)
 
     def plot(self) -> Any:
         from extractive_lens.plotting import table_heatmap
@@ -66,6 +65,12 @@ class GraftingResult:
         df = self.to_dataframe()
         return table_heatmap(df[df["split"].isin(SPLITS)], index="weights", columns="split", values="mean_rank",
                              title="weight grafting: mean ranks")
+
+
+def _total(d: dict[str, WeightDiff], name: str) -> WeightDiff:
+    if name not in WEIGHTS:
+        raise KeyError(f"unknown weights {name!r}; choose from {sorted(WEIGHTS)}")
+    return sum((d[part] for part in WEIGHTS[name][1:]), d[WEIGHTS[name][0]])
 
 
 def weight_grafting(model: Any, dataset: DaxWug, config: FinetuneConfig | None = None) -> GraftingResult:
@@ -78,10 +83,9 @@ def weight_grafting(model: Any, dataset: DaxWug, config: FinetuneConfig | None =
         diffs["F->ImplF"] = finetune(model, ImplF, replace(cfg, seed=cfg.seed + 1), show_progress=False)
     diffs["F'"] = finetune(model, Fp, replace(cfg, seed=cfg.seed + 2), show_progress=False)
     diffs["ImplF"] = finetune(model, ImplF, replace(cfg, seed=cfg.seed + 3), show_progress=False)
-    result = GraftingResult((), diffs)
     batches = {"ImplF'": ImplFp, "ImplF": ImplF, "F'": Fp, "F": F}
     rows = [dict(weights="W", split=s, mean_rank=mean_rank(model, b)) for s, b in batches.items()]
-    for name in ("W_F", "W_F,ImplF", "W_F'", "W_graft", "W~"):
-        total = result.weights(name)
+    for name in WEIGHTS:
+        total = _total(diffs, name)
         rows += [dict(weights=name, split=s, mean_rank=mean_rank(model, b, total)) for s, b in batches.items()]
     return GraftingResult(tuple(rows), diffs)

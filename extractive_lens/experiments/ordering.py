@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from extractive_lens.batch import PromptBatch
+from extractive_lens.batch import PromptBatch, make_batch
 from extractive_lens.datasets.daxwug import DaxWug
-from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
+from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank, rank_trajectory
 from extractive_lens.weight_diff import WeightDiff
 
 Order = Literal["joint", "facts_first", "implications_first", "no_implications"]
@@ -78,8 +78,6 @@ def _train_phases(model: Any, phases: Sequence[PromptBatch], config: FinetuneCon
 def continued_pretraining(model: Any, dataset: DaxWug, order: Order,
                           config: FinetuneConfig = PRETRAIN_PHASE) -> WeightDiff:
     """The weight change of continued pretraining on the training names in ``order``."""
-    from extractive_lens.batch import make_batch
-
     facts = list(dataset.train.facts)
     impls = list(dataset.train.implications)
     batch = {  # the candidates do not matter for training; the answers do
@@ -100,19 +98,15 @@ def data_ordering(
     cfg = finetune_config or FinetuneConfig()
     test_facts, test_impls = dataset.test.batches(model)
     train_facts, train_impls = dataset.train.batches(model)
-    evaluate = {"test facts": test_facts, "test implications": test_impls, "train facts": train_facts,
-                "train implications": train_impls}
     rows: list[dict[str, Any]] = []
     for order in orders:
         cpt = continued_pretraining(model, dataset, order, pretrain_config)
         with cpt.applied(model):
-            rows += [dict(order=order, epoch=0, split=s, mean_rank=mean_rank(model, b)) for s, b in evaluate.items()]
-
-            def record(epoch: int, diff: WeightDiff, order: Order = order) -> None:
-                for s in ("test facts", "test implications"):
-                    rows.append(dict(order=order, epoch=epoch + 1, split=s,
-                                     mean_rank=mean_rank(model, evaluate[s], diff)))
-
-            finetune(model, test_facts, cfg, callback=record, show_progress=False)
+            rows += [dict(order=order, epoch=0, split=s, mean_rank=mean_rank(model, b))
+                     for s, b in (("train facts", train_facts), ("train implications", train_impls))]
+            _, trajectory = rank_trajectory(model, test_facts, {"test facts": test_facts,
+                                                                "test implications": test_impls}, cfg,
+                                            show_progress=False)
+        rows += [dict(order=order, **r) for r in trajectory.to_dict("records")]
     n = len(dataset.test.implication_candidates)
     return OrderingResult(tuple(rows), (n - 1) / 2)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from extractive_lens.world.data import World, build_world, first_hop, second_hop
 from extractive_lens.world.model import (
-           FINETUNE,
-           WORLD_DIR,
-           load_world_model,
-           train_world_model,
-           world_model,
+    FINETUNE,
+    WORLD_DIR,
+    load_world_model,
+    train_world_model,
+    world_model,
 )
 
 __all__ = ["World", "build_world", "first_hop", "second_hop", "load_world_model", "train_world_model",
