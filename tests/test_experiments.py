@@ -83,6 +83,9 @@ def test_continued_pretraining_orders_are_sequential(world):
             lr=1e-3, epochs=1, batch_size=16, seed=5), show_progress=False)
     for name, d in got.deltas.items():
         torch.testing.assert_close(d, (d1 + d2).deltas[name], rtol=0, atol=1e-6)
+    # negative control: the other order is a different update, so the comparison above can fail
+    other = continued_pretraining(model, dax, "implications_first", cfg)
+    assert max(float((other.deltas[n] - d).abs().max()) for n, d in got.deltas.items()) > 1e-3
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
     with pytest.raises(ValueError, match="order must be one of"):
         continued_pretraining(model, dax, "sideways", cfg)  # type: ignore[arg-type]
