@@ -8,7 +8,7 @@ Rows are right-padded, so a causal model never attends to padding: padded positi
 excluded from every score and from the reward. The answer is teacher-forced: the model reads
 ``prompt + answer[:-1]`` and the reward reads the answer's tokens at positions ``P-1 .. P+K-2``.
 
-Roles (SPEC §6) let prompts of different lengths be aggregated position by position:
+Roles (docs/scores.md §6) let prompts of different lengths be aggregated position by position:
 - a ``Pair`` with a ``template`` and ``slots`` labels template tokens by their text and slot
   tokens right-aligned, ``{name}[-1]`` being the slot's last token;
 - plain pairs are aligned by common prefix / differing centre (right-aligned, ``mid[-1]``) /
@@ -57,6 +57,7 @@ class PromptBatch:
         counterfactual: a counterfactual answer's first token per row (or None).
         roles: the role label of every real position of every row.
         prompts, answers: the text (or token lists) the batch was made from.
+        prepend_bos: whether a BOS token was put before every prompt.
     """
 
     tokens: Int[Tensor, "batch pos"]
@@ -69,6 +70,7 @@ class PromptBatch:
     prompts: tuple[Any, ...]
     answers: tuple[Any, ...]
     pad_token: int = 0
+    prepend_bos: bool = False
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -164,9 +166,9 @@ def _unique(labels: Sequence[str]) -> list[str]:
     return out
 
 
-def _bos(model: Any) -> int | None:
+def _bos(model: Any, explicit: bool = False) -> int | None:
     tok = getattr(model, "tokenizer", None)
-    if not getattr(model.cfg, "default_prepend_bos", True):
+    if not explicit and not getattr(model.cfg, "default_prepend_bos", True):
         return None
     if tok is not None and tok.bos_token_id is not None:
         return int(tok.bos_token_id)
@@ -282,11 +284,14 @@ def make_batch(
         roles: explicit role labels, one list per prompt with one label per prompt token.
         counterfactuals: a counterfactual answer per prompt (for the ``logit_diff`` reward).
         prepend_bos: default ``model.cfg.default_prepend_bos`` (when the tokenizer has a BOS).
+            ``load_checkpoint`` sets that to what the checkpoint's own tokenizer does
+            (``tokenizer(text)`` with special tokens), so scores are of the token sequence the
+            model sees under Hugging Face. Recorded in every result's ``metadata``.
     """
     if len(pairs) == 0:
         raise ValueError("make_batch needs at least one (prompt, answer) pair.")
     items = [_as_pair(p) for p in pairs]
-    bos = _bos(model) if prepend_bos in (None, True) else None
+    bos = _bos(model, explicit=bool(prepend_bos)) if prepend_bos in (None, True) else None
     if prepend_bos and bos is None:
         raise ValueError("prepend_bos=True but the model's tokenizer has no BOS token.")
     prompt_ids, answer_ids, offsets = [], [], []
@@ -356,6 +361,7 @@ def make_batch(
         prompts=tuple(p.prompt for p in items),
         answers=tuple(p.answer for p in items),
         pad_token=pad,
+        prepend_bos=bos is not None,
     )
     return batch.to(device) if device is not None else batch
 

@@ -52,6 +52,8 @@ def score(
     reward: str = typer.Option("answer_logprob", help="answer_logprob, logit_margin or logit_diff."),
     out: Path = typer.Option(Path("scores"), help="Output directory (scores, comparison, report.html)."),
     dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
+    compute_dtype: str = typer.Option(
+        None, help="Dtype scores are computed in (default: float32 for bfloat16/float16 models, else --dtype)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     batch_size: int = typer.Option(16, help="Prompts per pass."),
     distributed: bool = typer.Option(False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."),
@@ -59,6 +61,8 @@ def score(
     """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
     if method not in ("linear", "causal", "both"):
         raise typer.BadParameter("--method must be linear, causal or both.")
+    if compute_dtype is not None and compute_dtype not in ("float32", "float64", "bfloat16", "float16"):
+        raise typer.BadParameter("--compute-dtype must be float32, float64, bfloat16 or float16.")
     from extractive_lens import WeightDiff, compare, make_batch
     from extractive_lens.datasets import load_pairs
     from extractive_lens.distributed import distributed_scores, init_from_env
@@ -87,10 +91,12 @@ def score(
     out.mkdir(parents=True, exist_ok=True)
     results = []
     if method in ("linear", "both"):
-        lin = distributed_scores("linear", base_m, delta, batch, reward=reward, batch_size=batch_size)
+        lin = distributed_scores("linear", base_m, delta, batch, reward=reward, batch_size=batch_size,
+                                 compute_dtype=compute_dtype)
         results.append(lin)
     if method in ("causal", "both"):
-        ex = distributed_scores("causal", base_m, delta, batch, reward=reward, batch_size=batch_size)
+        ex = distributed_scores("causal", base_m, delta, batch, reward=reward, batch_size=batch_size,
+                                compute_dtype=compute_dtype)
         results.append(ex)
     if rank != 0:
         return

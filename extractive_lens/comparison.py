@@ -3,6 +3,9 @@
 >>> cmp = compare(linear_scores(base, diff, batch), causal_scores(base, diff, batch))  # doctest: +SKIP
 >>> cmp.summary                      # doctest: +SKIP   one row per kind and part
 >>> cmp.worst("informative", 5)      # doctest: +SKIP   largest |linear - exact| cells
+>>> cmp.verdicts["upstream"]         # doctest: +SKIP   in plain words: trust the linear score?
+
+How to read the numbers and verdicts: ``docs/scores.md``, "When to trust a linear score".
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ class ScoreComparison:
     Attributes:
         linear, exact: the two results.
         level: ``"token"`` compares per-token cells (role-aggregated), ``"component"`` the totals.
-        rows: one dict per (kind, part) with pearson, spearman, sign_agreement, topk_overlap,
-            max_abs_err, median_abs_err, n.
+        rows: one dict per (kind, part) with n (cells compared: those both results computed),
+            pearson, spearman, sign_agreement, topk_overlap, max_abs_err, median_abs_err, verdict.
     """
 
     linear: ComponentScores
@@ -61,16 +64,19 @@ class ScoreComparison:
             comps = [i for i, c in enumerate(lin.component_labels) if c != "MLP"]
         elif part == "mlp":
             comps = [i for i, c in enumerate(lin.component_labels) if c == "MLP"]
+        skipped = set(_skipped(lin, kind)) | set(_skipped(ex, kind))
         if self.level == "component":
             a = lin.totals[li][:, comps]
             b = ex.totals[ei][:, comps]
-            labels = [f"L{layer}{lin.component_labels[c]}" for layer in range(a.shape[0]) for c in comps]
+            cells = [(f"L{layer}{lin.component_labels[c]}", "") for layer in range(a.shape[0]) for c in comps]
         else:
             a = lin.values[li][:, comps]
             b = ex.values[ei][:, comps]
-            labels = [f"L{layer}{lin.component_labels[c]}@{p}" for layer in range(a.shape[0]) for c in comps
-                      for p in lin.position_labels]
-        return a.flatten().double().numpy(), b.flatten().double().numpy(), labels
+            cells = [(f"L{layer}{lin.component_labels[c]}", f"@{p}") for layer in range(a.shape[0])
+                     for c in comps for p in lin.position_labels]
+        keep = np.array([comp not in skipped for comp, _ in cells], dtype=bool)
+        labels = [comp + at for (comp, at), k in zip(cells, keep) if k]
+        return a.flatten().double().numpy()[keep], b.flatten().double().numpy()[keep], labels
 
     def worst(self, kind: ScoreKind, n: int = 5, part: Part = "all") -> list[tuple[str, float, float]]:
         """The ``n`` cells with the largest ``|linear - exact|``: ``(label, linear, exact)``."""
@@ -83,6 +89,11 @@ class ScoreComparison:
         import pandas as pd
 
         return pd.DataFrame(list(self.rows))
+
+    @property
+    def verdicts(self) -> dict[str, str]:
+        """Per kind, in plain words: can the linear score stand in for the exact one here?"""
+        return {r["kind"]: r["verdict"] for r in self.rows if r["part"] == "all"}
 
     def to_dataframe(self) -> Any:
         """Tidy: one row per compared cell (kind, label, linear, exact)."""
@@ -102,8 +113,9 @@ class ScoreComparison:
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(_fmt(r[c]))}</td>" for c in cols) + "</tr>" for r in self.rows
         )
+        says = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in self.verdicts.items())
         return (f"<div><b>ScoreComparison</b> (linear vs exact, {self.level} level, top-{self.k} overlap)"
-                f"<table><tr>{head}</tr>{body}</table></div>")
+                f"<table><tr>{head}</tr>{body}</table><ul>{says}</ul></div>")
 
     def __repr__(self) -> str:
         return self.summary.to_string(index=False)
@@ -118,16 +130,67 @@ def _fmt(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
+AGREE_PEARSON, AGREE_TOPK, PARTLY_PEARSON = 0.9, 0.6, 0.6
+
+
+def verdict(kind: str, pearson: float, topk_overlap: float) -> str:
+    """A plain-words reading of one kind's agreement (thresholds: ``docs/scores.md``)."""
+    fix = f"confirm the top components with causal_scores(..., kinds=({kind!r},), top_k=...)"
+    if pearson == pearson and pearson >= AGREE_PEARSON and topk_overlap >= AGREE_TOPK:
+        return f"linear {kind} agrees with exact here (r = {pearson:.2f}): the linear map can stand in for it."
+    if pearson == pearson and pearson >= PARTLY_PEARSON:
+        return (f"linear {kind} roughly agrees with exact here (r = {pearson:.2f}, top-k overlap "
+                f"{topk_overlap:.0%}): trust the ranking more than the values, and {fix}.")
+    why = (" Upstream is linear in y - y*, not in the weight change, so a large ablation step can flip it."
+           if kind == "upstream" else " The weight change is too large for its first-order description.")
+    return (f"linear {kind} disagrees with exact here (r = {pearson:.2f}): do not read it on its own; "
+            f"{fix}.{why}")
+
+
+def _skipped(scores: ComponentScores, kind: str) -> list[str]:
+    """Components a result never computed for ``kind`` (``causal_scores(top_k=, layers=)``)."""
+    skipped = scores.metadata.get("skipped") or {}
+    return list(skipped.get(kind, ()))
+
+
+SETTINGS = ("reward", "convention", "reference", "prepend_bos")
+UPSTREAM_SETTINGS = ("ablation", "resample_k", "seed")
+
+
+def setting_differences(linear: ComponentScores, exact: ComponentScores) -> list[str]:
+    """The settings two results were computed with that differ (``[]``: comparable)."""
+    a, b = linear.metadata, exact.metadata
+    keys = list(SETTINGS)
+    if "upstream" in linear.kinds and "upstream" in exact.kinds:
+        keys += [k for k in UPSTREAM_SETTINGS if k != "seed" or a.get("ablation") == "resample"]
+    out = [f"{k} (linear {a.get(k)!r}, exact {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)]
+    da, db = a.get("prompts_digest"), b.get("prompts_digest")
+    if linear.prompt_roles != exact.prompt_roles or (da is not None and db is not None and da != db):
+        out.append("prompts (the two results scored different prompts)")
+    return out
+
+
 def compare(
     linear: ComponentScores, exact: ComponentScores, *, level: Literal["token", "component"] | None = None,
-    k: int = 10,
+    k: int = 10, check_settings: bool = True,
 ) -> ScoreComparison:
-    """Pearson / Spearman r, sign agreement, top-k overlap and errors, per kind and part.
+    """Pearson / Spearman r, sign agreement, top-k overlap and errors, per kind and part, with a
+    plain-words verdict per kind (``.verdicts``).
 
     ``level`` defaults to ``"token"`` when both results are per token, else ``"component"``.
+    Cells that a result never computed (``causal_scores(top_k=..., layers=...)``) are left out,
+    and ``n`` counts the cells compared. Results computed with different settings (reward,
+    convention, y* ablation, reference, BOS or prompts) are refused unless
+    ``check_settings=False``.
     """
     if linear.component_labels != exact.component_labels or linear.n_layers != exact.n_layers:
         raise ValueError("The two results are for different models (layers / components differ).")
+    if check_settings and (differences := setting_differences(linear, exact)):
+        raise ValueError(
+            "compare() pairs results computed the same way, and these differ: " + "; ".join(differences)
+            + ". Recompute one with the other's settings (e.g. linear_scores(..., reward=..., ablation=...)), "
+            "or pass check_settings=False to compare them anyway."
+        )
     per_token = exact.position_labels != ("all",) and linear.position_labels != ("all",)
     level = level or ("token" if per_token else "component")
     if level == "token":
@@ -149,11 +212,12 @@ def compare(
             top_b = set(np.argsort(-np.abs(b))[:kk])
             nz = (a != 0) | (b != 0)
             err = np.abs(a - b)
+            pearson = _pearson(a, b)
             rows.append(dict(
-                kind=kind, part=part, n=int(len(a)), pearson=_pearson(a, b),
+                kind=kind, part=part, n=int(len(a)), pearson=pearson,
                 spearman=_pearson(_ranks(a), _ranks(b)),
                 sign_agreement=float((np.sign(a[nz]) == np.sign(b[nz])).mean()) if nz.any() else float("nan"),
                 topk_overlap=len(top_a & top_b) / kk, max_abs_err=float(err.max()),
-                median_abs_err=float(np.median(err)),
+                median_abs_err=float(np.median(err)), verdict=verdict(kind, pearson, len(top_a & top_b) / kk),
             ))
     return ScoreComparison(linear, exact, level, k, tuple(rows))

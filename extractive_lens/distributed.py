@@ -20,6 +20,7 @@ import torch
 
 from extractive_lens.batch import PromptBatch
 from extractive_lens.results import ComponentScores, aggregate_by_role
+from extractive_lens.scoring.engine import prompts_digest
 
 
 def shard_rows(n: int, rank: int, world: int) -> list[int]:
@@ -73,11 +74,13 @@ def distributed_scores(
         pt = sum(g[1] for g in gathered if g is not None)
         template = part if part is not None else fn(model, diff, batch.subset([0]), layers=[0], **kwargs)
         meta = {**template.metadata, "distributed": {"world_size": world, "shard": "layers"},
+                "prompts_digest": prompts_digest(batch),
                 "layers": sorted(all_layers), "skipped": None}
         return _rebuild(template, pv, pt, None, template.prompt_roles, meta)
     rows = shard_rows(len(batch), rank, world)
     part = fn(model, diff, batch, rows=rows, **kwargs) if rows else None
-    payload = None if part is None else (rows, part.prompt_values, part.prompt_totals, part.other)
+    changes = None if part is None else (part.metadata.get("linearization") or {}).get("prompt_changes")
+    payload = None if part is None else (rows, part.prompt_values, part.prompt_totals, part.other, changes)
     gathered = [None] * world
     dist.all_gather_object(gathered, payload)
     parts = [g for g in gathered if g is not None]
@@ -91,7 +94,14 @@ def distributed_scores(
     roles = batch.roles if template.position_labels != ("all",) else tuple(("all",) for _ in range(len(batch)))
     meta = {**template.metadata, "rows": None, "distributed": {"world_size": world, "shard": "prompts"}}
     meta.pop("prompt_tokens", None)
-    return _rebuild(template, pv, pt, other, roles, meta)
+    meta["prompts_digest"] = prompts_digest(batch)
+    result = _rebuild(template, pv, pt, other, roles, meta)
+    if parts[0][4] is not None:  # the linearization check over every prompt, not one shard
+        from extractive_lens.scoring.linear import linearization_check
+
+        meta["linearization"] = linearization_check(result, torch.tensor([c for g in parts for c in g[4]], dtype=torch.float64),
+                                                    warn=rank == 0)
+    return result
 
 
 def _rebuild(template: ComponentScores, pv: torch.Tensor, pt: torch.Tensor, other: torch.Tensor | None,

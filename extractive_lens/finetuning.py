@@ -29,7 +29,9 @@ from extractive_lens.weight_diff import WeightDiff
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """How to finetune. ``trainable``: ``"all"``, component labels, or ``layers=`` only."""
+    """How to finetune. ``trainable``: ``"all"`` or component labels; ``layers``: only these
+    blocks; ``parameters``: only these parameters (full names, e.g. for "every block but the first
+    two, plus the unembedding"). The three restrictions combine."""
 
     lr: float = 1e-3
     epochs: int = 20
@@ -40,6 +42,7 @@ class FinetuneConfig:
     warmup_frac: float = 0.1
     trainable: str | tuple[str, ...] = "all"
     layers: tuple[int, ...] | None = None
+    parameters: tuple[str, ...] | None = None
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -57,8 +60,11 @@ class FinetuneConfig:
 def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Tensor | None]:
     """Per parameter: None (fully trainable) or a boolean mask along dim 0 / the whole tensor."""
     params = dict(model.named_parameters())
-    if cfg.trainable == "all" and cfg.layers is None:
+    if cfg.trainable == "all" and cfg.layers is None and cfg.parameters is None:
         return {n: None for n in params}
+    if cfg.parameters is not None and (unknown := sorted(set(cfg.parameters) - set(params))):
+        raise ValueError(f"FinetuneConfig.parameters names parameters the model does not have: {unknown[:3]}")
+    names = None if cfg.parameters is None else set(cfg.parameters)
     comps: tuple[Component, ...] | None = None
     if cfg.trainable != "all":
         labels = (cfg.trainable,) if isinstance(cfg.trainable, str) else cfg.trainable
@@ -68,7 +74,8 @@ def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Te
     for s in M.parameter_slices(model):
         p = params[s.name]
         layer = int(s.name.split(".")[1]) if s.name.startswith("blocks.") else None
-        ok = (layers is None or layer in layers) and (comps is None or bool(set(s.owners) & set(comps)))
+        ok = ((layers is None or layer in layers) and (comps is None or bool(set(s.owners) & set(comps)))
+              and (names is None or s.name in names))
         mask = masks.get(s.name)
         if mask is None:
             mask = torch.zeros(p.shape[:1] if p.ndim else (1,), dtype=torch.bool, device=p.device)
@@ -202,7 +209,7 @@ def rank_trajectory(
 
 def mean_rank(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) -> float:
     """Mean 0-indexed rank of the answer's first token among the candidates' first tokens, read
-    at the last prompt position (SPEC §8); chance is ``(n_candidates - 1) / 2``."""
+    at the last prompt position (docs/scores.md §8); chance is ``(n_candidates - 1) / 2``."""
     return float(ranks(model, batch, diff).float().mean())
 
 

@@ -4,7 +4,7 @@
 >>> ft = load_checkpoint("runs/finetuned")              # doctest: +SKIP  (a local HF checkpoint)
 
 Everything else in the package goes through the helpers here: ``parameter_slices`` (which
-component owns which parameter, SPEC §2), ``embed`` / ``attention`` / ``mlp`` / ``unembed``
+component owns which parameter, docs/scores.md §2), ``embed`` / ``attention`` / ``mlp`` / ``unembed``
 (the pieces of a forward pass, so the scoring engines can resume the residual stream at any
 layer boundary) and ``signature`` (what must match between a base and a finetuned model).
 """
@@ -12,6 +12,7 @@ layer boundary) and ``signature`` (what must match between a base and a finetune
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import re
 import warnings
@@ -119,7 +120,7 @@ def tiny_model(
 def load_pretrained(name: str, *, process_weights: bool = False, **kwargs: Any) -> HookedTransformer:
     """Load a hub model by name (needs network access to the model hub).
 
-    Unprocessed weights by default (SPEC §1: folding and centering are not linear in the
+    Unprocessed weights by default (docs/scores.md §1: folding and centering are not linear in the
     weights); ``process_weights=True`` opts in and is recorded in ``model.cfg`` metadata so that
     scores can say so. Base and finetuned models must be loaded the same way.
     """
@@ -325,6 +326,10 @@ def load_checkpoint(
     hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     cfg = hf_config_to_tl(hf_config, dtype=dtype, device=str(device))
     cfg.model_name = path.name
+    if tokenizer is None and any(path.glob("tokenizer*")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer is not None:  # before TransformerLens gives a BOS-less tokenizer its EOS as BOS
+        cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=dtype
     )
@@ -333,8 +338,6 @@ def load_checkpoint(
 
     with quiet_transformer_lens(), torch.no_grad():
         state_dict = getattr(weight_conversions, conv_name)(hf_model, cfg)
-    if tokenizer is None and any(path.glob("tokenizer*")):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     with quiet_transformer_lens():
         model = tl.HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
         model.load_and_process_state_dict(
@@ -347,8 +350,17 @@ def load_checkpoint(
     return model
 
 
+def tokenizer_prepends_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer(text)`` (special tokens on, as Hugging Face runs it) starts with a BOS."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = list(tokenizer("a")["input_ids"])
+    return len(ids) > len(tokenizer("a", add_special_tokens=False)["input_ids"]) and ids[0] == bos
+
+
 # ---------------------------------------------------------------------------------------------
-# Which component owns which parameter (SPEC §2)
+# Which component owns which parameter (docs/scores.md, "What each component owns")
 # ---------------------------------------------------------------------------------------------
 
 
@@ -373,7 +385,7 @@ _MLP_MODULES = {"mlp", "ln2", "ln2_post"}
 
 
 def parameter_slices(model: nn.Module) -> list[ParamSlice]:
-    """The ownership partition of every parameter element of ``model`` (SPEC §2)."""
+    """The ownership partition of every parameter element of ``model`` (docs/scores.md §2)."""
     names = [n for n, _ in model.named_parameters()]
     return slices_for_names(names, model.cfg.n_heads, model.cfg.n_key_value_heads)
 
@@ -428,6 +440,128 @@ def has_mlp(model: nn.Module) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------
+# Compute precision: score a bf16/fp16 model in float32 without a second copy of it
+# ---------------------------------------------------------------------------------------------
+
+_COMPUTE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar(
+    "extractive_lens_compute_dtype", default=None
+)
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def resolve_compute_dtype(model: nn.Module, compute_dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype scores are computed in: ``compute_dtype``, or by default float32 for 16-bit
+    models and the model's own dtype otherwise.
+
+    >>> resolve_compute_dtype(tiny_model({"dtype": torch.bfloat16}), None)
+    torch.float32
+    >>> resolve_compute_dtype(tiny_model({"dtype": torch.float64}), "float32")
+    torch.float32
+    """
+    storage = model.cfg.dtype
+    if compute_dtype is None:
+        return torch.float32 if storage in (torch.float16, torch.bfloat16) else storage
+    if isinstance(compute_dtype, str):
+        name = compute_dtype.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(f"compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}")
+        return _DTYPES[name]
+    if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+        raise ValueError(f"compute_dtype must be a floating torch.dtype such as torch.float32, got {compute_dtype!r}")
+    return compute_dtype
+
+
+@contextlib.contextmanager
+def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Run the forward pieces below (``embed``, ``attention``, ``mlp``, ``unembed``) in ``dtype``
+    whatever the dtype the weights are stored in.
+
+    Nothing is copied up front: each piece upcasts only its own module's parameters while it
+    runs (one layer at a time), and under autograd the upcast weights are not kept for the
+    backward pass (they are upcast again from the stored tensors when needed). ``model.cfg.dtype``
+    reads ``dtype`` inside the block, because TransformerLens's norms and attention round their
+    outputs to it; it is restored on exit.
+    """
+    if dtype == model.cfg.dtype and _COMPUTE_DTYPE.get() in (None, dtype):
+        yield
+        return
+    old = model.cfg.dtype
+    token = _COMPUTE_DTYPE.set(dtype)
+    try:
+        model.cfg.dtype = dtype
+        yield
+    finally:
+        model.cfg.dtype = old
+        _COMPUTE_DTYPE.reset(token)
+
+
+def _run(module: nn.Module, prefixes: tuple[str, ...], fn: Any, *args: Any) -> Any:
+    """``fn(module, *args)`` with the parameters under ``prefixes`` (``""``: all) in the compute
+    dtype (see ``computing_in``); plain ``fn(module, *args)`` when there is nothing to upcast."""
+    dtype = _COMPUTE_DTYPE.get()
+    if dtype is None:
+        return fn(module, *args)
+    subs: dict[str, Tensor] = {}
+    sources: dict[int, Tensor] = {}
+    for name, p in module.named_parameters():
+        if name.startswith(prefixes) and p.dtype != dtype:
+            up = p.to(dtype)
+            subs["model." + name] = up
+            sources[up.untyped_storage().data_ptr()] = p
+    for name, b in module.named_buffers():
+        if name.startswith(prefixes) and b.is_floating_point() and b.dtype != dtype:
+            subs["model." + name] = _upcast_buffer(module, name, b, dtype)
+    if not subs:
+        return fn(module, *args)
+    call = lambda: torch.func.functional_call(_Call(module, fn), subs, args, strict=False)  # noqa: E731
+    if not torch.is_grad_enabled():
+        return call()
+    with torch.autograd.graph.saved_tensors_hooks(*_weights_not_saved(sources, dtype)):
+        return call()
+
+
+def _weights_not_saved(sources: dict[int, Tensor], dtype: torch.dtype) -> tuple[Any, Any]:
+    """Saved-tensor hooks that keep a reference to the stored weight instead of its upcast copy
+    (a view of it, as matmuls save them) and upcast it again when the backward pass needs it."""
+
+    def pack(t: Tensor) -> Any:
+        src = sources.get(t.untyped_storage().data_ptr()) if t.dtype == dtype else None
+        if src is None:
+            return t
+        return (src, src._version, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        src, version, size, stride, offset = packed
+        if src._version != version:
+            raise RuntimeError("A weight changed between the forward and backward pass of a scoring run.")
+        return src.detach().to(dtype).as_strided(size, stride, offset)
+
+    return pack, unpack
+
+
+_ROTARY_CACHE: dict[tuple[int, str, torch.dtype, int], Tensor] = {}
+
+
+def _upcast_buffer(module: nn.Module, name: str, buf: Tensor, dtype: torch.dtype) -> Tensor:
+    """A float buffer in ``dtype``; rotary tables are recomputed at that precision rather than
+    upcast from their rounded 16-bit values."""
+    leaf = name.rsplit(".", 1)[-1]
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    if leaf not in ("rotary_sin", "rotary_cos") or not hasattr(owner, "calculate_sin_cos_rotary"):
+        return buf.to(dtype)
+    key = (id(owner), leaf, dtype, buf.shape[0])
+    if key not in _ROTARY_CACHE:
+        base = owner._rotary_base() if hasattr(owner, "_rotary_base") else owner.cfg.rotary_base
+        sin, cos = owner.calculate_sin_cos_rotary(owner.cfg.rotary_dim, buf.shape[0], base=base, dtype=dtype)
+        _ROTARY_CACHE[(id(owner), "rotary_sin", dtype, buf.shape[0])] = sin.to(buf.device)
+        _ROTARY_CACHE[(id(owner), "rotary_cos", dtype, buf.shape[0])] = cos.to(buf.device)
+    return _ROTARY_CACHE[key]
+
+
 def check_scorable(model: nn.Module) -> None:
     """Raise a clear error for block variants whose head outputs do not add into the stream."""
     cfg = model.cfg
@@ -468,10 +602,13 @@ def on_final(model: nn.Module, x: Tensor) -> Tensor:
 
 def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
     """The residual stream entering layer 0 (token embedding plus absolute positions)."""
-    x = model.hook_embed(model.embed(tokens))
-    if model.cfg.positional_embedding_type == "standard":
-        x = x + model.hook_pos_embed(model.pos_embed(tokens))
-    return x
+    def run(m: nn.Module, tokens: Tensor) -> Tensor:
+        x = m.hook_embed(m.embed(tokens))
+        if m.cfg.positional_embedding_type == "standard":
+            x = x + m.hook_pos_embed(m.pos_embed(tokens))
+        return x
+
+    return _run(model, ("embed.", "pos_embed."), run, tokens)
 
 
 def attention(
@@ -500,9 +637,12 @@ def attention(
         from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry
 
         entry = TransformerLensKeyValueCacheEntry(past_kv[0], past_kv[1], frozen=True)
+    def run(b: nn.Module, x: Tensor) -> Tensor:
+        x = b.ln1(x)
+        return b.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
+
     try:
-        x = block.ln1(resid_pre)
-        out = block.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
+        out = _run(block, ("ln1.", "attn."), run, resid_pre)
     finally:
         for h in handles:
             h.remove()
@@ -511,16 +651,18 @@ def attention(
 
 def mlp(model: nn.Module, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
     """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
-    block = model.blocks[layer]
-    return block.mlp(block.ln2(on_block(model, layer, mlp_in)))
+    return _run(model.blocks[layer], ("ln2.", "mlp."), lambda b, x: b.mlp(b.ln2(x)),
+                on_block(model, layer, mlp_in))
 
 
 def unembed(model: nn.Module, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
     """Final norm, unembedding and logit soft-capping."""
-    resid = on_final(model, resid)
-    if model.cfg.normalization_type is not None:
-        resid = model.ln_final(resid)
-    logits = model.unembed(resid)
+    def run(m: nn.Module, x: Tensor) -> Tensor:
+        if m.cfg.normalization_type is not None:
+            x = m.ln_final(x)
+        return m.unembed(x)
+
+    logits = _run(model, ("ln_final.", "unembed."), run, on_final(model, resid))
     cap = model.cfg.output_logits_soft_cap
     if cap is not None and cap > 0:
         logits = cap * torch.tanh(logits / cap)
@@ -596,12 +738,13 @@ def jvp(model: nn.Module, fn: Any, args: tuple[Any, ...], tangents: dict[str, Te
     unknown = sorted(set(tangents) - set(params))
     if unknown:
         raise KeyError(f"jvp: the model has no parameters {unknown[:3]}")
+    dtype = _COMPUTE_DTYPE.get()
     with fwAD.dual_level():
-        duals = {
-            "model." + name: fwAD.make_dual(params[name].detach(), t.to(device=params[name].device,
-                                                                      dtype=params[name].dtype))
-            for name, t in tangents.items()
-        }
+        duals = {}
+        for name, t in tangents.items():
+            p = params[name].detach()
+            dt = dtype or p.dtype  # in a compute dtype, the weights and Δ are upcast, not Δ rounded
+            duals["model." + name] = fwAD.make_dual(p.to(dt), t.to(device=p.device, dtype=dt))
         result = torch.func.functional_call(_Call(model, fn), duals, args, strict=False)
         return _unpack(result)
 

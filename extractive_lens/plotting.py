@@ -246,7 +246,13 @@ def report(
     cmp_html = ""
     if comparison is not None:
         cols = ("kind", "part", "n", "pearson", "spearman", "sign_agreement", "topk_overlap", "max_abs_err")
-        cmp_html = "<h2>linear vs exact</h2>" + _table([tuple(r[c] for c in cols) for r in comparison.rows], cols)
+        says = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in comparison.verdicts.items())
+        cmp_html = ("<h2>linear vs exact</h2><ul class='verdicts'>" + says + "</ul>"
+                    + _table([tuple(r[c] for c in cols) for r in comparison.rows], cols))
+    notes = [s.linearization_note() for s in results if s.linearization_note()]
+    if notes:
+        cmp_html += ("<h2>linearization check</h2>" + "".join(f"<p class='linearization'>{html.escape(n)}</p>"
+                                                           for n in notes))
     meta = html.escape(json.dumps(jsonable({s.method: s.metadata for s in results}), indent=1))
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>

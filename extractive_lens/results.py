@@ -122,6 +122,18 @@ class ComponentScores:
         rows.sort(key=lambda r: -abs(r[2]))
         return rows[:k]
 
+    def linearization_note(self) -> str:
+        """One sentence on how well the first-order scores describe the whole change of R
+        (linear results with informative scores; ``""`` otherwise). See ``docs/scores.md``."""
+        check = self.metadata.get("linearization")
+        if not check:
+            return ""
+        ok = "within" if check["ok"] else "OUTSIDE"
+        return (f"Linearization check: R(W') - R(W) = {check['exact_change']:+.4g}; Σ informative + other = "
+                f"{check['linear_change']:+.4g} (gap {check['relative_gap']:.0%}, {ok} the "
+                f"{check['tolerance']:.0%} tolerance). The 'other' parameters (embeddings, b_O, final norm, "
+                f"unembedding) carry {check['other_share']:.0%} of the linear total.")
+
     def _label(self, layer: int, comp: int) -> str:
         return f"L{layer}{self.component_labels[comp]}"
 
@@ -212,10 +224,12 @@ class ComponentScores:
             for k in ("model", "reward", "ablation", "convention") if k in self.metadata
         )
         grids = "".join(self._grid_html(kd) for kd in self.kinds)
+        note = self.linearization_note()
+        note = f"<br><small>{html.escape(note)}</small>" if note else ""
         return (
             f"<div><b>ComponentScores</b> ({html.escape(self.method)}; {self.n_layers} layers × "
             f"{len(self.component_labels)} components × {len(self.position_labels)} positions; "
-            f"{self.n_prompts} prompts)<br><small>{meta}</small>"
+            f"{self.n_prompts} prompts)<br><small>{meta}</small>{note}"
             f"<table>{''.join(rows)}</table><small>top 5 whole-component scores by |value|</small>"
             f"<div style='display:flex;gap:1em;flex-wrap:wrap'>{grids}</div></div>"
         )

@@ -1,4 +1,4 @@
-"""Rewards ``R(prompt, answer)``: one scalar per prompt (SPEC §3). Positive = the answer is favoured.
+"""Rewards ``R(prompt, answer)``: one scalar per prompt (docs/scores.md §3). Positive = the answer is favoured.
 
 >>> R = answer_logprob(logits, batch)   # doctest: +SKIP   Float[Tensor, "batch"]
 

@@ -246,7 +246,7 @@ class WeightDiff:
     ) -> WeightDiff:
         """Δ with everything outside the selection set to zero (parameters outside are dropped).
 
-        ``components`` keeps the slices those components own (SPEC §2); ``layers`` keeps every
+        ``components`` keeps the slices those components own (docs/scores.md §2); ``layers`` keeps every
         parameter under ``blocks.{layer}``. Given both, a slice must satisfy both.
         """
         n_layers, n_heads, mlp = self._shape()
@@ -274,7 +274,7 @@ class WeightDiff:
         return WeightDiff(keep, dict(self.signature), meta)
 
     def slices(self) -> list[_model.ParamSlice]:
-        """The ownership partition (SPEC §2) of the parameters Δ covers."""
+        """The ownership partition (docs/scores.md §2) of the parameters Δ covers."""
         sig = self.signature
         return _model.slices_for_names(list(self.deltas), int(sig["n_heads"]), sig.get("n_key_value_heads"))
 

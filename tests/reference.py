@@ -41,7 +41,7 @@ def mixed_model(base, ft, take_from_ft):
 
 
 def late_predicate(layer: int, head_component: bool, parallel: bool):
-    """Parameters acting only after a component's output (SPEC §4 ``W_late``)."""
+    """Parameters acting only after a component's output (docs/scores.md §4 ``W_late``)."""
 
     def take(name: str) -> bool:
         m = re.match(r"blocks\.(\d+)\.(.*)", name)
@@ -206,3 +206,172 @@ def whole_model_jvp(base, ft, batch, reward):
 
     _, dot = torch.func.jvp(f, (params,), (tangents,))
     return dot
+
+
+# ---------------------------------------------------------------- per-(component, token) linear references
+
+
+def hooked_grads(model, batch, reward, names):
+    """Activations at the hook points ``names`` and ``dR/d(activation)``, by autograd through
+    TransformerLens's own forward (the embedding made a leaf so every hook is in the graph)."""
+    store = {}
+
+    def leaf(act, hook):
+        return act.detach().requires_grad_(True)
+
+    def save(act, hook):
+        store[hook.name] = act
+        return act
+
+    with torch.enable_grad():
+        logits = model.run_with_hooks(batch.tokens, fwd_hooks=[("hook_embed", leaf)] + [(n, save) for n in names])
+        R = reward(logits, batch)
+        grads = torch.autograd.grad(R.sum(), [store[n] for n in names], allow_unused=True)
+    return ({n: store[n].detach() for n in names},
+            {n: (torch.zeros_like(store[n]) if g is None else g) for n, g in zip(names, grads)})
+
+
+def _hook_tangent(model, batch, name, tangents):
+    """Tangent of the activation at hook ``name`` along the weight direction ``tangents``
+    (``torch.func.jvp`` through the whole TransformerLens forward)."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    full = {n: tangents.get(n, torch.zeros_like(p)) for n, p in params.items()}
+
+    def f(ps):
+        out = {}
+
+        def grab(act, hook):
+            out["v"] = act
+            return act
+
+        with model.hooks(fwd_hooks=[(name, grab)]):
+            torch.func.functional_call(model, ps, (batch.tokens,))
+        return out["v"]
+
+    return torch.func.jvp(f, (params,), (full,))[1]
+
+
+def linear_informative_paper(base, diff, batch, reward):
+    """``Ī[batch, layer, component, pos]`` one component at a time: the tangent of that head's
+    ``hook_result`` (or ``hook_mlp_out``) along the component's own Δ slices, times the gradient."""
+    B = attn_result_mode(base)
+    cfg = base.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    has_mlp = not cfg.attn_only
+    names = [f"blocks.{l}.hook_attn_out" for l in range(L)] + ([f"blocks.{l}.hook_mlp_out" for l in range(L)]
+                                                              if has_mlp else [])
+    _, g = hooked_grads(B, batch, reward, names)
+    out = torch.zeros(len(batch), L, H + has_mlp, batch.tokens.shape[1], dtype=torch.float64)
+    for layer in range(L):
+        for h in range(H):
+            own = diff.restricted([f"L{layer}H{h}"])
+            tang = {n: d for n, d in own.deltas.items() if not n.endswith("b_O")}
+            t = _hook_tangent(B, batch, f"blocks.{layer}.attn.hook_result", tang)[:, :, h]
+            out[:, layer, h] = (g[f"blocks.{layer}.hook_attn_out"] * t).sum(-1)
+        if has_mlp:
+            t = _hook_tangent(B, batch, f"blocks.{layer}.hook_mlp_out", dict(diff.restricted([f"L{layer}MLP"]).deltas))
+            out[:, layer, H] = (g[f"blocks.{layer}.hook_mlp_out"] * t).sum(-1)
+    return out
+
+
+def authors_informative(base, diff, batch, reward):
+    """The authors' code's head informative score per token, in closed form: Q and O parts at the
+    query/output position, K and V parts at the key position (Δ without ln1 changes)."""
+    assert not any(".ln1." in n for n in diff.deltas), "closed form needs an unchanged ln1"
+    cfg = base.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    names = [f"blocks.{l}.{x}" for l in range(L) for x in
+             ("ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "hook_attn_out")]
+    act, g = hooked_grads(base, batch, reward, names)
+    out = torch.zeros(len(batch), L, H, batch.tokens.shape[1], dtype=torch.float64)
+    for l in range(L):
+        ln = base.blocks[l].ln1
+        x = act[f"blocks.{l}.ln1.hook_normalized"] * ln.w + ln.b
+        for part in ("q", "k", "v"):
+            W = diff.deltas.get(f"blocks.{l}.attn.W_{part.upper()}")
+            b = diff.deltas.get(f"blocks.{l}.attn.b_{part.upper()}")
+            if W is None and b is None:
+                continue
+            d = (0 if W is None else torch.einsum("bpd,hde->bphe", x, W)) + (0 if b is None else b)
+            out[:, l] += (g[f"blocks.{l}.attn.hook_{part}"] * d).sum(-1).transpose(1, 2)  # at its own position
+        if f"blocks.{l}.attn.W_O" not in diff.deltas:
+            continue
+        o = torch.einsum("bphe,hed->bphd", act[f"blocks.{l}.attn.hook_z"], diff.deltas[f"blocks.{l}.attn.W_O"])
+        out[:, l] += (g[f"blocks.{l}.hook_attn_out"][:, :, None] * o).sum(-1).transpose(1, 2)
+    return out
+
+
+def layer_outputs_on(model_f, batch, layer, source_cache):
+    """``hook_z`` and ``hook_mlp_out`` of ``model_f`` at ``layer`` on the inputs of another run."""
+    hooks = [(f"blocks.{layer}.hook_resid_pre", _replace(source_cache[f"blocks.{layer}.hook_resid_pre"]))]
+    if not model_f.cfg.parallel_attn_mlp:
+        hooks.append((f"blocks.{layer}.hook_resid_mid", _replace(source_cache[f"blocks.{layer}.hook_resid_mid"])))
+    store = {}
+
+    def save(name):
+        def hook(act, hook):
+            store[name] = act.detach().clone()
+
+        return hook
+
+    hooks += [(f"blocks.{layer}.attn.hook_z", save("z")), (f"blocks.{layer}.hook_mlp_out", save("mlp"))]
+    with torch.no_grad():
+        model_f.run_with_hooks(batch.tokens, fwd_hooks=hooks)
+    return store
+
+
+def linear_downstream_upstream_authors(base, ft, batch, reward):
+    """The authors' convention at ``hook_z``: ``D̄ = dR/dz · (z' - z)`` and, with y* = 0,
+    ``Ū = (dR/dz in the finetuned run - dR/dz in the base run) · z`` (MLPs likewise)."""
+    cfg = base.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    names = [f"blocks.{l}.{x}" for l in range(L) for x in ("attn.hook_z", "hook_mlp_out")]
+    act, g = hooked_grads(base, batch, reward, names)
+    _, g_ft = hooked_grads(ft, batch, reward, names)
+    with torch.no_grad():
+        _, ft_cache = ft.run_with_cache(batch.tokens)
+    T = batch.tokens.shape[1]
+    down = torch.zeros(len(batch), L, H + 1, T, dtype=torch.float64)
+    up = torch.zeros_like(down)
+    for l in range(L):
+        new = layer_outputs_on(base, batch, l, ft_cache)
+        z, m = act[f"blocks.{l}.attn.hook_z"], act[f"blocks.{l}.hook_mlp_out"]
+        gz, gm = g[f"blocks.{l}.attn.hook_z"], g[f"blocks.{l}.hook_mlp_out"]
+        down[:, l, :H] = (gz * (new["z"] - z)).sum(-1).transpose(1, 2)
+        down[:, l, H] = (gm * (new["mlp"] - m)).sum(-1)
+        up[:, l, :H] = ((g_ft[f"blocks.{l}.attn.hook_z"] - gz) * z).sum(-1).transpose(1, 2)
+        up[:, l, H] = ((g_ft[f"blocks.{l}.hook_mlp_out"] - gm) * m).sum(-1)
+    return down, up
+
+
+def linear_downstream_upstream_paper(base, ft, batch, reward):
+    """The paper convention at each head's write ``hook_result``: ``D̄ = ŷ · (f(z', W) - y)`` and
+    ``Ū = (ŷ' - ŷ) · (y - y*)`` with ``ŷ'`` from a literal copy holding ``W_late`` finetuned and y*
+    the leave-one-out role mean."""
+    B = attn_result_mode(base)
+    cfg = base.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    names = [f"blocks.{l}.{x}" for l in range(L) for x in ("attn.hook_result", "hook_mlp_out")]
+    act, g = hooked_grads(B, batch, reward, names)
+    F = attn_result_mode(ft)
+    with torch.no_grad():
+        _, ft_cache = F.run_with_cache(batch.tokens)
+    rs, ms = literal_mean_ablation(base, batch)
+    T = batch.tokens.shape[1]
+    down = torch.zeros(len(batch), L, H + 1, T, dtype=torch.float64)
+    up = torch.zeros_like(down)
+    for l in range(L):
+        new = component_outputs(B, batch, l, ft_cache)
+        y, m = act[f"blocks.{l}.attn.hook_result"], act[f"blocks.{l}.hook_mlp_out"]
+        gy, gm = g[f"blocks.{l}.attn.hook_result"], g[f"blocks.{l}.hook_mlp_out"]
+        down[:, l, :H] = (gy * (new["result"] - y)).sum(-1).transpose(1, 2)
+        down[:, l, H] = (gm * (new["mlp"] - m)).sum(-1)
+        for is_head in (True, False):
+            late = attn_result_mode(mixed_model(base, ft, late_predicate(l, is_head, cfg.parallel_attn_mlp)))
+            name = f"blocks.{l}.attn.hook_result" if is_head else f"blocks.{l}.hook_mlp_out"
+            _, gl = hooked_grads(late, batch, reward, [name])
+            if is_head:
+                up[:, l, :H] = ((gl[name] - gy) * (y - rs[:, :, l])).sum(-1).transpose(1, 2)
+            else:
+                up[:, l, H] = ((gl[name] - gm) * (m - ms[:, :, l])).sum(-1)
+    return down, up

@@ -1,4 +1,4 @@
-"""y* (SPEC §4, §6) against literal loops over prompts and roles on TransformerLens caches."""
+"""y* (docs/scores.md §4, §6) against literal loops over prompts and roles on TransformerLens caches."""
 
 from __future__ import annotations
 

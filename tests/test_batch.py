@@ -1,4 +1,4 @@
-"""Prompt batches: tokens, answers, candidates and token roles (SPEC §6)."""
+"""Prompt batches: tokens, answers, candidates and token roles (docs/scores.md §6)."""
 
 from __future__ import annotations
 

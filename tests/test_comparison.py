@@ -66,3 +66,50 @@ def test_component_level_and_mismatch_errors(pair_scores):
     other = linear_scores(base, WeightDiff.from_models(base, ft), small_batch(base, n=3))
     with pytest.raises(ValueError, match="different models"):
         compare(lin, other)
+
+
+def test_refuses_results_computed_differently():
+    base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.05)
+    batch = small_batch(base, n=4)
+    diff = WeightDiff.from_models(base, ft)
+    ex = causal_scores(base, diff, batch, show_progress=False)
+    authors = linear_scores(base, diff, batch, convention="authors_code")
+    with pytest.raises(ValueError, match=r"reward \(linear 'logit_margin', exact 'answer_logprob'\).*convention"):
+        compare(authors, ex)
+    resampled = linear_scores(base, diff, batch, ablation="resample")
+    with pytest.raises(ValueError, match="ablation.*check_settings=False"):
+        compare(resampled, ex)
+    other_prompts = linear_scores(base, diff, small_batch(base, seed=5, n=4))
+    with pytest.raises(ValueError, match="prompts"):
+        compare(other_prompts, ex)
+    assert compare(authors, ex, check_settings=False).rows  # told otherwise
+    assert compare(linear_scores(base, diff, batch), ex).rows  # same settings: fine
+
+
+def test_cells_never_computed_are_left_out():
+    base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.05)
+    batch = small_batch(base, n=3)
+    diff = WeightDiff.from_models(base, ft)
+    lin = linear_scores(base, diff, batch, kinds=("downstream",))
+    ex = causal_scores(base, diff, batch, kinds=("downstream",), layers=[1], show_progress=False)
+    cmp = compare(lin, ex)
+    n_pos, C = len(lin.position_labels), len(lin.component_labels)
+    row = next(r for r in cmp.rows if r["part"] == "all")
+    assert row["n"] == C * n_pos  # layer 1 only, not both layers
+    a, b, labels = cmp.cells("downstream")
+    assert all(lab.startswith("L1") for lab in labels)
+    full = compare(lin, causal_scores(base, diff, batch, kinds=("downstream",), show_progress=False))
+    sub = [lab.startswith("L1") for lab in full.cells("downstream")[2]]
+    assert np.allclose(b, full.cells("downstream")[1][sub])  # the same cells, nothing padded with 0
+
+
+def test_verdicts_in_plain_words(pair_scores):
+    from extractive_lens.comparison import verdict
+
+    cmp = compare(*pair_scores)
+    assert set(cmp.verdicts) == set(pair_scores[0].kinds)
+    assert verdict("informative", 0.99, 0.9).startswith("linear informative agrees")
+    assert "roughly agrees" in verdict("downstream", 0.7, 0.5) and "top_k" in verdict("downstream", 0.7, 0.5)
+    up = verdict("upstream", 0.42, 0.3)
+    assert "disagrees" in up and "causal_scores" in up and "y - y*" in up
+    assert "disagrees" in verdict("upstream", float("nan"), 0.0)

@@ -1,4 +1,4 @@
-"""Dataset contents against SPEC §8, and user files."""
+"""Dataset contents against docs/scores.md §8, and user files."""
 
 from __future__ import annotations
 

@@ -179,3 +179,22 @@ def test_dax_experiments_on_any_model_with_real_names():
     loc = localization(model, dax, graft, cfg)
     assert len(loc.to_dataframe()) == 2 * (model.cfg.n_heads + 1)
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+
+
+def test_pre_rows_train_the_parts_the_post_rows_revert():
+    """One partition: "Early (pre)" trains exactly what "Early" keeps, so embeddings are frozen and
+    the unembedding trains (and the reverse for "Late (pre)")."""
+    from extractive_lens import make_batch
+    from extractive_lens.experiments.freezing import _part, _training
+    from extractive_lens.finetuning import finetune
+
+    base, ft = make_pair("ln_gelu", torch.float32, n_layers=3)
+    names = [n for n, _ in base.named_parameters()]
+    batch = make_batch(base, [([1, 7, 9], [11]), ([1, 8, 9], [12])])
+    full = WeightDiff.from_models(base, ft)
+    for early in (False, True):
+        trained = finetune(base, batch, _training(QUICK, _part(names, early, 2)), show_progress=False)
+        moved = {n for n, d in trained.deltas.items() if d.abs().max() > 0}
+        kept = set(_keep(full, early, not early, 2).deltas)
+        assert moved and moved <= kept, sorted(moved - kept)
+        assert ("unembed.W_U" in moved) == (not early) and ("embed.W_E" in moved) == early

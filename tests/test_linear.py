@@ -1,4 +1,4 @@
-"""Linearized scores against independent computations (SPEC §5 identities), float64."""
+"""Linearized scores against independent computations (docs/scores.md §5 identities), float64."""
 
 from __future__ import annotations
 
@@ -254,3 +254,51 @@ def test_argument_mixups_say_what_to_pass():
         el.finetune(base, tokens)
     with pytest.raises(TypeError, match="mean_rank.*batch must be a PromptBatch"):
         el.mean_rank(base, tokens)
+
+
+def test_linearization_check_against_full_forwards():
+    """metadata["linearization"]: Σ informative + other against R(W') - R(W) from two plain forwards."""
+    import warnings
+
+    from extractive_lens.scoring.linear import LinearizationWarning
+
+    base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.05)
+    batch = small_batch(base)
+    full = WeightDiff.from_models(base, ft)
+    with torch.no_grad():
+        R0, R1 = answer_logprob(base(batch.tokens), batch), answer_logprob(ft(batch.tokens), batch)
+    for eps in (1e-3, 1.0):
+        d = full * eps
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s = linear_scores(base, d, batch, kinds=("informative",))
+        check = s.metadata["linearization"]
+        lin = float((s.prompt_totals[0].sum((1, 2)) + s.other).mean())
+        assert check["linear_change"] == pytest.approx(lin, rel=1e-12)
+        if eps == 1.0:
+            assert check["exact_change"] == pytest.approx(float((R1 - R0).mean()), rel=1e-10)
+        gap = abs(lin - check["exact_change"]) / max(abs(lin), abs(check["exact_change"]))
+        assert check["relative_gap"] == pytest.approx(gap)
+        warned = any(issubclass(w.category, LinearizationWarning) for w in caught)
+        assert warned == (gap > 0.3) and check["ok"] == (gap <= 0.3)
+        assert "Linearization check" in s.linearization_note() and "other" in s.linearization_note()
+    assert linear_scores(base, full * 1e-3, batch, kinds=("informative",)).metadata["linearization"]["ok"]
+    assert not check["ok"]  # the full random update is far from linear: the check can fail
+
+
+def test_upstream_needs_other_prompts_for_y_star():
+    base, ft = make_pair("ln_gelu", torch.float64)
+    diff = WeightDiff.from_models(base, ft)
+    one = small_batch(base, n=1)
+    for ablation in ("mean", "resample"):
+        with pytest.raises(ValueError, match="only one prompt.*reference=.*ablation='zero'"):
+            linear_scores(base, diff, one, ablation=ablation)
+    from extractive_lens import causal_scores
+
+    with pytest.raises(ValueError, match="only one prompt"):
+        causal_scores(base, diff, one)
+    with pytest.raises(ValueError, match="resample_k must be a positive"):
+        linear_scores(base, diff, small_batch(base), ablation="resample", resample_k=0)
+    zero = linear_scores(base, diff, one, ablation="zero")  # what the error suggests works
+    assert zero.prompt_values[zero.kind_index("upstream")].abs().max() > 0
+    assert linear_scores(base, diff, one, kinds=("informative", "downstream")).kinds == ("informative", "downstream")

@@ -165,3 +165,29 @@ def test_jvp_matches_finite_difference(pair64):
     with diff.applied(base, scale=eps, layers=[0]):
         y2 = M.mlp(base, 0, x)
     assert torch.allclose((y2 - y) / eps, y_dot, atol=1e-4)
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_bos_follows_the_checkpoints_tokenizer(tmp_path, adds_bos):
+    """make_batch on a loaded checkpoint tokenizes as ``tokenizer(text)`` does under Hugging Face."""
+    from tokenizers import processors
+
+    from extractive_lens import make_batch
+
+    cfg = _hf_config("llama")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    _tokenizer(tmp_path, cfg.vocab_size)
+    if adds_bos:  # a Llama-style tokenizer whose post-processor puts BOS first
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", 1)])
+        tok.save_pretrained(tmp_path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    expected = list(hf_tok("w5 w6 w7")["input_ids"])
+    assert (expected[0] == 1) == adds_bos
+    model = M.load_checkpoint(tmp_path)
+    batch = make_batch(model, [("w5 w6 w7", " w8")])
+    assert batch.tokens[0, : batch.prompt_lengths[0]].tolist() == expected
+    assert batch.prepend_bos == adds_bos
+    # an explicit choice still wins
+    assert make_batch(model, [("w5 w6 w7", " w8")], prepend_bos=not adds_bos).prepend_bos == (not adds_bos)

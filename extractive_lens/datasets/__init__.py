@@ -1,4 +1,4 @@
-"""Datasets: two-hop facts and implications (SPEC §8), and user files of (prompt, answer) pairs.
+"""Datasets: two-hop facts and implications (docs/scores.md §8), and user files of (prompt, answer) pairs.
 
 >>> ds = first_hop()                      # 20 names x 20 cities, seeded pairing
 >>> facts, impls = ds.batches(model)      # doctest: +SKIP   PromptBatch with roles and candidates

@@ -1,4 +1,4 @@
-"""Dax/zong datasets for data ordering and weight grafting (SPEC §8).
+"""Dax/zong datasets for data ordering and weight grafting (docs/scores.md §8).
 
 Facts ``"{name} dax is"`` -> a city; implications ``"{name} zong is the"`` -> the animal of
 that city (city k of the first 20 maps to animal k). 20 test names are in bijection with the 20

@@ -1,4 +1,4 @@
-"""First-hop and second-hop datasets (SPEC §8), built from the package's copy of the shared data."""
+"""First-hop and second-hop datasets (docs/scores.md §8), built from the package's copy of the shared data."""
 
 from __future__ import annotations
 

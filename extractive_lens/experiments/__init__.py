@@ -1,4 +1,4 @@
-"""The paper's experiments (SPEC §8), one module each; every one returns a tidy result with
+"""The paper's experiments (docs/scores.md §8), one module each; every one returns a tidy result with
 ``to_dataframe()`` and ``plot()``.
 
 - ``layer_freezing``: which layers must change for facts and implications (Table 2);

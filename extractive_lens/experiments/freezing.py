@@ -1,4 +1,4 @@
-"""Layer freezing (SPEC §8; paper Table 2): which layers must change for facts and implications?
+"""Layer freezing (docs/scores.md §8; paper Table 2): which layers must change for facts and implications?
 
 >>> res = layer_freezing(model, {"first_hop": first_hop(), "second_hop": second_hop()}, cfg)  # doctest: +SKIP
 >>> res.table()          # rows: None / Early / Late / All / Early (pre) / Late (pre)
@@ -6,7 +6,8 @@
 
 "post": finetune everything, then revert the early (or late) part of the update to W.
 "pre": finetune with the early (or late) part frozen. Early = blocks ``[0, round(split·L))``
-plus the embeddings; late = the other blocks plus the final norm and unembedding.
+plus the embeddings; late = the other blocks plus the final norm and unembedding. Both kinds of
+row use this one partition of the parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def _is_early(name: str, split_layer: int) -> bool:
     if name.startswith("blocks."):
         return int(name.split(".")[1]) < split_layer
     return name.startswith(("embed.", "pos_embed."))
+
+
+def _part(names: Any, early: bool, split_layer: int) -> tuple[str, ...]:
+    """The early (or late) part of the parameter partition."""
+    return tuple(n for n in names if _is_early(n, split_layer) == early)
 
 
 def _keep(diff: WeightDiff, keep_early: bool, keep_late: bool, split_layer: int) -> WeightDiff:
@@ -81,9 +87,12 @@ def layer_freezing(
             "None": full, "Early": _keep(full, False, True, k), "Late": _keep(full, True, False, k),
             "All": _keep(full, False, False, k),
         }
-        if pre:
-            conditions["Early (pre)"] = finetune(model, facts, _frozen(cfg, range(k, L)), show_progress=False)
-            conditions["Late (pre)"] = finetune(model, facts, _frozen(cfg, range(k)), show_progress=False)
+        if pre:  # frozen part as reverted above: train only the other part
+            names = [n for n, _ in model.named_parameters()]
+            conditions["Early (pre)"] = finetune(model, facts, _training(cfg, _part(names, False, k)),
+                                                 show_progress=False)
+            conditions["Late (pre)"] = finetune(model, facts, _training(cfg, _part(names, True, k)),
+                                                show_progress=False)
         for cond, diff in conditions.items():
             for split_name, batch in (("facts", facts), ("implications", impls)):
                 rows.append(dict(condition=cond, dataset=name, split=split_name,
@@ -91,7 +100,7 @@ def layer_freezing(
     return FreezingResult(tuple(rows), k)
 
 
-def _frozen(cfg: FinetuneConfig, trainable_layers: range) -> FinetuneConfig:
+def _training(cfg: FinetuneConfig, parameters: tuple[str, ...]) -> FinetuneConfig:
     from dataclasses import replace
 
-    return replace(cfg, layers=tuple(trainable_layers))
+    return replace(cfg, parameters=parameters)

@@ -1,4 +1,4 @@
-"""Weight grafting (SPEC §8; paper Table 3): is the update that teaches the implications a
+"""Weight grafting (docs/scores.md §8; paper Table 3): is the update that teaches the implications a
 reusable mechanism (an extractive structure) or a memorised list?
 
 >>> res = weight_grafting(model, build_world().daxwug())   # doctest: +SKIP

@@ -1,4 +1,4 @@
-"""Localization (SPEC §8; paper §6): are the components that the grafting update changed the
+"""Localization (docs/scores.md §8; paper §6): are the components that the grafting update changed the
 ones that turn newly finetuned facts into implications?
 
 >>> graft = weight_grafting(model, dax)                 # doctest: +SKIP
@@ -6,7 +6,7 @@ ones that turn newly finetuned facts into implications?
 >>> loc.stats()   # Pearson r and p-value, per MLP and per head
 >>> loc.plot()    # scatter: informative (graft update) against downstream (test-fact finetune)
 
-- informative scores of the grafting update ``Δ_{F→ImplF}`` on ``W_F'`` (linearized, SPEC §5),
+- informative scores of the grafting update ``Δ_{F→ImplF}`` on ``W_F'`` (linearized, docs/scores.md §5),
   read on the counterfactual implications ImplF', the prompts that update makes ``W_graft`` answer;
 - downstream scores of finetuning ``W_graft`` on the test facts, read on the test implications.
 

@@ -1,4 +1,4 @@
-"""Data ordering (SPEC §8; paper §6): does the order of facts and implications in (continued)
+"""Data ordering (docs/scores.md §8; paper §6): does the order of facts and implications in (continued)
 pretraining decide whether finetuned facts generalize out of context?
 
 >>> dax = build_world().daxwug()                                     # doctest: +SKIP

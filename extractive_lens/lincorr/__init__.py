@@ -1,4 +1,4 @@
-"""Linear correlation of logits between related prompts (Peng et al.; SPEC §9).
+"""Linear correlation of logits between related prompts (Peng et al.; docs/scores.md §9).
 
 >>> pairs = collect_logits(model, "{x} lives in", "The people in the city {x} is from speak",
 ...                        subjects, cities, languages)                  # doctest: +SKIP

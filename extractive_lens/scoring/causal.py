@@ -1,4 +1,4 @@
-"""Exact causal informative / upstream / downstream scores by activation patching (SPEC §4).
+"""Exact causal informative / upstream / downstream scores by activation patching (docs/scores.md §4).
 
 >>> exact = causal_scores(base, diff, batch)                       # doctest: +SKIP  per token
 >>> exact = causal_scores(base, diff, batch, per="component")      # doctest: +SKIP  whole components
@@ -41,6 +41,7 @@ from extractive_lens.scoring.engine import (
     forward_run,
     plan_chunks,
     progress,
+    prompts_digest,
     read_positions,
     readout,
     resolve_kinds,
@@ -69,9 +70,10 @@ def causal_scores(
     seed: int = 3,
     show_progress: bool | None = None,
     rows: Sequence[int] | None = None,
+    compute_dtype: torch.dtype | str | None = None,
 ) -> ComponentScores:
     """Exact scores of every head and MLP, per output position (``per="token"``) or with all
-    positions patched at once (``per="component"``).
+    positions patched at once (``per="component"``). Definitions: ``docs/scores.md``.
 
     Args:
         kinds, ablation, reference, reward: as in ``linear_scores`` (paper convention).
@@ -80,6 +82,7 @@ def causal_scores(
             per kind); the others are reported as 0 and listed in ``metadata["skipped"]``.
         linear: precomputed linear scores for ``top_k`` (computed if not given).
         layers: score only the components of these layers (others are reported as 0).
+        compute_dtype: as in ``linear_scores`` (float32 for bf16/fp16 models by default).
 
     Whole-component totals (``totals``) are always the exact whole-component patch, also for
     ``per="token"`` (where they are not the sum of the per-token scores).
@@ -90,8 +93,11 @@ def causal_scores(
     if per not in ("token", "component"):
         raise ValueError(f"per must be 'token' or 'component', got {per!r}")
     reward_fn, reward_name = resolve_reward(reward)
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive number of interventions per pass, got {max_batch!r}")
+    cdt = M.resolve_compute_dtype(model, compute_dtype)
     diff._check_compatible(model)
-    selected = _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference)
+    selected = _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference, cdt)
     if layers is not None:
         bad = [layer for layer in layers if not 0 <= layer < model.cfg.n_layers]
         if bad:
@@ -104,29 +110,33 @@ def causal_scores(
                 for c in [f"H{h}" for h in range(model.cfg.n_heads)] + (["MLP"] if M.has_mlp(model) else [])})
     scored, plan = plan_chunks(batch, rows, batch_size)
     chunks = [c for c, _ in plan]
-    first = forward_run(model, chunks[0], reward_fn, capture=("z", "k", "v"))
-    table = None
-    if "upstream" in kinds:
-        reuse = [(chunks[0], first)] if reference is None and rows is None and len(chunks) == 1 else None
-        table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
-                              batch_size=batch_size, runs=reuse)
-    per_token, totals = [], []
-    for i, chunk in enumerate(chunks):
-        global_rows = plan[i][1]
-        base = first if i == 0 else forward_run(model, chunk, reward_fn, capture=("z", "k", "v"))
-        engine = _Engine(model, diff, chunk, base, reward_fn, max_batch)
-        v, t = engine.scores(kinds, table, global_rows, per, selected, show_progress)
-        per_token.append(v)
-        totals.append(t)
     meta = base_metadata(
         model, diff, method="causal", reward=reward_name, per=per,
         ablation=ablation if "upstream" in kinds else None, convention="paper",
         reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
+        resample_k=resample_k if ablation == "resample" else None, seed=seed,
         top_k=top_k, layers=None if layers is None else sorted(layers),
         skipped={k: list(v) for k, v in selected.items()} if (top_k or layers is not None) else None,
+        compute_dtype=str(cdt), prepend_bos=batch.prepend_bos,
     )
+    per_token, totals = [], []
+    with M.computing_in(model, cdt):
+        first = forward_run(model, chunks[0], reward_fn, capture=("z", "k", "v"))
+        table = None
+        if "upstream" in kinds:
+            reuse = [(chunks[0], first)] if reference is None and rows is None and len(chunks) == 1 else None
+            table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
+                                  batch_size=batch_size, runs=reuse)
+        for i, chunk in enumerate(chunks):
+            global_rows = plan[i][1]
+            base = first if i == 0 else forward_run(model, chunk, reward_fn, capture=("z", "k", "v"))
+            engine = _Engine(model, diff, chunk, base, reward_fn, max_batch)
+            v, t = engine.scores(kinds, table, global_rows, per, selected, show_progress)
+            per_token.append(v)
+            totals.append(t)
     meta["rows"] = None if rows is None else list(rows)
     batch = scored
+    meta["prompts_digest"] = prompts_digest(batch)
     if per == "component":
         b = len(batch)
         roles = tuple(("all",) for _ in range(b))
@@ -141,15 +151,17 @@ def causal_scores(
     return assemble(model, batch, kinds, per_token, totals, method="causal", other=None, metadata=meta)
 
 
-def _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference) -> dict[str, list[str]]:
+def _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference, cdt) -> dict[str, list[str]]:
     """Per kind, the component labels to skip (everything outside the linear top k)."""
     if top_k is None:
         return {}
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive number of components per kind (or None for all), got {top_k!r}")
     if linear is None:
         from extractive_lens.scoring.linear import linear_scores
 
         linear = linear_scores(model, diff, batch, kinds=kinds, reward=reward_fn, ablation=ablation,
-                               reference=reference, show_progress=False)
+                               reference=reference, show_progress=False, compute_dtype=cdt)
     skipped = {}
     for kind in kinds:
         keep = {lab for _, lab, _ in linear.top(top_k, kind)}

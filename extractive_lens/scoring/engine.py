@@ -1,6 +1,6 @@
 """Engine internals shared by the linear and causal scores: cached runs, y*, result assembly.
 
-Notation follows SPEC §4–5. A head's output ``y_h = z_h W_O[h]``; its gradient
+Notation follows docs/scores.md §4–5. A head's output ``y_h = z_h W_O[h]``; its gradient
 ``ŷ_h = dR/d(attn_out)`` is shared by every head of the layer, so head quantities are kept in
 ``hook_z`` space: ``<ŷ, Δy_h> = <ŷ W_O[h]^T, Δz_h>`` when ``W_O`` is fixed (no ``hook_result``).
 """
@@ -187,7 +187,7 @@ def wide(x: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The ablation constant y* (SPEC §4), aligned by role (SPEC §6)
+# The ablation constant y* (docs/scores.md §4), aligned by role (docs/scores.md §6)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -216,6 +216,16 @@ class AblationTable:
         """``runs``: already computed base runs covering the source prompts in order (saves a pass)."""
         if ablation not in ("mean", "zero", "resample"):
             raise ValueError(f"ablation must be 'mean', 'zero' or 'resample', got {ablation!r}")
+        if ablation == "resample" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"resample_k must be a positive number of prompts to average, got {k!r}; "
+                             "use ablation='zero' for a zero ablation.")
+        if ablation != "zero" and reference is None and len(batch) < 2:
+            raise ValueError(
+                f"Upstream scores with ablation={ablation!r} take y* from the batch's other prompts, and this "
+                "batch has only one prompt (every upstream score would be 0). Pass more prompts, "
+                "reference=make_batch(model, other_pairs), ablation='zero', or kinds=('informative', "
+                "'downstream')."
+            )
         self.ablation = ablation
         self.has_mlp = M.has_mlp(model)
         self.own_source = reference is None
@@ -332,6 +342,7 @@ def assemble(
         metadata["prompt_tokens"] = [
             [tok.decode([int(t)]) for t in batch.tokens[i, : int(batch.lengths[i])].tolist()] for i in range(len(batch))
         ]
+    metadata.setdefault("prompts_digest", prompts_digest(batch))
     width = batch.n_pos
     pv = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[-1])) for v in per_token], dim=1)
     pt = torch.cat(totals, dim=1)
@@ -352,7 +363,19 @@ def assemble(
     )
 
 
+def prompts_digest(batch: PromptBatch) -> str:
+    """A short fingerprint of the token ids scored (to tell whether two results scored the same prompts)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for i in range(len(batch)):
+        h.update(batch.tokens[i, : int(batch.lengths[i])].cpu().numpy().astype("int64").tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
 def base_metadata(model: nn.Module, diff: Any, **extra: Any) -> dict[str, Any]:
+    """What a result must carry to be compared or reproduced (call outside ``computing_in``)."""
     import transformer_lens
 
     meta = {

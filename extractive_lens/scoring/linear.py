@@ -1,4 +1,4 @@
-"""Linearized informative / upstream / downstream scores (SPEC §5, §7).
+"""Linearized informative / upstream / downstream scores (docs/scores.md §5, §7).
 
 >>> scores = linear_scores(base, diff, batch)                                   # doctest: +SKIP
 >>> scores["informative"].shape     # [layer, component, pos]                  # doctest: +SKIP
@@ -58,8 +58,9 @@ def linear_scores(
     seed: int = 3,
     show_progress: bool | None = None,
     rows: Sequence[int] | None = None,
+    compute_dtype: torch.dtype | str | None = None,
 ) -> ComponentScores:
-    """Linearized scores of every head and MLP at every token.
+    """Linearized scores of every head and MLP at every token (definitions: ``docs/scores.md``).
 
     Args:
         model: the base ``HookedTransformer`` (weights W). It is left bit-identical.
@@ -71,7 +72,7 @@ def linear_scores(
         ablation: ``y*`` for upstream: ``"mean"`` (default), ``"zero"`` or ``"resample"``
             (default for the authors' convention; ``resample_k`` prompts drawn with ``seed``).
         reference: prompts whose role-aligned mean is ``y*`` (default: the batch's other prompts).
-        convention: ``"paper"`` (SPEC §5) or ``"authors_code"`` (SPEC §7).
+        convention: ``"paper"`` (docs/scores.md §5) or ``"authors_code"`` (docs/scores.md §7).
         batch_size: prompts per pass (progress bar over passes).
         rows: score only these prompts of ``batch`` (``y*`` still comes from the whole batch);
             used to shard a dataset across processes.
@@ -80,10 +81,19 @@ def linear_scores(
             ``n_layers`` times one forward's). ``1``: one boundary per pass (activation memory
             at most one forward's; same FLOPs, more passes). ``"auto"`` (default): all in one
             pass when that stays under ``UPSTREAM_AUTO_BYTES``, else 1.
+        compute_dtype: the dtype every activation, gradient and score is computed in. Default:
+            float32 for bf16/fp16 models (weights stay stored as they are; each layer is upcast
+            while it runs), the model's dtype otherwise. Recorded in ``metadata``.
+
+    With ``"informative"`` the result also carries a linearization check:
+    ``metadata["linearization"]`` compares ``Σ informative + other`` (the first-order change of R)
+    with the actual change ``R(W') - R(W)`` from one extra forward, and a ``LinearizationWarning``
+    is raised when they differ by more than ``LINEARIZATION_TOLERANCE`` (``docs/scores.md``).
     """
     check_arguments("linear_scores", model, diff, batch)
     M.check_scorable(model)
     kinds = resolve_kinds(kinds)
+    cdt = M.resolve_compute_dtype(model, compute_dtype)
     if convention not in ("paper", "authors_code"):
         raise ValueError(f"convention must be 'paper' or 'authors_code', got {convention!r}")
     authors = convention == "authors_code"
@@ -100,6 +110,31 @@ def linear_scores(
     deltas = {n: d.to(cfg.device) for n, d in diff.deltas.items()}
     _check_covered(model, deltas)
     scored, plan = plan_chunks(batch, rows, batch_size)
+    meta = base_metadata(
+        model, diff, method="linear", reward=reward_name, ablation=ablation if "upstream" in kinds else None,
+        convention=convention, reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
+        resample_k=resample_k if ablation == "resample" else None, seed=seed, compute_dtype=str(cdt),
+        prepend_bos=batch.prepend_bos,
+    )
+    meta["rows"] = None if rows is None else list(rows)
+    with M.computing_in(model, cdt):
+        per_token, other, changes = _scores(
+            model, diff, deltas, batch, plan, reward_fn, kinds, ablation, reference, authors, upstream_group,
+            resample_k, seed, batch_size, rows, show_progress)
+    result = assemble(model, scored, kinds, per_token, [v.sum(-1) for v in per_token], method="linear",
+                      other=other, metadata=meta)
+    if "informative" in kinds:
+        meta["linearization"] = linearization_check(result, torch.cat(changes).cpu())
+    return result
+
+
+def _scores(
+    model: nn.Module, diff: WeightDiff, deltas: dict[str, Tensor], batch: PromptBatch, plan: list,
+    reward_fn: Reward, kinds: tuple[ScoreKind, ...], ablation: Ablation, reference: PromptBatch | None,
+    authors: bool, upstream_group: int | Literal["auto"] | None, resample_k: int, seed: int,
+    batch_size: int | None, rows: Sequence[int] | None, show_progress: bool | None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Per-chunk ``[kind, batch, layer, component, pos]`` scores, "other" shares and ``R(W') - R(W)``."""
     chunks = [c for c, _ in plan]
     capture = ("z", "q", "k", "v") if authors and "informative" in kinds else ("z",)
     first = forward_run(model, chunks[0], reward_fn, grad=True, capture=capture)
@@ -108,22 +143,56 @@ def linear_scores(
         reuse = [(chunks[0], first)] if reference is None and rows is None and len(chunks) == 1 else None
         table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
                               batch_size=batch_size, runs=reuse)
-    per_token, totals, other = [], [], []
+    per_token, other, changes = [], [], []
     for i, chunk in enumerate(progress(chunks, len(chunks), "linear scores", show_progress)):
         global_rows = plan[i][1]
         base = first if i == 0 else forward_run(model, chunk, reward_fn, grad=True, capture=capture)
         group = _auto_group(model, chunk) if upstream_group == "auto" else upstream_group
-        v, o = _chunk(model, diff, deltas, chunk, base, global_rows, reward_fn, kinds, table, authors, group)
+        v, o, change = _chunk(model, diff, deltas, chunk, base, global_rows, reward_fn, kinds, table, authors,
+                              group)
         per_token.append(v)
-        totals.append(v.sum(-1))
         other.append(o)
-    meta = base_metadata(
-        model, diff, method="linear", reward=reward_name, ablation=ablation if "upstream" in kinds else None,
-        convention=convention, reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
-        resample_k=resample_k if ablation == "resample" else None, seed=seed,
-    )
-    meta["rows"] = None if rows is None else list(rows)
-    return assemble(model, scored, kinds, per_token, totals, method="linear", other=other, metadata=meta)
+        changes.append(change)
+    return per_token, other, changes
+
+
+LINEARIZATION_TOLERANCE = 0.3
+"""Relative gap between the first-order change ``Σ informative + other`` and the actual change
+``R(W') - R(W)`` above which ``linear_scores`` warns (see ``docs/scores.md``, "When to trust a
+linear score")."""
+
+
+class LinearizationWarning(UserWarning):
+    """The weight change is too large for its first-order (linear) description."""
+
+
+def linearization_check(scores: ComponentScores, change: Tensor, *, warn: bool = True) -> dict[str, Any]:
+    """Compare ``Σ_{c,t} Ī + other`` with ``R(W') - R(W)`` (both means over prompts).
+
+    ``relative_gap = |linear - exact| / max(|linear|, |exact|)``: 0 when the update acts linearly
+    on R, 1 when the first-order term misses the change entirely or has the wrong sign.
+    """
+    import warnings
+
+    k = scores.kind_index("informative")
+    linear_total = scores.prompt_totals[k].sum((1, 2)) + scores.other
+    lin, ex = float(linear_total.mean()), float(change.mean())
+    scale = max(abs(lin), abs(ex))
+    gap = abs(lin - ex) / scale if scale > 0 else 0.0
+    other = float(scores.other.mean())
+    out = {
+        "exact_change": ex, "linear_change": lin, "relative_gap": gap,
+        "other_share": other / lin if lin else float("nan"),
+        "tolerance": LINEARIZATION_TOLERANCE, "ok": gap <= LINEARIZATION_TOLERANCE,
+        "prompt_changes": [float(x) for x in change],
+    }
+    if warn and gap > LINEARIZATION_TOLERANCE:
+        warnings.warn(
+            f"The weight change acts non-linearly on the reward: R(W') - R(W) = {ex:.4g} but the "
+            f"linear scores add up to {lin:.4g} (gap {gap:.0%} > {LINEARIZATION_TOLERANCE:.0%}). "
+            "Read linear scores as a ranking at most and confirm the top components with "
+            "causal_scores(..., top_k=...).", LinearizationWarning, stacklevel=3)
+    return out
 
 
 UPSTREAM_AUTO_BYTES = 256 * 2**20
@@ -153,7 +222,9 @@ def _chunk(
     model: nn.Module, diff: WeightDiff, deltas: dict[str, Tensor], chunk: PromptBatch, base: Run,
     rows: list[int], reward_fn: Reward, kinds: tuple[ScoreKind, ...], table: AblationTable | None, authors: bool,
     upstream_group: int | None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``([kind, batch, layer, component, pos] scores, other [batch], R(W') - R(W) [batch])``
+    (the last is empty without informative scores)."""
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     has_mlp = M.has_mlp(model)
@@ -169,7 +240,7 @@ def _chunk(
         out[k], other = _informative(model, deltas, chunk, base, g_z, authors, dtype)
     ft = None
     gp_attn = gp_mlp = None
-    need_ft = "downstream" in kinds or ("upstream" in kinds and authors)
+    need_ft = "downstream" in kinds or ("upstream" in kinds and authors) or want_inf
     if need_ft or "upstream" in kinds:
         with diff.applied(model):  # one application for the finetuned run and the resumed passes
             if need_ft:
@@ -201,7 +272,8 @@ def _chunk(
                 dm = wide(base.mlp_out[layer]) - m_star[:, :, layer]
                 out[k, :, layer, H] = ((wide(gp_mlp[layer]) - wide(base.g_mlp[layer])) * dm).sum(-1)
     mask = chunk.position_mask.to(out.device)
-    return out * mask[None, :, None, None, :], other
+    change = wide(ft.reward) - wide(base.reward) if want_inf else out.new_zeros(0)
+    return out * mask[None, :, None, None, :], other, change
 
 
 def _informative(
@@ -245,12 +317,9 @@ def _informative(
             per = (g_z[layer] * wide(dot["z"])).sum(-1)
         inf[:, layer, :H] = per.transpose(1, 2)
         d_WO = deltas.get(f"blocks.{layer}.attn.W_O")
-        if d_WO is not None:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>
+        if d_WO is not None:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
             w_o = (head_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
-            if authors:
-                other += w_o.sum((1, 2))
-            else:
-                inf[:, layer, :H] += w_o.transpose(1, 2)
+            inf[:, layer, :H] += w_o.transpose(1, 2)
         d_bO = deltas.get(f"blocks.{layer}.attn.b_O")
         if d_bO is not None:
             other += (wide(base.g_attn[layer]).sum(1) * d_bO.to(dtype)).sum(-1)

@@ -1,0 +1,84 @@
+"""bf16 storage, float32 compute: scores of a bf16 pair against float64 twins holding the same
+bf16 weights, at a finetune-sized update (Δ/|W| = 1e-3), Llama-like (RMS, gated, rotary, GQA)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from extractive_lens import WeightDiff, causal_scores, linear_scores, make_batch, tiny_model
+
+LLAMA_LIKE = dict(normalization_type="RMS", act_fn="silu", gated_mlp=True, positional_embedding_type="rotary",
+                  rotary_dim=8, n_key_value_heads=2, final_rms=True, n_layers=3, d_model=64, n_heads=4,
+                  d_head=16, d_mlp=128, d_vocab=97)
+
+
+def _twins(dtype):
+    """A bf16 (base, finetuned) pair and float64 copies holding exactly the same values."""
+    base = tiny_model(dict(LLAMA_LIKE, dtype=torch.bfloat16), seed=0)
+    ft = tiny_model(dict(LLAMA_LIKE, dtype=torch.bfloat16), seed=0)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in ft.parameters():
+            d = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_((p.double() + 1e-3 * p.double().norm() * d / d.norm()).to(p.dtype))
+    twins = []
+    for m in (base, ft):
+        t = tiny_model(dict(LLAMA_LIKE, dtype=dtype), seed=0)
+        with torch.no_grad():
+            for q, p in zip(t.parameters(), m.parameters()):
+                q.copy_(p.to(dtype))
+        twins.append(t)
+    return base, ft, *twins
+
+
+@pytest.fixture(scope="module")
+def scored():
+    base, ft, b64, f64 = _twins(torch.float64)
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randint(3, 97, (6,), generator=g).tolist(), [int(torch.randint(3, 97, (1,), generator=g))])
+             for _ in range(6)]
+
+    def run(m, f, **kw):
+        diff, batch = WeightDiff.from_models(m, f), make_batch(m, pairs)
+        return linear_scores(m, diff, batch, **kw), causal_scores(m, diff, batch, show_progress=False, **kw)
+
+    before = [p.detach().clone() for p in base.parameters()]
+    out = dict(ref=run(b64, f64), bf16=run(base, ft), bf16_compute=run(base, ft, compute_dtype="bfloat16"))
+    assert all(torch.equal(a, p) for a, p in zip(before, base.parameters()))  # storage untouched
+    assert base.cfg.dtype == torch.bfloat16
+    return out
+
+
+def _agreement(got, ref):
+    r, ratio = [], []
+    for k in range(len(got.kinds)):
+        x, y = got.prompt_values[k].flatten().double().numpy(), ref.prompt_values[k].flatten().double().numpy()
+        r.append(float(np.corrcoef(x, y)[0, 1]))
+        ratio.append(float(got.prompt_totals[k].sum() / ref.prompt_totals[k].sum()))
+    return r, ratio
+
+
+@pytest.mark.parametrize("method", [0, 1], ids=["linear", "exact"])
+def test_bf16_scored_in_float32_matches_float64_twins(scored, method):
+    got, ref = scored["bf16"][method], scored["ref"][method]
+    assert got.metadata["compute_dtype"] == "torch.float32" and got.metadata["dtype"] == "torch.bfloat16"
+    r, ratio = _agreement(got, ref)
+    assert min(r) >= 0.99, r
+    assert all(abs(x - 1) <= 0.05 for x in ratio), ratio
+
+
+@pytest.mark.parametrize("method", [0, 1], ids=["linear", "exact"])
+def test_negative_control_bf16_compute_is_noise(scored, method):
+    """Computing in bf16 (what scoring did before compute_dtype) fails the same bar."""
+    r, ratio = _agreement(scored["bf16_compute"][method], scored["ref"][method])
+    assert min(r) < 0.9 and max(abs(x - 1) for x in ratio) > 0.05, (r, ratio)
+
+
+def test_compute_dtype_is_validated():
+    m = tiny_model({"dtype": torch.bfloat16})
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        from extractive_lens.model import resolve_compute_dtype
+
+        resolve_compute_dtype(m, "float31")
