@@ -38,9 +38,13 @@ def word_tokenizer(words: list[str]) -> Any:
 
 def score_and_compare(model: Any, diff: Any, batch: Any, what: str, echo: Callable[[str], None]) -> tuple:
     """Linear and exact scores on ``batch``, their comparison, and a printed summary."""
+    import warnings
+
     from extractive_lens import causal_scores, compare, linear_scores
 
-    lin = linear_scores(model, diff, batch)
+    with warnings.catch_warnings():  # the demo prints the linearization check itself
+        warnings.simplefilter("ignore", UserWarning)
+        lin = linear_scores(model, diff, batch)
     ex = causal_scores(model, diff, batch)
     cmp = compare(lin, ex)
     for s in (lin, ex):
@@ -52,6 +56,10 @@ def score_and_compare(model: Any, diff: Any, batch: Any, what: str, echo: Callab
         if r["part"] == "all":
             echo(f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
                  f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}")
+    echo("\nwhat to trust (docs/scores.md §11):")
+    for verdict in cmp.verdicts.values():
+        echo(f"  - {verdict}")
+    echo(f"  - {lin.linearization_note()}")
     return lin, ex, cmp
 
 

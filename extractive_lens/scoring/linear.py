@@ -189,9 +189,10 @@ def linearization_check(scores: ComponentScores, change: Tensor, *, warn: bool =
     if warn and gap > LINEARIZATION_TOLERANCE:
         warnings.warn(
             f"The weight change acts non-linearly on the reward: R(W') - R(W) = {ex:.4g} but the "
-            f"linear scores add up to {lin:.4g} (gap {gap:.0%} > {LINEARIZATION_TOLERANCE:.0%}). "
-            "Read linear scores as a ranking at most and confirm the top components with "
-            "causal_scores(..., top_k=...).", LinearizationWarning, stacklevel=3)
+            f"informative scores and 'other' add up to {lin:.4g} (gap {gap:.0%} > {LINEARIZATION_TOLERANCE:.0%}). "
+            "Per-component scores do not add up to the whole change here (the update is large or "
+            "components interact); check the linear scores against exact ones before reading their "
+            "values: compare(lin, causal_scores(..., top_k=...)). See docs/scores.md §11.", LinearizationWarning, stacklevel=3)
     return out
 
 
