@@ -41,7 +41,9 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
             timeout=60_000)
         rendered = page.evaluate("document.querySelectorAll('.js-plotly-plot').length")
         template = page.evaluate("document.querySelectorAll('.js-plotly-plot')[0].data[0].hovertemplate")
-        box = page.locator(".js-plotly-plot").first.locator(".nsewdrag").first.bounding_box()
+        drag = page.locator(".js-plotly-plot").first.locator(".nsewdrag").first
+        drag.scroll_into_view_if_needed()
+        box = drag.bounding_box()
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
         page.wait_for_selector(".hoverlayer .hovertext", timeout=10_000)
         hover = {"template": template, "hovertext": page.evaluate("document.querySelectorAll('.hovertext').length"),
@@ -53,6 +55,8 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
     assert "score" in hover["template"] and hover["hovertext"] >= 1
     assert "layer" in hover["text"] and "score" in hover["text"]
     assert errors == [], errors
+    page_text = path.read_text()
+    assert "linear informative" in page_text and "linearization check" in page_text  # verdicts, check
     external = [u for u in requests if not u.startswith(("file:", "data:", "about:", "blob:"))]
     assert external == [], external
     assert shot.stat().st_size > 10_000
