@@ -319,6 +319,9 @@ def make_batch(
     else:
         prompt_roles = _aligned_roles(model, prompt_ids)
 
+    for p, ids, ans in zip(items, prompt_ids, answer_ids):
+        _check_ids(model, ids, f"prompt {p.prompt!r}")
+        _check_ids(model, ans, f"answer {p.answer!r} (prompt {p.prompt!r})")
     rows, all_roles = [], []
     for ids, ans, r in zip(prompt_ids, answer_ids, prompt_roles):
         pre = [bos] if bos is not None else []
@@ -349,6 +352,7 @@ def make_batch(
         if any(c is None for c in cfs):
             raise ValueError("Give a counterfactual answer for every prompt or for none.")
         cf = torch.tensor([_first_token(model, c, p) for c, p in zip(cfs, items)])
+        _check_ids(model, cf.tolist(), "counterfactual answers")
 
     batch = PromptBatch(
         tokens=tokens,
@@ -364,6 +368,20 @@ def make_batch(
         prepend_bos=bos is not None,
     )
     return batch.to(device) if device is not None else batch
+
+
+def _check_ids(model: Any, ids: Sequence[int], what: str) -> None:
+    """Every token id must index the model's embedding: ``0 <= id < d_vocab``."""
+    d_vocab = model.cfg.d_vocab
+    bad = [t for t in ids if not 0 <= t < d_vocab]
+    if not bad:
+        return
+    tok = getattr(model, "tokenizer", None)
+    hint = (f" The tokenizer has {len(tok)} tokens but the model embeds only {d_vocab}: "
+            f"{tok.decode([bad[0]])!r} is a token the model has no embedding for (a special token added to the "
+            "tokenizer?). Remove it from the text." if tok is not None and bad[0] >= d_vocab and bad[0] < len(tok)
+            else " Token ids must be in 0..d_vocab-1 (padding is handled by make_batch; do not pass -1).")
+    raise ValueError(f"The {what} has token id {bad[0]}, outside the model's vocabulary 0..{d_vocab - 1}.{hint}")
 
 
 def _as_pair(p: Any) -> Pair:
@@ -407,6 +425,7 @@ def _candidates(model: Any, items: list[Pair], answer_ids: list[list[int]], shar
                 f"The answer {p.answer!r} of prompt {p.prompt!r} is not among its candidates "
                 f"(first token {_token_str(model, ans[0])!r})."
             )
+        _check_ids(model, firsts, f"candidates of prompt {p.prompt!r}")
         rows.append(firsts)
     width = max(len(r) for r in rows)
     out = torch.full((len(rows), width), -1, dtype=torch.long)

@@ -26,20 +26,46 @@ def _echo(msg: str) -> None:
     typer.echo(msg, err=False)
 
 
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def _check_dtype_device(dtype: str, device: str) -> None:
+    import torch
+
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise typer.BadParameter(f"--device must be cpu, cuda or cuda:N, got {device!r}.") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter(f"--device {device}: no CUDA GPU is available here; use --device cpu.")
+
+
 def _load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") -> Any:
     """``world`` (the bundled model), a local checkpoint directory, or a hub name."""
     import torch
 
     from extractive_lens.model import load_checkpoint, load_pretrained
 
+    _check_dtype_device(dtype, device)
     dt = getattr(torch, dtype)
     if name_or_dir == "world":
         from extractive_lens.world import load_world_model
 
         return load_world_model(device=device, dtype=dt)
-    if Path(name_or_dir).is_dir():
-        return load_checkpoint(name_or_dir, dtype=dt, device=device)
-    return load_pretrained(name_or_dir, dtype=dt, device=device)
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        return load_checkpoint(path, dtype=dt, device=device)
+    if name_or_dir.startswith((".", "/", "~")) or (path.parent != Path(".") and path.parent.is_dir()):
+        raise FileNotFoundError(f"{name_or_dir}: no such checkpoint directory (and it looks like a local path, "
+                                "not a hub name). Check the path; a checkpoint directory holds config.json.")
+    try:
+        return load_pretrained(name_or_dir, dtype=dt, device=device)
+    except (ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{name_or_dir!r} is neither 'world', a local checkpoint directory nor a model "
+                         f"TransformerLens can load from the hub ({first}).") from None
 
 
 @app.command()
@@ -55,7 +81,7 @@ def score(
     compute_dtype: str = typer.Option(
         None, help="Dtype scores are computed in (default: float32 for bfloat16/float16 models, else --dtype)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
-    batch_size: int = typer.Option(16, help="Prompts per pass."),
+    batch_size: int = typer.Option(16, min=1, help="Prompts per pass."),
     distributed: bool = typer.Option(False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."),
 ) -> None:
     """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
@@ -87,7 +113,10 @@ def score(
         ft_m = _load_model(finetuned, dtype, device)
         delta = WeightDiff.from_models(base_m, ft_m)
         del ft_m
-    batch = make_batch(base_m, pairs)
+    try:
+        batch = make_batch(base_m, pairs)
+    except ValueError as e:
+        raise typer.BadParameter(f"{data}: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
     results = []
     if method in ("linear", "both"):
@@ -127,8 +156,8 @@ def finetune(
     data: Path = typer.Option(..., help="Facts to finetune on (.json, .jsonl, .csv)."),
     out: Path = typer.Option(Path("diff.safetensors"), help="Where to save the weight change."),
     lr: float = typer.Option(1e-3),
-    epochs: int = typer.Option(20),
-    batch_size: int = typer.Option(8),
+    epochs: int = typer.Option(20, min=1),
+    batch_size: int = typer.Option(8, min=1),
     optimizer: str = typer.Option("adam", help="adam or adamw."),
     schedule: str = typer.Option("constant", help="constant or linear (10% warm-up, then decay)."),
     seed: int = typer.Option(0),
@@ -236,8 +265,45 @@ def version() -> None:
           f"transformer_lens {getattr(_tl(), '__version__', '?')}")
 
 
-def main() -> None:  # pragma: no cover
-    app()
+ONE_LINE_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError, PermissionError, IsADirectoryError)
+
+
+def _click_errors(name: str) -> tuple[type, ...]:
+    """Click's exception class ``name``, and typer's vendored copy of it where typer has one."""
+    import click
+
+    found = [getattr(click.exceptions, name)]
+    try:
+        from typer._click import exceptions as vendored
+
+        found.append(getattr(vendored, name))
+    except (ImportError, AttributeError):
+        pass
+    return tuple(found)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``extractive-lens`` entry point: a bad input ends in one line on stderr and exit code 2
+    (a bug still shows its traceback)."""
+    import sys
+
+    try:
+        app(args=argv, standalone_mode=False)
+    except (typer.Exit, *_click_errors("Exit")) as e:
+        raise SystemExit(getattr(e, "exit_code", 0)) from None
+    except _click_errors("NoArgsIsHelpError") as e:
+        e.show()
+        raise SystemExit(2) from None
+    except _click_errors("ClickException") as e:  # usage errors: click's own message, on one line
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        raise SystemExit(e.exit_code) from None
+    except (KeyboardInterrupt, typer.Abort, *_click_errors("Abort")):
+        typer.echo("interrupted", err=True)
+        raise SystemExit(130) from None
+    except ONE_LINE_ERRORS as e:
+        typer.echo(f"error: {' '.join(str(e).split())}", err=True)
+        raise SystemExit(2) from None
+    sys.exit(0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,9 +28,14 @@ def shard_rows(n: int, rank: int, world: int) -> list[int]:
     return list(range(rank * n // world, (rank + 1) * n // world))
 
 
-def init_from_env(device: str | None = None) -> tuple[int, int, str]:
+def init_from_env(device: str | None = None, timeout_s: float | None = None) -> tuple[int, int, str]:
     """Initialise the default process group from ``torchrun``'s environment (gloo on CPU, NCCL on
-    GPU); returns ``(rank, world_size, device)``."""
+    GPU); returns ``(rank, world_size, device)``.
+
+    ``timeout_s`` (default ``$EXTRACTIVE_LENS_DIST_TIMEOUT`` or 600 s): how long a collective waits
+    for a hung or crashed rank before every rank fails, instead of waiting forever.
+    """
+    import datetime
     import os
 
     import torch.distributed as dist
@@ -39,7 +44,9 @@ def init_from_env(device: str | None = None) -> tuple[int, int, str]:
     if device is None:
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        seconds = timeout_s if timeout_s is not None else float(os.environ.get("EXTRACTIVE_LENS_DIST_TIMEOUT", 600))
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(seconds=seconds))
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
@@ -51,6 +58,11 @@ def distributed_scores(
 ) -> ComponentScores:
     """``linear_scores`` or ``causal_scores`` spread over the processes of the default group."""
     import torch.distributed as dist
+
+    if method not in ("linear", "causal"):
+        raise ValueError(f"method must be 'linear' or 'causal', got {method!r}")
+    if shard not in ("auto", "prompts", "layers"):
+        raise ValueError(f"shard must be 'auto', 'prompts' or 'layers', got {shard!r}")
 
     from extractive_lens.scoring.causal import causal_scores
     from extractive_lens.scoring.linear import linear_scores

@@ -21,6 +21,7 @@ from torch import nn
 
 from extractive_lens import model as M
 from extractive_lens.batch import PromptBatch
+from extractive_lens.interrupts import Shield, guarded
 from extractive_lens.rewards import answer_logprob
 from extractive_lens.scoring.engine import check_arguments
 from extractive_lens.types import Component, parse_components
@@ -70,6 +71,8 @@ def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Te
         labels = (cfg.trainable,) if isinstance(cfg.trainable, str) else cfg.trainable
         comps = parse_components(labels, model.cfg.n_layers, model.cfg.n_heads, M.has_mlp(model))
     layers = None if cfg.layers is None else set(cfg.layers)
+    if layers is not None and (bad := sorted(x for x in layers if not 0 <= x < model.cfg.n_layers)):
+        raise ValueError(f"FinetuneConfig.layers {bad} out of range: this model has layers 0..{model.cfg.n_layers - 1}.")
     masks: dict[str, torch.Tensor | None] = {}
     for s in M.parameter_slices(model):
         p = params[s.name]
@@ -107,68 +110,84 @@ def finetune(
     check_arguments("finetune", model, batch=data, need_diff=False)
     cfg = config or FinetuneConfig()
     params = dict(model.named_parameters())
-    snapshot = {n: p.detach().clone() for n, p in params.items()}
-    flags = {n: p.requires_grad for n, p in params.items()}
     masks = _trainable_mask(model, cfg)
     train = [n for n, m in masks.items() if m is None or bool(m.any())]
-    was_training = model.training
+    if not train:
+        raise ValueError(
+            f"finetune: nothing to train: trainable={cfg.trainable!r}, layers={cfg.layers!r} and "
+            f"parameters={'None' if cfg.parameters is None else f'{len(cfg.parameters)} names'} select no "
+            f"parameter of this {model.cfg.n_layers}-layer model. Pick layers in 0..{model.cfg.n_layers - 1} "
+            "or components such as 'L0MLP'."
+        )
+    with guarded(model), Shield() as shield:  # weights and the user's .grad restored, interrupts or not
+        snapshot = {n: p.detach().clone() for n, p in params.items()}
+        grads = {n: p.grad for n, p in params.items()}
+        try:
+            with shield.open():
+                return _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress)
+        finally:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(snapshot[name])
+                    p.grad = grads[name]
+
+
+def _train(
+    model: nn.Module, data: PromptBatch, cfg: FinetuneConfig, params: dict, masks: dict, train: list[str],
+    snapshot: dict, callback: Callable[[int, WeightDiff], None] | None, show_progress: bool | None,
+) -> WeightDiff:
+    """The training loop of ``finetune`` (which restores the model afterwards)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(data)
     steps_per_epoch = (n + cfg.batch_size - 1) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
     warm = int(cfg.warmup_frac * total) if cfg.schedule == "linear" else 0
-    try:
-        for name, p in params.items():
-            p.requires_grad_(name in train)
-        opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-        opt = opt_cls([params[name] for name in train], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    for name, p in params.items():
+        p.requires_grad_(name in train)
+        p.grad = None
+    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    opt = opt_cls([params[name] for name in train], lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-        def lr_at(step: int) -> float:
-            if cfg.schedule == "constant":
-                return 1.0
-            if step < warm:
-                return (step + 1) / max(1, warm)
-            return max(0.0, (total - step) / max(1, total - warm))
+    def lr_at(step: int) -> float:
+        if cfg.schedule == "constant":
+            return 1.0
+        if step < warm:
+            return (step + 1) / max(1, warm)
+        return max(0.0, (total - step) / max(1, total - warm))
 
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-        model.train()
-        epochs = range(cfg.epochs)
-        if show_progress is not False:
-            from tqdm.auto import tqdm
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    torch.set_grad_enabled(True)
+    epochs = range(cfg.epochs)
+    if show_progress is not False:
+        from tqdm.auto import tqdm
 
-            epochs = tqdm(epochs, desc="finetune", leave=False, disable=show_progress is None and total < 50)
-        for epoch in epochs:
-            order = torch.randperm(n, generator=gen).tolist()
-            for i in range(0, n, cfg.batch_size):
-                mb = data.subset(order[i : i + cfg.batch_size]).to(model.cfg.device)
-                loss = -answer_logprob(model(mb.tokens), mb).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                _reset_frozen(params, masks, snapshot)
-            if callback is not None:  # the callback sees the original model and the diff so far
-                diff = _diff(model, params, snapshot, cfg)
-                training = {n: p.detach().clone() for n, p in params.items()}
+        epochs = tqdm(epochs, desc="finetune", leave=False, disable=show_progress is None and total < 50)
+    for epoch in epochs:
+        order = torch.randperm(n, generator=gen).tolist()
+        for i in range(0, n, cfg.batch_size):
+            mb = data.subset(order[i : i + cfg.batch_size]).to(model.cfg.device)
+            loss = -answer_logprob(model(mb.tokens), mb).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            _reset_frozen(params, masks, snapshot)
+        if callback is not None:  # the callback sees the original model and the diff so far
+            diff = _diff(model, params, snapshot, cfg)
+            training = {n: p.detach().clone() for n, p in params.items()}
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(snapshot[name])
+            model.eval()
+            try:
+                callback(epoch, diff)
+            finally:
                 with torch.no_grad():
                     for name, p in params.items():
-                        p.copy_(snapshot[name])
-                model.eval()
-                try:
-                    callback(epoch, diff)
-                finally:
-                    with torch.no_grad():
-                        for name, p in params.items():
-                            p.copy_(training[name])
-                    model.train()
-        return _diff(model, params, snapshot, cfg)
-    finally:
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(snapshot[name])
-                p.grad = None
-                p.requires_grad_(flags[name])
-        model.train(was_training)
+                        p.copy_(training[name])
+                model.train()
+    return _diff(model, params, snapshot, cfg)
 
 
 def _reset_frozen(params: dict, masks: dict, snapshot: dict) -> None:

@@ -487,14 +487,18 @@ def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     if dtype == model.cfg.dtype and _COMPUTE_DTYPE.get() in (None, dtype):
         yield
         return
+    from extractive_lens.interrupts import Shield
+
     old = model.cfg.dtype
-    token = _COMPUTE_DTYPE.set(dtype)
-    try:
-        model.cfg.dtype = dtype
-        yield
-    finally:
-        model.cfg.dtype = old
-        _COMPUTE_DTYPE.reset(token)
+    with Shield() as shield:
+        token = _COMPUTE_DTYPE.set(dtype)
+        try:
+            model.cfg.dtype = dtype
+            with shield.open():
+                yield
+        finally:
+            model.cfg.dtype = old
+            _COMPUTE_DTYPE.reset(token)
 
 
 def _run(module: nn.Module, prefixes: tuple[str, ...], fn: Any, *args: Any) -> Any:
@@ -627,11 +631,7 @@ def attention(
     if past_kv is not None:
         past_kv = (on_block(model, layer, past_kv[0]), on_block(model, layer, past_kv[1]))
     captured: dict[str, Tensor] = {}
-    handles = []
-    for name in capture:
-        hp = getattr(block.attn, f"hook_{name}")
-        handles.append(hp.register_forward_hook(
-            lambda _m, _i, out, name=name: captured.__setitem__(name, out)))
+    handles: list[Any] = []
     entry = None
     if past_kv is not None:
         from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry
@@ -641,7 +641,11 @@ def attention(
         x = b.ln1(x)
         return b.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
 
-    try:
+    try:  # hooks registered inside the try, so that they are removed whatever happens
+        for name in capture:
+            hp = getattr(block.attn, f"hook_{name}")
+            handles.append(hp.register_forward_hook(
+                lambda _m, _i, out, name=name: captured.__setitem__(name, out)))
         out = _run(block, ("ln1.", "attn."), run, resid_pre)
     finally:
         for h in handles:
@@ -703,14 +707,18 @@ def W_O(model: nn.Module, layer: int) -> Float[Tensor, "head d_head d_model"]:
 @contextlib.contextmanager
 def frozen_parameters(model: nn.Module) -> Iterator[None]:
     """Turn off ``requires_grad`` on every parameter (no weight gradients), restored on exit."""
+    from extractive_lens.interrupts import Shield
+
     saved = [(p, p.requires_grad) for p in model.parameters()]
-    try:
-        for p, _ in saved:
-            p.requires_grad_(False)
-        yield
-    finally:
-        for p, flag in saved:
-            p.requires_grad_(flag)
+    with Shield() as shield:
+        try:
+            for p, _ in saved:
+                p.requires_grad_(False)
+            with shield.open():
+                yield
+        finally:
+            for p, flag in saved:
+                p.requires_grad_(flag)
 
 
 class _Call(nn.Module):

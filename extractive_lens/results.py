@@ -67,6 +67,19 @@ class ComponentScores:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from extractive_lens.types import SCORE_KINDS
+
+        for name in ("values", "totals", "prompt_values", "prompt_totals"):
+            t = getattr(self, name)
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise TypeError(f"ComponentScores.{name} must be a float tensor, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)}.")
+        if self.values.dim() != 4 or self.prompt_values.dim() != 5:
+            raise ValueError(f"values must be [kind, layer, component, pos] and prompt_values [kind, batch, layer, "
+                             f"component, pos]; got {tuple(self.values.shape)} and {tuple(self.prompt_values.shape)}.")
+        bad = [k for k in self.kinds if k not in SCORE_KINDS]
+        if bad or len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"kinds must be distinct names from {SCORE_KINDS}, got {self.kinds}.")
         k, n_layer, n_comp, n_pos = self.values.shape
         if k != len(self.kinds):
             raise ValueError(f"values has {k} kinds but kinds={self.kinds}")
@@ -82,6 +95,16 @@ class ComponentScores:
             raise ValueError("prompt_values does not match kinds / prompts / layers / components")
         if self.method not in ("linear", "causal"):
             raise ValueError(f"method must be 'linear' or 'causal', got {self.method!r}")
+        if self.prompt_totals.shape != self.prompt_values.shape[:4]:
+            raise ValueError(f"prompt_totals shape {tuple(self.prompt_totals.shape)} != "
+                             f"{tuple(self.prompt_values.shape[:4])}")
+        width = self.prompt_values.shape[-1]
+        for i, roles in enumerate(self.prompt_roles):
+            if len(roles) > width or not set(roles) <= set(self.position_labels):
+                raise ValueError(f"prompt {i}'s roles do not fit the position labels / {width} positions.")
+        if self.other is not None and self.other.shape != (len(self.prompt_roles),):
+            raise ValueError(f"other must have one value per prompt, shape [{len(self.prompt_roles)}], "
+                             f"got {tuple(self.other.shape)}")
 
     # ------------------------------------------------------------------ access
     @property
@@ -186,16 +209,23 @@ class ComponentScores:
         from safetensors.torch import load_file
 
         path = Path(path)
-        t = load_file(str(path / "scores.safetensors"))
-        info = json.loads((path / "scores.json").read_text())
-        return cls(
-            values=t["values"], totals=t["totals"], prompt_values=t["prompt_values"],
-            prompt_totals=t["prompt_totals"], kinds=tuple(info["kinds"]),
-            component_labels=tuple(info["component_labels"]),
-            position_labels=tuple(info["position_labels"]),
-            prompt_roles=tuple(tuple(r) for r in info["prompt_roles"]), method=info["method"],
-            other=t.get("other"), metadata=info["metadata"],
-        )
+        missing = [f for f in ("scores.safetensors", "scores.json") if not (path / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path} has no {' or '.join(missing)}: pass a directory written by "
+                                    "ComponentScores.save() (or `extractive-lens score --out`).")
+        try:
+            t = load_file(str(path / "scores.safetensors"))
+            info = json.loads((path / "scores.json").read_text())
+            fields = dict(kinds=tuple(info["kinds"]), component_labels=tuple(info["component_labels"]),
+                          position_labels=tuple(info["position_labels"]), method=info["method"],
+                          prompt_roles=tuple(tuple(r) for r in info["prompt_roles"]), metadata=info["metadata"])
+            tensors = {k: t[k] for k in ("values", "totals", "prompt_values", "prompt_totals")}
+        except Exception as e:  # KeyError, JSON errors, safetensors' own error for a damaged file
+            raise ValueError(f"{path} is not a complete ComponentScores directory ({type(e).__name__}: {e}).") from None
+        try:
+            return cls(**tensors, other=t.get("other"), **fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: the saved scores are inconsistent: {e}") from None
 
     # ------------------------------------------------------------------ display
     def plot(self, kind: ScoreKind | None = None, part: str = "mlp", position: str | None = None) -> Any:

@@ -27,9 +27,11 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from extractive_lens import model as _model
+from extractive_lens.interrupts import Shield
 from extractive_lens.types import Component, component_axis_labels, parse_components
 
 FORMAT_VERSION = 1
+_FORMAT = "extractive_lens.WeightDiff"
 
 
 def delta_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -52,9 +54,19 @@ class WeightDiff:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deltas, Mapping):
+            raise TypeError(f"deltas must map parameter names to tensors, got {type(self.deltas).__name__}; build a "
+                            "WeightDiff with WeightDiff.from_models(base, finetuned).")
+        if not isinstance(self.signature, Mapping):
+            raise TypeError(f"signature must be a mapping (model.signature(model)), got {type(self.signature).__name__}.")
         for name, d in self.deltas.items():
+            if not isinstance(d, Tensor):
+                raise TypeError(f"Δ[{name}] is a {type(d).__name__}, not a tensor.")
             if d.dtype not in (torch.float32, torch.float64):
                 raise TypeError(f"Δ[{name}] has dtype {d.dtype}; deltas must be float32 or float64.")
+            if not torch.isfinite(d).all():
+                raise ValueError(f"Δ[{name}] contains NaN or inf: check the finetuned weights (or the file it came "
+                                 "from) before scoring.")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -162,19 +174,21 @@ class WeightDiff:
         self._check_compatible(model)
         params = dict(model.named_parameters())
         saved: dict[str, Tensor] = {}
-        try:
-            with torch.no_grad():
-                for name, d in diff.deltas.items():
-                    p = params[name]
-                    saved[name] = p.detach().clone()
-                    d = d.to(p.device)
-                    new = saved[name].to(d.dtype) + (d if scale == 1.0 else scale * d)
-                    p.copy_(new.to(p.dtype))
-            yield model
-        finally:
-            with torch.no_grad():
-                for name, original in saved.items():
-                    params[name].copy_(original)
+        with Shield() as shield:  # interrupts wait while weights change or are restored
+            try:
+                with torch.no_grad():
+                    for name, d in diff.deltas.items():
+                        p = params[name]
+                        saved[name] = p.detach().clone()
+                        d = d.to(p.device)
+                        new = saved[name].to(d.dtype) + (d if scale == 1.0 else scale * d)
+                        p.copy_(new.to(p.dtype))
+                with shield.open():
+                    yield model
+            finally:
+                with torch.no_grad():
+                    for name, original in saved.items():
+                        params[name].copy_(original)
 
     def _check_compatible(self, model: nn.Module) -> None:
         params = dict(model.named_parameters())
@@ -201,6 +215,12 @@ class WeightDiff:
     def _combine(self, other: WeightDiff, sign: float) -> WeightDiff:
         if not isinstance(other, WeightDiff):
             return NotImplemented
+        keys = (set(self.signature) | set(other.signature)) - {"dtype", "processed"}
+        differ = sorted(k for k in keys if self.signature.get(k) != other.signature.get(k))
+        if differ:
+            detail = ", ".join(f"{k}: {self.signature.get(k)!r} vs {other.signature.get(k)!r}" for k in differ)
+            raise ValueError(f"Cannot {'add' if sign > 0 else 'subtract'} weight changes of different architectures "
+                             f"({detail}): combine updates of the same base model only.")
         names = set(self.deltas) | set(other.deltas)
         out = {}
         for n in names:
@@ -223,8 +243,9 @@ class WeightDiff:
         return self._combine(other, -1.0)
 
     def __mul__(self, alpha: float) -> WeightDiff:
-        if not isinstance(alpha, (int, float)):
-            return NotImplemented
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise TypeError(f"A WeightDiff scales by a number (diff * 0.5), got {type(alpha).__name__}; to combine "
+                            "two updates use diff_a + diff_b or diff_a - diff_b.")
         return WeightDiff({n: alpha * d for n, d in self.deltas.items()}, dict(self.signature),
                           {**self.metadata, "scaled_by": alpha})
 
@@ -325,7 +346,7 @@ class WeightDiff:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {
-            "format": "extractive_lens.WeightDiff",
+            "format": _FORMAT,
             "format_version": str(FORMAT_VERSION),
             "signature": json.dumps(dict(self.signature)),
             "metadata": json.dumps(dict(self.metadata), default=str),
@@ -338,12 +359,32 @@ class WeightDiff:
         from safetensors import safe_open
 
         path = Path(path)
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != "extractive_lens.WeightDiff":
-                raise ValueError(f"{path} is not a WeightDiff file written by WeightDiff.save().")
-            deltas = {k: f.get_tensor(k) for k in f.keys()}
-        return cls(deltas, json.loads(meta["signature"]), json.loads(meta.get("metadata", "{}")))
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (or is not a file): pass a .safetensors file written by "
+                                    "WeightDiff.save() or `extractive-lens finetune --out`.")
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                meta = f.metadata() or {}
+                deltas = {k: f.get_tensor(k) for k in f.keys()} if meta.get("format") == _FORMAT else {}
+        except Exception as e:  # safetensors' own error type for a file that is not safetensors
+            raise ValueError(f"{path} is not a safetensors file ({e}); pass a file written by WeightDiff.save().") from None
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a WeightDiff file written by WeightDiff.save().")
+        version = meta.get("format_version")
+        if version is None or not version.isdigit() or int(version) > FORMAT_VERSION:
+            raise ValueError(f"{path} has WeightDiff format version {version!r}; this extractive_lens reads versions "
+                             f"up to {FORMAT_VERSION}. Upgrade extractive_lens or re-save the diff.")
+        try:
+            signature = json.loads(meta["signature"])
+            metadata = json.loads(meta.get("metadata", "{}"))
+        except (KeyError, json.JSONDecodeError):
+            raise ValueError(f"{path}: the architecture signature is missing or not JSON; the file is damaged.") from None
+        if not isinstance(signature, dict) or not isinstance(metadata, dict):
+            raise ValueError(f"{path}: the signature and metadata must be JSON objects; the file is damaged.")
+        try:
+            return cls(deltas, signature, metadata)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def __repr__(self) -> str:
         n = sum(d.numel() for d in self.deltas.values())

@@ -71,6 +71,8 @@ def load_pairs(path: str | Path) -> list[Pair]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist.")
+    if not path.is_file():
+        raise ValueError(f"{path} is a directory; pass a .json, .jsonl or .csv file of (prompt, answer) pairs.")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".csv":
         rows: list[dict[str, Any]] = list(csv.DictReader(text.splitlines()))
@@ -80,9 +82,22 @@ def load_pairs(path: str | Path) -> list[Pair]:
             else:
                 r.pop("candidates", None)
     elif path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        rows = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg}); each line must be one "
+                                     'object like {"prompt": "...", "answer": "..."}.') from None
     else:
-        rows = json.loads(text)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}).") from None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path} holds no (prompt, answer) pairs: give a list of objects with 'prompt' and "
+                         "'answer' (JSON), one object per line (JSONL) or a CSV with those columns.")
     try:
         return from_pairs(rows)
     except ValueError as e:

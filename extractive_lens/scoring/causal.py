@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from extractive_lens import model as M
 from extractive_lens.batch import PromptBatch
+from extractive_lens.interrupts import guarded, refuse_attached_hooks
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward, resolve_reward
 from extractive_lens.scoring.engine import (
@@ -89,11 +90,14 @@ def causal_scores(
     """
     check_arguments("causal_scores", model, diff, batch)
     M.check_scorable(model)
+    refuse_attached_hooks(model, "causal_scores")
     kinds = resolve_kinds(kinds)
     if per not in ("token", "component"):
         raise ValueError(f"per must be 'token' or 'component', got {per!r}")
     reward_fn, reward_name = resolve_reward(reward)
-    if not isinstance(max_batch, int) or max_batch < 1:
+    if ablation not in ("mean", "zero", "resample"):
+        raise ValueError(f"ablation must be 'mean', 'zero' or 'resample', got {ablation!r}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive number of interventions per pass, got {max_batch!r}")
     cdt = M.resolve_compute_dtype(model, compute_dtype)
     diff._check_compatible(model)
@@ -120,7 +124,7 @@ def causal_scores(
         compute_dtype=str(cdt), prepend_bos=batch.prepend_bos,
     )
     per_token, totals = [], []
-    with M.computing_in(model, cdt):
+    with guarded(model), M.computing_in(model, cdt):
         first = forward_run(model, chunks[0], reward_fn, capture=("z", "k", "v"))
         table = None
         if "upstream" in kinds:

@@ -95,6 +95,10 @@ def forward_run(
             R, logits, x_read = readout(model, x, batch, reward_fn)
             run.post_final = x_read.detach()
             run.reward = R.detach()
+            if grad and not R.requires_grad:
+                raise ValueError(f"{getattr(reward_fn, '__name__', 'the reward')} is not differentiable in the logits "
+                                 "(its output has no gradient): linear scores need a reward built from torch "
+                                 "operations on the logits, without .detach(), argmax or Python numbers.")
             if grad:
                 names = [n for n in capture if n != "z"]
                 inputs = [x0, logits, *attn_outs, *mlp_outs] + [c[n] for c in caps for n in names]
@@ -156,14 +160,35 @@ def readout(
             raise ValueError("A custom reward reads the full logits: resume from position 0.")
         view = batch
     logits = M.unembed(model, resid)
-    R = torch.cat([reward_fn(logits[g * b : (g + 1) * b], view) for g in range(groups)])
+    R = torch.cat([check_reward_output(reward_fn(logits[g * b : (g + 1) * b], view), b, reward_fn)
+                   for g in range(groups)])
     return R, logits, resid
+
+
+def check_reward_output(R: Any, n: int, reward_fn: Any) -> Tensor:
+    """A reward must return one finite float per prompt: ``Tensor[batch]``."""
+    name = getattr(reward_fn, "__name__", "the reward")
+    if not isinstance(R, Tensor):
+        raise TypeError(f"{name} returned {type(R).__name__}; a reward must return a float Tensor of shape "
+                        f"[batch] ([{n}] here), one value per prompt.")
+    if R.shape != (n,):
+        raise ValueError(f"{name} returned shape {tuple(R.shape)}; a reward must return one value per prompt, "
+                         f"shape [batch] = [{n}] (reduce over answer tokens or classes inside the reward).")
+    if not R.is_floating_point():
+        raise TypeError(f"{name} returned dtype {R.dtype}; a reward must return floats (e.g. log-probabilities).")
+    if not torch.isfinite(R).all():
+        raise ValueError(f"{name} returned NaN or inf for prompts {torch.nonzero(~torch.isfinite(R)).flatten().tolist()}; "
+                         "check the reward (a log of 0, a division by 0) and the answers.")
+    return R
 
 
 def plan_chunks(
     batch: PromptBatch, rows: Any, batch_size: int | None
 ) -> tuple[PromptBatch, list[tuple[PromptBatch, list[int]]]]:
     """The prompts to score (``rows`` of ``batch``, or all) and their chunks with global row ids."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive number of prompts per pass (or None for all at once), "
+                         f"got {batch_size!r}")
     ids = list(range(len(batch))) if rows is None else [int(r) for r in rows]
     if not ids:
         raise ValueError("rows selects no prompts.")
@@ -400,6 +425,9 @@ def check_arguments(fn: str, model: Any, diff: Any = None, batch: Any = None, *,
     from extractive_lens.weight_diff import WeightDiff
 
     call = f"{fn}(model, diff, batch)" if need_diff else f"{fn}(model, batch)"
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{call} cannot run inside torch.inference_mode(): it needs gradients and restores "
+                           "weights in place. Call it outside the inference_mode block (torch.no_grad() is fine).")
     if not isinstance(model, nn.Module) or not hasattr(model, "cfg"):
         raise TypeError(f"{call}: model must be a HookedTransformer, got {type(model).__name__}. "
                         "Load one with load_pretrained(name), load_checkpoint(dir) or load_world_model().")

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from extractive_lens import model as M
 from extractive_lens.batch import PromptBatch
+from extractive_lens.interrupts import guarded, refuse_attached_hooks
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward, resolve_reward
 from extractive_lens.scoring.engine import (
@@ -92,6 +93,7 @@ def linear_scores(
     """
     check_arguments("linear_scores", model, diff, batch)
     M.check_scorable(model)
+    refuse_attached_hooks(model, "linear_scores")
     kinds = resolve_kinds(kinds)
     cdt = M.resolve_compute_dtype(model, compute_dtype)
     if convention not in ("paper", "authors_code"):
@@ -99,6 +101,12 @@ def linear_scores(
     authors = convention == "authors_code"
     reward_fn, reward_name = resolve_reward(reward, "logit_margin" if authors else "answer_logprob")
     ablation = ablation or ("resample" if authors else "mean")
+    if ablation not in ("mean", "zero", "resample"):
+        raise ValueError(f"ablation must be 'mean', 'zero' or 'resample', got {ablation!r}")
+    if upstream_group not in (None, "auto") and (isinstance(upstream_group, bool) or not isinstance(upstream_group, int)
+                                                 or upstream_group < 1):
+        raise ValueError(f"upstream_group must be 'auto', None (all layer boundaries in one pass) or a positive "
+                         f"number of boundaries per pass, got {upstream_group!r}")
     cfg = model.cfg
     if authors and cfg.n_key_value_heads and cfg.n_key_value_heads != cfg.n_heads and "informative" in kinds:
         raise NotImplementedError(
@@ -117,7 +125,7 @@ def linear_scores(
         prepend_bos=batch.prepend_bos,
     )
     meta["rows"] = None if rows is None else list(rows)
-    with M.computing_in(model, cdt):
+    with guarded(model), M.computing_in(model, cdt):
         per_token, other, changes = _scores(
             model, diff, deltas, batch, plan, reward_fn, kinds, ablation, reference, authors, upstream_group,
             resample_k, seed, batch_size, rows, show_progress)

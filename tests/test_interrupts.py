@@ -1,0 +1,223 @@
+"""Interrupts (Ctrl-C) anywhere leave the model exactly as it was, and the next call succeeds.
+
+Deterministic: a trace function raises KeyboardInterrupt at the n-th line executed in the package
+(and in contextlib, whose context-manager machinery runs our restores) for every n, except where
+a real signal would be deferred (inside an ``interrupts.Shield``). Random: SIGALRM timers raise
+KeyboardInterrupt at random moments of the public calls, through the real signal machinery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import extractive_lens
+from extractive_lens import (
+    FinetuneConfig,
+    WeightDiff,
+    causal_scores,
+    finetune,
+    linear_scores,
+    tiny_model,
+)
+from extractive_lens.interrupts import shielded
+from tests.conftest import make_pair
+from tests.test_linear import small_batch
+
+PACKAGE = str(Path(extractive_lens.__file__).parent)
+WATCHED = (PACKAGE, contextlib.__file__)
+
+
+def snapshot(model):
+    hooks = [(n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+              len(getattr(m, "fwd_hooks", [])), len(getattr(m, "bwd_hooks", []))) for n, m in model.named_modules()]
+    return dict(weights=[p.detach().clone() for p in model.parameters()],
+                flags=[p.requires_grad for p in model.parameters()], grads=[p.grad for p in model.parameters()],
+                training=[m.training for m in model.modules()], grad_mode=torch.is_grad_enabled(),
+                dtype=model.cfg.dtype, hooks=hooks, level=fwAD._current_level,
+                handlers=[signal.getsignal(x) for x in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)])
+
+
+def assert_unchanged(model, before, where):
+    now = snapshot(model)
+    for a, b in zip(before["weights"], now["weights"]):
+        assert torch.equal(a, b), f"weights changed ({where})"
+    assert all(x is y for x, y in zip(before["grads"], now["grads"])), f".grad buffers changed ({where})"
+    for key in ("flags", "training", "grad_mode", "dtype", "hooks", "level", "handlers"):
+        assert before[key] == now[key], f"{key} changed ({where})"
+
+
+class Injector:
+    """Raise KeyboardInterrupt at the n-th watched line where an interrupt could be delivered."""
+
+    def __init__(self, n: int | None) -> None:
+        self.n, self.count = n, 0
+
+    def __call__(self, frame, event, arg):
+        if not frame.f_code.co_filename.startswith(WATCHED):
+            return None
+        return self.local
+
+    def local(self, frame, event, arg):
+        if event == "line" and not shielded():
+            self.count += 1
+            if self.count == self.n:
+                raise KeyboardInterrupt(f"injected at line {self.count}")
+        return self.local
+
+
+def run_traced(fn, n):
+    inj = Injector(n)
+    sys.settrace(inj)
+    try:
+        fn()
+        return inj.count, False
+    except KeyboardInterrupt:
+        return inj.count, True
+    finally:
+        sys.settrace(None)
+
+
+@pytest.fixture(scope="module")
+def setting():
+    base, ft = make_pair("ln_gelu", torch.float64, n_layers=1, d_model=8, n_heads=2, d_head=4, d_mlp=8)
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base, n=3)
+    return base, diff, batch
+
+
+def calls(base, diff, batch):
+    def applied():
+        with torch.no_grad(), diff.applied(base, components=["L0H1", "L0MLP"]):
+            return base(batch.tokens)
+
+    return {
+        "applied": applied,
+        "linear_scores": lambda: linear_scores(base, diff, batch, show_progress=False),
+        "causal_scores": lambda: causal_scores(base, diff, batch, kinds=("informative", "upstream"),
+                                               show_progress=False),
+        "finetune": lambda: finetune(base, batch, FinetuneConfig(epochs=1, batch_size=2), show_progress=False),
+        "linear_scores bf16": None,  # filled below
+    }
+
+
+def _result_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, WeightDiff):
+        return all(torch.equal(a.deltas[n], b.deltas[n]) for n in a.deltas)
+    return torch.equal(a.prompt_values, b.prompt_values)
+
+
+@pytest.mark.parametrize("name", ["applied", "linear_scores", "causal_scores", "finetune"])
+def test_interrupt_at_every_line(setting, name):
+    base, diff, batch = setting
+    base.blocks[0].attn.W_Q.grad = torch.ones_like(base.blocks[0].attn.W_Q)  # a user's .grad buffer
+    fn = calls(base, diff, batch)[name]
+    before = snapshot(base)
+    reference = fn()
+    total, fired = run_traced(fn, None)
+    assert not fired and total > 50, total
+    # every line of the short paths; an even spread of 150 points over the long ones
+    points = range(1, total + 1) if total <= 1500 else sorted({1 + round(i * (total - 1) / 149) for i in range(150)})
+    landed = 0
+    for n in points:
+        _, fired = run_traced(fn, n)
+        landed += fired
+        assert_unchanged(base, before, f"{name}, interrupted at line {n} of {total}")
+    assert landed >= 0.95 * len(points), f"only {landed} of {len(points)} interrupts landed"
+    assert _result_equal(fn(), reference)  # and the next call succeeds
+    assert_unchanged(base, before, f"{name}, after the next call")
+    base.blocks[0].attn.W_Q.grad = None
+
+
+def test_interrupt_by_signal_at_random_moments(setting):
+    """SIGALRM raising KeyboardInterrupt, through the real signal machinery (deferred while shielded)."""
+    base, diff, batch = setting
+    fns = calls(base, diff, batch)
+    rng = random.Random(0)
+
+    def alarm(signum, frame):
+        raise KeyboardInterrupt("alarm")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        for name in ("applied", "linear_scores", "causal_scores", "finetune"):
+            fn = fns[name]
+            before = snapshot(base)
+            reference = fn()
+            t0 = time.perf_counter()
+            fn()
+            duration = time.perf_counter() - t0
+            hits = 0
+            for _ in range(15):
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-5, duration))
+                try:
+                    fn()
+                    time.sleep(duration)  # the alarm lands after the call instead
+                except KeyboardInterrupt:
+                    hits += 1
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                assert_unchanged(base, before, f"{name} after a random SIGALRM")
+            assert hits >= 5, f"{name}: only {hits} of 15 alarms landed inside the call"
+            assert _result_equal(fn(), reference)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_deferred_interrupt_is_delivered_after_the_restore(setting):
+    """An interrupt during a shielded restore is not lost: it arrives once the state is consistent."""
+    base, diff, batch = setting
+    before = snapshot(base)
+    with pytest.raises(KeyboardInterrupt):
+        with diff.applied(base):
+            signal.raise_signal(signal.SIGINT)  # delivered at once: the body is not shielded
+    assert_unchanged(base, before, "SIGINT in the body")
+
+    def restore_then_interrupt():
+        with diff.applied(base):
+            pass
+
+    import extractive_lens.weight_diff as wd
+
+    real_copy = torch.Tensor.copy_
+    state = {"sent": False}
+
+    def copy_and_signal(self, src, *a, **k):
+        out = real_copy(self, src, *a, **k)
+        if shielded() and not state["sent"]:
+            state["sent"] = True
+            signal.raise_signal(signal.SIGINT)  # arrives while the weights are half restored
+        return out
+
+    with pytest.raises(KeyboardInterrupt):
+        torch.Tensor.copy_ = copy_and_signal
+        try:
+            restore_then_interrupt()
+        finally:
+            torch.Tensor.copy_ = real_copy
+    assert state["sent"] and wd is not None
+    assert_unchanged(base, before, "SIGINT during the restore")
+
+
+def test_hooks_the_user_attached_are_refused(setting):
+    base, diff, batch = setting
+    base.blocks[0].attn.hook_z.add_hook(lambda act, hook: act * 2)
+    try:
+        for fn in (linear_scores, causal_scores):
+            with pytest.raises(ValueError, match=r"hooks attached at blocks\.0\.attn\.hook_z.*reset_hooks"):
+                fn(base, diff, batch)
+    finally:
+        base.reset_hooks(including_permanent=True)
+    assert linear_scores(base, diff, batch).values.abs().max() > 0
+    m = tiny_model()
+    assert m.cfg.dtype == torch.float32
