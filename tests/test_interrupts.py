@@ -221,3 +221,33 @@ def test_hooks_the_user_attached_are_refused(setting):
     assert linear_scores(base, diff, batch).values.abs().max() > 0
     m = tiny_model()
     assert m.cfg.dtype == torch.float32
+
+
+def test_guard_removes_hooks_and_restores_modes_added_inside(setting):
+    """The public-call guard undoes what an interrupt between two bytecodes could leave behind."""
+    from extractive_lens.interrupts import guarded
+
+    base, _, _ = setting
+    before = snapshot(base)
+    with pytest.raises(KeyboardInterrupt):
+        with guarded(base):
+            base.blocks[0].attn.hook_z.register_forward_hook(lambda m, i, o: o)  # a capture hook, mid-call
+            base.blocks[0].attn.hook_k.add_hook(lambda act, hook: act)
+            base.train()
+            base.cfg.dtype = torch.float32
+            base.blocks[0].mlp.W_in.requires_grad_(False)
+            torch.set_grad_enabled(False)
+            fwAD.enter_dual_level()
+            raise KeyboardInterrupt
+    assert_unchanged(base, before, "after the guard")
+
+
+def test_an_open_window_never_re_arms_a_closed_shield():
+    from extractive_lens.interrupts import Shield
+
+    original = signal.getsignal(signal.SIGINT)
+    with Shield() as shield:
+        window = shield.open()
+        window.__enter__()
+    window.__exit__(None, None, None)  # late, after the shield closed
+    assert signal.getsignal(signal.SIGINT) is original
