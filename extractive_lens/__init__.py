@@ -37,14 +37,22 @@ _EXPORTS = {
     "mean_rank": "extractive_lens.finetuning",
 }
 
+# Submodules reachable as attributes in a fresh session (``el.plotting.report(...)``), imported on first use.
+_SUBMODULES = (
+    "batch", "comparison", "datasets", "distributed", "experiments", "finetuning", "interrupts", "lincorr",
+    "model", "plotting", "results", "rewards", "scoring", "types", "weight_diff", "world",
+)
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"extractive_lens.{name}")
     raise AttributeError(f"module 'extractive_lens' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+    return sorted(list(globals()) + __all__ + list(_SUBMODULES))

@@ -82,6 +82,12 @@ def score(
         None, help="Dtype scores are computed in (default: float32 for bfloat16/float16 models, else --dtype)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     batch_size: int = typer.Option(16, min=1, help="Prompts per pass."),
+    kinds: str = typer.Option("informative,upstream,downstream", help="Comma-separated score kinds."),
+    ablation: str = typer.Option(None, help="y* for upstream: mean, zero or resample (default: the convention's)."),
+    convention: str = typer.Option("paper", help="paper or authors_code (linear scores only)."),
+    per: str = typer.Option("token", help="Exact scores per token or per component."),
+    top_k: int = typer.Option(None, min=1, help="Exact scores only for the K components the linear scores rank highest."),
+    layers: str = typer.Option(None, help="Exact scores only for these layers, e.g. '0,3'."),
     distributed: bool = typer.Option(False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."),
 ) -> None:
     """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
@@ -89,6 +95,13 @@ def score(
         raise typer.BadParameter("--method must be linear, causal or both.")
     if compute_dtype is not None and compute_dtype not in ("float32", "float64", "bfloat16", "float16"):
         raise typer.BadParameter("--compute-dtype must be float32, float64, bfloat16 or float16.")
+    if convention == "authors_code" and method != "linear":
+        raise typer.BadParameter("exact scores exist only in the paper convention: use --method linear with "
+                                 "--convention authors_code.")
+    kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
+    layer_list = _int_list(layers, "--layers") if layers else None
+    common = dict(reward=reward, batch_size=batch_size, compute_dtype=compute_dtype, kinds=kind_list,
+                  ablation=ablation)
     from extractive_lens import WeightDiff, compare, make_batch
     from extractive_lens.datasets import load_pairs
     from extractive_lens.distributed import distributed_scores, init_from_env
@@ -119,13 +132,13 @@ def score(
         raise typer.BadParameter(f"{data}: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    lin = None
     if method in ("linear", "both"):
-        lin = distributed_scores("linear", base_m, delta, batch, reward=reward, batch_size=batch_size,
-                                 compute_dtype=compute_dtype)
+        lin = distributed_scores("linear", base_m, delta, batch, convention=convention, **common)
         results.append(lin)
     if method in ("causal", "both"):
-        ex = distributed_scores("causal", base_m, delta, batch, reward=reward, batch_size=batch_size,
-                                compute_dtype=compute_dtype)
+        ex = distributed_scores("causal", base_m, delta, batch, per=per, top_k=top_k, layers=layer_list,
+                                linear=lin if top_k else None, **{**common, "ablation": ablation or "mean"})
         results.append(ex)
     if rank != 0:
         return
@@ -138,6 +151,41 @@ def score(
     for r in results:
         _print_top(r)
     _echo(f"wrote {out}/ (report: {path})")
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"{option} takes integers like '0,3', got {text!r}") from None
+
+
+@app.command()
+def report(
+    scores_dir: Path = typer.Argument(..., help="A directory written by `extractive-lens score --out` (or by "
+                                                "ComponentScores.save())."),
+    out: Path = typer.Option(None, help="The HTML file to write (default: SCORES_DIR/report.html)."),
+    title: str = typer.Option("extractive_lens report", help="The report's title."),
+) -> None:
+    """Re-render saved scores (linear and/or exact) into one self-contained HTML report."""
+    from extractive_lens import ComponentScores, compare
+    from extractive_lens.plotting import report as write_report
+
+    if (scores_dir / "scores.json").is_file():
+        results = [ComponentScores.load(scores_dir)]
+    else:
+        results = [ComponentScores.load(scores_dir / m) for m in ("linear", "causal") if (scores_dir / m).is_dir()]
+    if not results:
+        raise typer.BadParameter(f"{scores_dir} holds no saved scores (scores.json, or linear/ and causal/ "
+                                 "subdirectories as `extractive-lens score --out` writes them).")
+    cmp = None
+    if len(results) == 2:
+        try:
+            cmp = compare(results[0], results[1])
+        except ValueError as e:
+            _echo(f"not comparing linear and exact scores: {e}")
+    path = write_report(results, cmp, path=out or scores_dir / "report.html", title=title)
+    _echo(f"wrote {path}")
 
 
 def _batch(model: Any, data: Path) -> Any:
@@ -161,16 +209,22 @@ def finetune(
     optimizer: str = typer.Option("adam", help="adam or adamw."),
     schedule: str = typer.Option("constant", help="constant or linear (10% warm-up, then decay)."),
     seed: int = typer.Option(0),
+    trainable: str = typer.Option("all", help="'all' or comma-separated components, e.g. 'L0MLP,L1H2'."),
+    layers: str = typer.Option(None, help="Train only these blocks, e.g. '0,1'."),
+    dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
 ) -> None:
     """Finetune on (prompt, answer) pairs (loss on answer tokens) and save the weight change."""
     from extractive_lens import FinetuneConfig
     from extractive_lens import finetune as run_finetune
 
-    m = _load_model(model)
+    m = _load_model(model, dtype, device)
     batch = _batch(m, data)
     try:
         cfg = FinetuneConfig(lr=lr, epochs=epochs, batch_size=batch_size, optimizer=optimizer,  # type: ignore[arg-type]
-                             schedule=schedule, seed=seed)  # type: ignore[arg-type]
+                             schedule=schedule, seed=seed,  # type: ignore[arg-type]
+                             trainable="all" if trainable == "all" else tuple(trainable.split(",")),
+                             layers=tuple(_int_list(layers, "--layers")) if layers else None)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     delta = run_finetune(m, batch, cfg)
@@ -183,11 +237,13 @@ def rank(
     model: str = typer.Option(..., help="'world', a local checkpoint directory or a hub name."),
     data: Path = typer.Option(..., help="Prompts, answers and candidates (.json, .jsonl, .csv)."),
     diff: Path = typer.Option(None, help="A saved weight change to apply first."),
+    dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
 ) -> None:
     """Mean rank of the answer among the candidates (0 = always top; chance (n-1)/2)."""
     from extractive_lens import WeightDiff, mean_rank
 
-    m = _load_model(model)
+    m = _load_model(model, dtype, device)
     batch = _batch(m, data)
     if batch.candidates is None:
         raise typer.BadParameter("rank needs candidates in the data file (a 'candidates' field).")

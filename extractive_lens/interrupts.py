@@ -129,6 +129,8 @@ def _snapshot(model: Any) -> dict[str, Any]:
         training=[(m, m.training) for m in modules],
         flags=[(p, p.requires_grad) for p in model.parameters()],
         dtype=getattr(getattr(model, "cfg", None), "dtype", None),
+        cfg_flags={f: getattr(model.cfg, f) for f in ("use_attn_result", "use_split_qkv_input", "use_attn_in",
+                                                      "use_hook_mlp_in") if hasattr(getattr(model, "cfg", None), f)},
         hooks=[(m, {d: set(getattr(m, d, {})) for d in _HOOK_DICTS},
                 (list(getattr(m, "fwd_hooks", [])), list(getattr(m, "bwd_hooks", [])))) for m in modules],
         level=getattr(fwAD, "_current_level", -1),
@@ -152,6 +154,8 @@ def _restore(model: Any, state: dict[str, Any]) -> None:
             m.bwd_hooks[:] = bwd
     if state["dtype"] is not None:
         model.cfg.dtype = state["dtype"]
+    for flag, value in state["cfg_flags"].items():
+        setattr(model.cfg, flag, value)
     for p, flag in state["flags"]:
         p.requires_grad_(flag)
     for m, mode in state["training"]:

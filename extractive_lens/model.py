@@ -576,8 +576,6 @@ def check_scorable(model: nn.Module) -> None:
         problems.append("post-norm blocks (OLMo 2/3)")
     if cfg.positional_embedding_type == "shortformer":
         problems.append("shortformer positional embeddings")
-    if cfg.use_split_qkv_input or cfg.use_attn_in or cfg.use_attn_result:
-        problems.append("use_split_qkv_input / use_attn_in / use_attn_result flags (turn them off)")
     if getattr(cfg, "num_experts", None):
         problems.append("mixture-of-experts MLPs")
     if problems:
@@ -586,6 +584,33 @@ def check_scorable(model: nn.Module) -> None:
             f"this model has {'; '.join(problems)}. Loading and WeightDiff work for it, scoring "
             "does not yet."
         )
+
+
+VIEW_FLAGS = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+"""TransformerLens flags that change which hooks fire and how attention inputs are shaped, not
+what the model computes: scoring turns them off while it runs (``standard_flags``)."""
+
+
+@contextlib.contextmanager
+def standard_flags(model: nn.Module) -> Iterator[None]:
+    """Run with ``VIEW_FLAGS`` off (the forward pieces pass one ``[batch, pos, d_model]`` input to
+    attention); the user's settings are restored on exit, interrupts or not."""
+    from extractive_lens.interrupts import Shield
+
+    cfg = model.cfg
+    saved = {f: getattr(cfg, f, False) for f in VIEW_FLAGS}
+    if not any(saved.values()):
+        yield
+        return
+    with Shield() as shield:
+        try:
+            for f in saved:
+                setattr(cfg, f, False)
+            with shield.open():
+                yield
+        finally:
+            for f, v in saved.items():
+                setattr(cfg, f, v)
 
 
 def on_block(model: nn.Module, layer: int, x: Tensor) -> Tensor:

@@ -46,6 +46,18 @@ class Component:
         return f"L{self.layer}MLP" if self.head is None else f"L{self.layer}H{self.head}"
 
     @property
+    def hook_name(self) -> str:
+        """The TransformerLens hook holding this component's output.
+
+        A head's is ``blocks.{layer}.attn.hook_z`` at index ``[:, :, head]`` (its write into the
+        residual stream is that times ``W_O[head]``); an MLP's is ``blocks.{layer}.hook_mlp_out``.
+
+        >>> Component(3, 1).hook_name, Component(3).hook_name
+        ('blocks.3.attn.hook_z', 'blocks.3.hook_mlp_out')
+        """
+        return f"blocks.{self.layer}.hook_mlp_out" if self.head is None else f"blocks.{self.layer}.attn.hook_z"
+
+    @property
     def short_label(self) -> str:
         """The within-layer label used on the ``component`` axis: ``H2`` or ``MLP``."""
         return "MLP" if self.head is None else f"H{self.head}"

@@ -114,3 +114,39 @@ def test_parse_seeds():
     from extractive_lens.cli import _parse_seeds
 
     assert _parse_seeds("0,1,2") == [0, 1, 2] and _parse_seeds("0-2") == [0, 1, 2] and _parse_seeds("3") == [3]
+
+
+def test_score_options_and_report_command(tmp_path):
+    """--kinds/--ablation/--per/--top-k/--layers reach the API; `report` re-renders saved scores."""
+    from extractive_lens import ComponentScores
+    from extractive_lens.world import first_hop
+
+    ds = first_hop()
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text("\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in ds.facts[:6]))
+    diff = tmp_path / "d.safetensors"
+    res = runner.invoke(app, ["finetune", "--model", "world", "--data", str(facts), "--out", str(diff), "--epochs", "2",
+                              "--layers", "0,1", "--trainable", "L0MLP,L1MLP,L1H0"])
+    assert res.exit_code == 0, res.output
+    from extractive_lens import WeightDiff
+
+    d = WeightDiff.load(diff)
+    moved = {n for n, t in d.deltas.items() if t.abs().max() > 0}
+    assert moved and all(n.startswith(("blocks.0.mlp", "blocks.0.ln2", "blocks.1.")) for n in moved), moved
+    out = tmp_path / "s"
+    res = runner.invoke(app, ["score", "--base", "world", "--diff", str(diff), "--data", str(facts), "--method", "both",
+                              "--kinds", "informative,upstream", "--ablation", "zero", "--top-k", "3", "--layers", "0,1",
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    lin, ex = ComponentScores.load(out / "linear"), ComponentScores.load(out / "causal")
+    assert lin.kinds == ex.kinds == ("informative", "upstream")
+    assert ex.metadata["top_k"] == 3 and ex.metadata["layers"] == [0, 1] and ex.metadata["ablation"] == "zero"
+    (out / "report.html").unlink()
+    res = runner.invoke(app, ["report", str(out), "--title", "re-rendered"])
+    assert res.exit_code == 0, res.output
+    assert "re-rendered" in (out / "report.html").read_text()
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code != 0 and "holds no saved scores" in res.output
+    help_text = runner.invoke(app, ["score", "--help"]).output
+    for option in ("--kinds", "--ablation", "--convention", "--top-k", "--layers", "--per", "--compute-dtype"):
+        assert option in help_text, option

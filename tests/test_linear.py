@@ -302,3 +302,24 @@ def test_upstream_needs_other_prompts_for_y_star():
     zero = linear_scores(base, diff, one, ablation="zero")  # what the error suggests works
     assert zero.prompt_values[zero.kind_index("upstream")].abs().max() > 0
     assert linear_scores(base, diff, one, kinds=("informative", "downstream")).kinds == ("informative", "downstream")
+
+
+@pytest.mark.parametrize("flag", ["use_attn_result", "use_split_qkv_input"])
+def test_transformer_lens_view_flags_are_handled_and_restored(flag):
+    """Models with TransformerLens's optional attention flags on score as with them off."""
+    from extractive_lens import causal_scores, tiny_model
+
+    base, ft = make_pair("ln_gelu", torch.float64)
+    flagged = tiny_model({**{k: getattr(base.cfg, k) for k in ("n_layers", "d_model", "n_heads", "d_head", "d_mlp",
+                                                              "d_vocab", "n_ctx", "act_fn")},
+                          "dtype": torch.float64, flag: True})
+    flagged.load_state_dict(base.state_dict())
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base)
+    for fn in (linear_scores, causal_scores):
+        want = fn(base, diff, batch)
+        got = fn(flagged, diff, batch)
+        assert torch.allclose(got.prompt_values, want.prompt_values, atol=1e-12), fn.__name__
+        assert getattr(flagged.cfg, flag) is True  # the user's setting is back
+    with torch.no_grad():  # and the model still runs with it
+        assert torch.allclose(flagged(batch.tokens), base(batch.tokens), atol=1e-12)

@@ -124,7 +124,7 @@ def causal_scores(
         compute_dtype=str(cdt), prepend_bos=batch.prepend_bos,
     )
     per_token, totals = [], []
-    with guarded(model), M.computing_in(model, cdt):
+    with guarded(model), M.standard_flags(model), M.computing_in(model, cdt):
         first = forward_run(model, chunks[0], reward_fn, capture=("z", "k", "v"))
         table = None
         if "upstream" in kinds:

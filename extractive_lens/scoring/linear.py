@@ -125,7 +125,7 @@ def linear_scores(
         prepend_bos=batch.prepend_bos,
     )
     meta["rows"] = None if rows is None else list(rows)
-    with guarded(model), M.computing_in(model, cdt):
+    with guarded(model), M.standard_flags(model), M.computing_in(model, cdt):
         per_token, other, changes = _scores(
             model, diff, deltas, batch, plan, reward_fn, kinds, ablation, reference, authors, upstream_group,
             resample_k, seed, batch_size, rows, show_progress)
