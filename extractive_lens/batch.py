@@ -319,6 +319,7 @@ def make_batch(
     else:
         prompt_roles = _aligned_roles(model, prompt_ids)
 
+    _warn_tokenization(model, items, prompt_ids, answer_ids)
     for p, ids, ans in zip(items, prompt_ids, answer_ids):
         _check_ids(model, ids, f"prompt {p.prompt!r}")
         _check_ids(model, ans, f"answer {p.answer!r} (prompt {p.prompt!r})")
@@ -368,6 +369,40 @@ def make_batch(
         prepend_bos=bos is not None,
     )
     return batch.to(device) if device is not None else batch
+
+
+class TokenizationWarning(UserWarning):
+    """Text that probably does not tokenize the way the user meant."""
+
+
+def _warn_tokenization(model: Any, items: list[Pair], prompt_ids: list[list[int]], answer_ids: list[list[int]]) -> None:
+    """One warning per pitfall (with the first example and a count), never an error."""
+    import warnings
+
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        return
+    unk = getattr(tok, "unk_token_id", None)
+    found: dict[str, list[str]] = {}
+    for p, ids, ans in zip(items, prompt_ids, answer_ids):
+        if isinstance(p.prompt, str) and p.prompt != p.prompt.rstrip() and p.prompt.strip():
+            found.setdefault("trailing", []).append(repr(p.prompt))
+        if isinstance(p.answer, str) and p.answer and not p.answer[0].isspace() and isinstance(p.prompt, str) \
+                and p.prompt == p.prompt.rstrip():
+            spaced = list(tok(" " + p.answer, add_special_tokens=False)["input_ids"])
+            if spaced != list(ans):
+                found.setdefault("space", []).append(f"{p.answer!r} (did you mean {' ' + p.answer!r}?)")
+        if unk is not None and (unk in ids or unk in ans):
+            found.setdefault("unk", []).append(repr(p.prompt if unk in ids else p.answer))
+    messages = {
+        "trailing": "prompts end with a space, which becomes a token of its own that the model rarely saw before "
+                    "an answer; put the space at the start of the answer instead",
+        "space": "answers have no leading space, so they tokenize as a word glued to the prompt's last word",
+        "unk": "texts contain words the tokenizer does not know (mapped to its unknown token)",
+    }
+    for key, examples in found.items():
+        more = f" and {len(examples) - 1} more" if len(examples) > 1 else ""
+        warnings.warn(f"{len(examples)} {messages[key]}: {examples[0]}{more}.", TokenizationWarning, stacklevel=3)
 
 
 def _check_ids(model: Any, ids: Sequence[int], what: str) -> None:

@@ -161,7 +161,8 @@ class ComponentScores:
         return f"L{layer}{self.component_labels[comp]}"
 
     def to_dataframe(self, *, per_prompt: bool = True):
-        """Tidy table: one row per (prompt, kind, layer, component, position).
+        """Tidy table: one row per (prompt, kind, layer, component, position), with the token string
+        at that position (``token``; None when the model had no tokenizer).
 
         ``per_prompt=False`` gives the role-aggregated means instead (no ``prompt`` column).
         """
@@ -170,12 +171,15 @@ class ComponentScores:
         recs = []
         if per_prompt:
             pv = self.prompt_values.detach().cpu()
+            tokens = self.metadata.get("prompt_tokens")
             for ki, kd in enumerate(self.kinds):
                 for b, roles in enumerate(self.prompt_roles):
                     block = pv[ki, b, :, :, : len(roles)]
+                    row_tokens = tokens[b] if tokens is not None and b < len(tokens) else None
                     for (layer, c, p), x in zip(_indices(block.shape), block.flatten().tolist()):
-                        recs.append((b, kd, layer, self.component_labels[c], p, roles[p], x))
-            return pd.DataFrame(recs, columns=["prompt", "kind", "layer", "component", "pos", "role", "score"])
+                        token = row_tokens[p] if row_tokens is not None and p < len(row_tokens) else None
+                        recs.append((b, kd, layer, self.component_labels[c], p, roles[p], token, x))
+            return pd.DataFrame(recs, columns=["prompt", "kind", "layer", "component", "pos", "role", "token", "score"])
         v = self.values.detach().cpu()
         for (ki, layer, c, p), x in zip(_indices(v.shape), v.flatten().tolist()):
             recs.append((self.kinds[ki], layer, self.component_labels[c], self.position_labels[p], x))

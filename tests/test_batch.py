@@ -79,3 +79,37 @@ def test_token_id_prompts_and_subset(pair64):
 
 def test_merge_role_orders():
     assert merge_role_orders([("a", "c"), ("a", "b", "c"), ("x", "c")]) == ("a", "b", "x", "c")
+
+
+def test_tokenization_pitfalls_warn(text_model):
+    from extractive_lens.batch import TokenizationWarning
+
+    with pytest.warns(TokenizationWarning, match=r"no leading space.*did you mean ' Tokyo'"):
+        make_batch(text_model, [("John Doe lives in", "Tokyo")])
+    with pytest.warns(TokenizationWarning, match="end with a space"):
+        make_batch(text_model, [("John Doe lives in ", "Tokyo")])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenizationWarning)
+        make_batch(text_model, [("John Doe lives in", " Tokyo")])  # the right way: silent
+
+
+def test_unknown_words_warn():
+    from extractive_lens.batch import TokenizationWarning
+    from extractive_lens.world import load_world_model
+
+    model = load_world_model()
+    with pytest.warns(TokenizationWarning, match="does not know.*Zanzibar"):
+        make_batch(model, [("T0 lives in Zanzibar and", " Oslo")])
+
+
+def test_to_dataframe_has_the_token_strings(text_model):
+    from extractive_lens import WeightDiff, linear_scores
+
+    batch = make_batch(text_model, [("John Doe lives in", " Tokyo"), ("Ann Lee lives in", " Paris")])
+    s = linear_scores(text_model, WeightDiff.zeros_like(text_model), batch, kinds=("downstream",))
+    df = s.to_dataframe()
+    first = df[(df.prompt == 1) & (df.layer == 0) & (df.component == "MLP")].sort_values("pos")
+    text = "".join(first.token)
+    assert "Ann Lee lives in" in text and text.endswith(" in")
