@@ -121,11 +121,12 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 
 
 def _snapshot(model: Any) -> dict[str, Any]:
+    import torch
     import torch.autograd.forward_ad as fwAD
 
     modules = list(model.modules())
     return dict(
-        grad=torch_grad_enabled(),
+        grad=torch.is_grad_enabled(),
         training=[(m, m.training) for m in modules],
         flags=[(p, p.requires_grad) for p in model.parameters()],
         dtype=getattr(getattr(model, "cfg", None), "dtype", None),
@@ -161,12 +162,6 @@ def _restore(model: Any, state: dict[str, Any]) -> None:
     for m, mode in state["training"]:
         m.training = mode
     torch.set_grad_enabled(state["grad"])
-
-
-def torch_grad_enabled() -> bool:
-    import torch
-
-    return torch.is_grad_enabled()
 
 
 def attached_hooks(model: Any) -> list[str]:

@@ -16,6 +16,7 @@ import contextvars
 import json
 import re
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -547,7 +548,9 @@ def _weights_not_saved(sources: dict[int, Tensor], dtype: torch.dtype) -> tuple[
     return pack, unpack
 
 
-_ROTARY_CACHE: dict[tuple[int, str, torch.dtype, int], Tensor] = {}
+_ROTARY_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, torch.dtype, int], Tensor]] = (
+    weakref.WeakKeyDictionary()
+)  # per attention module (weakly held: a new model never inherits a collected one's tables)
 
 
 def _upcast_buffer(module: nn.Module, name: str, buf: Tensor, dtype: torch.dtype) -> Tensor:
@@ -557,13 +560,13 @@ def _upcast_buffer(module: nn.Module, name: str, buf: Tensor, dtype: torch.dtype
     owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
     if leaf not in ("rotary_sin", "rotary_cos") or not hasattr(owner, "calculate_sin_cos_rotary"):
         return buf.to(dtype)
-    key = (id(owner), leaf, dtype, buf.shape[0])
-    if key not in _ROTARY_CACHE:
+    tables = _ROTARY_CACHE.setdefault(owner, {})
+    if (leaf, dtype, buf.shape[0]) not in tables:
         base = owner._rotary_base() if hasattr(owner, "_rotary_base") else owner.cfg.rotary_base
         sin, cos = owner.calculate_sin_cos_rotary(owner.cfg.rotary_dim, buf.shape[0], base=base, dtype=dtype)
-        _ROTARY_CACHE[(id(owner), "rotary_sin", dtype, buf.shape[0])] = sin.to(buf.device)
-        _ROTARY_CACHE[(id(owner), "rotary_cos", dtype, buf.shape[0])] = cos.to(buf.device)
-    return _ROTARY_CACHE[key]
+        tables[("rotary_sin", dtype, buf.shape[0])] = sin.to(buf.device)
+        tables[("rotary_cos", dtype, buf.shape[0])] = cos.to(buf.device)
+    return tables[(leaf, dtype, buf.shape[0])]
 
 
 def check_scorable(model: nn.Module) -> None:
