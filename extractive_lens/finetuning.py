@@ -21,7 +21,7 @@ from torch import nn
 
 from extractive_lens import model as M
 from extractive_lens.batch import PromptBatch
-from extractive_lens.interrupts import Shield, guarded
+from extractive_lens.interrupts import Shield, Undo, caller_frame, guarded
 from extractive_lens.rewards import answer_logprob
 from extractive_lens.scoring.engine import check_arguments
 from extractive_lens.types import Component, parse_components
@@ -122,14 +122,19 @@ def finetune(
     with guarded(model), Shield() as shield:  # weights and the user's .grad restored, interrupts or not
         snapshot = {n: p.detach().clone() for n, p in params.items()}
         grads = {n: p.grad for n, p in params.items()}
-        try:
-            with shield.open():
-                return _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress)
-        finally:
+
+        def restore() -> None:
             with torch.no_grad():
                 for name, p in params.items():
                     p.copy_(snapshot[name])
                     p.grad = grads[name]
+
+        undo = Undo(restore, caller_frame())
+        try:
+            with shield.open():
+                return _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress)
+        finally:
+            undo()
 
 
 def _train(

@@ -29,6 +29,7 @@ from types import FrameType
 from typing import Any
 
 SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGALRM")) if s is not None)
+_SHIELDS: list[Shield] = []  # active shields, innermost last: only the innermost touches the handlers
 
 
 class Shield:
@@ -53,11 +54,29 @@ class Shield:
                 if callable(h):
                     self.saved[s] = h
             self.active = True
-            self._install(dict.fromkeys(self.saved, self._record))
+            _SHIELDS.append(self)
+            try:
+                self._install(dict.fromkeys(self.saved, self._record))
+            except BaseException:  # a signal between two swaps: leave nothing half installed
+                self.active = False
+                _SHIELDS[:] = [x for x in _SHIELDS if x is not self]
+                self._install(self.saved)
+                raise
         return self
 
+    @property
+    def innermost(self) -> bool:
+        return self.active and bool(_SHIELDS) and _SHIELDS[-1] is self
+
     def __exit__(self, *exc: Any) -> None:
+        if not self.active:
+            return
+        if not self.innermost:  # a shield left behind by an interrupt, closed late: handlers are not its own
+            self.active = False
+            _SHIELDS[:] = [x for x in _SHIELDS if x is not self]
+            return
         self.active = False
+        _SHIELDS.pop()
         try:  # an interrupt after one handler is back must not leave the others recording
             for s, h in self.saved.items():
                 signal.signal(s, h)
@@ -84,13 +103,79 @@ class _Open:
         self.shield = shield
 
     def __enter__(self) -> None:
-        self.shield._install(self.shield.saved)
-        self.shield._replay()
+        if self.shield.innermost:
+            self.shield._install(self.shield.saved)
+            self.shield._replay()
 
     def __exit__(self, *exc: Any) -> None:
-        if self.shield.active:
+        if self.shield.innermost:
             for s in self.shield.saved:
                 signal.signal(s, self.shield._record)
+
+
+class Undo:
+    """A restore that runs once: at its context's exit, or, where an interrupt skipped that exit,
+    at the start of the next ``applied`` or public call after the code that opened the context has
+    returned (``finish_stale``). Running it first completes the restores opened after it (nested
+    inside it, left behind by an interrupt), innermost first, so saved states are replayed in
+    order. A context left behind and finalized late finds its undo done and changes nothing."""
+
+    _seq = 0
+
+    def __init__(self, restore: Any, frame: FrameType | None) -> None:
+        Undo._seq += 1
+        self.seq, self.restore, self.frame, self.done = Undo._seq, restore, frame, False
+        _pending().append(self)
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        for nested in sorted((u for u in _pending() if u.seq > self.seq), key=lambda u: -u.seq):
+            nested._run()
+        self._run()
+
+    def _run(self) -> None:
+        if not self.done:
+            self.restore()
+            self.done = True
+            self.frame = None
+            _LOCAL.pending = [u for u in _pending() if u is not self]
+
+
+_LOCAL = threading.local()
+
+
+def _pending() -> list[Undo]:
+    if not hasattr(_LOCAL, "pending"):
+        _LOCAL.pending = []
+    return _LOCAL.pending
+
+
+def caller_frame() -> FrameType | None:
+    """The frame that opened the calling context manager (skipping contextlib and this module)."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename in (contextlib.__file__, __file__):
+        f = f.f_back
+    return f
+
+
+def finish_stale() -> None:
+    """Run the restores that interrupts left pending, whose opening code has returned."""
+    if not _pending():
+        return
+    import sys
+
+    live = set()
+    f: FrameType | None = sys._getframe()
+    while f is not None:
+        live.add(id(f))
+        f = f.f_back
+    with Shield():
+        for undo in sorted(_pending(), key=lambda u: -u.seq):
+            if not undo.done and id(undo.frame) not in live:
+                undo()
 
 
 def shielded() -> bool:
@@ -103,18 +188,23 @@ def shielded() -> bool:
 def guarded(model: Any) -> Iterator[None]:
     """Run a public call so that an interrupt anywhere leaves the model and torch as they were.
 
-    Restored on exit, shielded: grad mode, every module's training mode, every parameter's
+    Restored on exit, shielded: every module's parameter and buffer objects (``functional_call``
+    swaps them and is not interrupt-safe), grad mode, every module's training mode, every parameter's
     ``requires_grad``, ``model.cfg.dtype``, the hooks on every module (any added inside are
     removed) and the forward-mode AD level. Weights are restored by the contexts that change
     them (``WeightDiff.applied``, ``finetune``), each shielded the same way.
     """
+    finish_stale()
     with Shield() as shield:
         state = _snapshot(model)
+        if state["level"] < 0:
+            reset_forward_ad()  # a level leaked by an earlier interrupt, seen only by torch's C++ side
+        undo = Undo(lambda: _restore(model, state), caller_frame())
         try:
             with shield.open():
                 yield
         finally:
-            _restore(model, state)
+            undo()
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -128,6 +218,7 @@ def _snapshot(model: Any) -> dict[str, Any]:
     return dict(
         grad=torch.is_grad_enabled(),
         training=[(m, m.training) for m in modules],
+        tensors=[(m, dict(m._parameters), dict(m._buffers)) for m in modules],  # functional_call swaps these
         flags=[(p, p.requires_grad) for p in model.parameters()],
         dtype=getattr(getattr(model, "cfg", None), "dtype", None),
         cfg_flags={f: getattr(model.cfg, f) for f in ("use_attn_result", "use_split_qkv_input", "use_attn_in",
@@ -142,8 +233,15 @@ def _restore(model: Any, state: dict[str, Any]) -> None:
     import torch
     import torch.autograd.forward_ad as fwAD
 
+    if state["level"] < 0:
+        reset_forward_ad()
     while getattr(fwAD, "_current_level", -1) > state["level"]:
         fwAD.exit_dual_level()
+    for m, params, buffers in state["tensors"]:  # torch's functional_call is not interrupt-safe
+        for table, saved in ((m._parameters, params), (m._buffers, buffers)):
+            if table.keys() != saved.keys() or any(table[k] is not v for k, v in saved.items()):
+                table.clear()
+                table.update(saved)
     for m, hooks, (fwd, bwd) in state["hooks"]:
         for d, keep in hooks.items():
             table = getattr(m, d, None)
@@ -162,6 +260,22 @@ def _restore(model: Any, state: dict[str, Any]) -> None:
     for m, mode in state["training"]:
         m.training = mode
     torch.set_grad_enabled(state["grad"])
+
+
+def reset_forward_ad() -> None:
+    """No forward-mode AD level, in torch's C++ state and in ``forward_ad._current_level`` alike.
+
+    The two are updated one after the other, so an interrupt between them leaves them disagreeing
+    ("Nested forward mode AD is not supported" on the next JVP). The package never nests levels.
+    """
+    import torch
+    import torch.autograd.forward_ad as fwAD
+
+    try:
+        torch._C._exit_dual_level(level=0)
+    except RuntimeError:  # no level was open
+        pass
+    fwAD._current_level = -1
 
 
 def attached_hooks(model: Any) -> list[str]:

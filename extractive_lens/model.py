@@ -488,18 +488,24 @@ def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     if dtype == model.cfg.dtype and _COMPUTE_DTYPE.get() in (None, dtype):
         yield
         return
-    from extractive_lens.interrupts import Shield
+    from extractive_lens.interrupts import Shield, Undo, caller_frame
 
     old = model.cfg.dtype
     with Shield() as shield:
-        token = _COMPUTE_DTYPE.set(dtype)
+        previous = _COMPUTE_DTYPE.get()
+        _COMPUTE_DTYPE.set(dtype)
+
+        def restore() -> None:  # set, not reset: a late run may be in another context
+            model.cfg.dtype = old
+            _COMPUTE_DTYPE.set(previous)
+
+        undo = Undo(restore, caller_frame())
         try:
             model.cfg.dtype = dtype
             with shield.open():
                 yield
         finally:
-            model.cfg.dtype = old
-            _COMPUTE_DTYPE.reset(token)
+            undo()
 
 
 def _run(module: nn.Module, prefixes: tuple[str, ...], fn: Any, *args: Any) -> Any:
@@ -598,22 +604,27 @@ what the model computes: scoring turns them off while it runs (``standard_flags`
 def standard_flags(model: nn.Module) -> Iterator[None]:
     """Run with ``VIEW_FLAGS`` off (the forward pieces pass one ``[batch, pos, d_model]`` input to
     attention); the user's settings are restored on exit, interrupts or not."""
-    from extractive_lens.interrupts import Shield
+    from extractive_lens.interrupts import Shield, Undo, caller_frame
 
     cfg = model.cfg
     saved = {f: getattr(cfg, f, False) for f in VIEW_FLAGS}
     if not any(saved.values()):
         yield
         return
+
+    def restore() -> None:
+        for f, v in saved.items():
+            setattr(cfg, f, v)
+
     with Shield() as shield:
+        undo = Undo(restore, caller_frame())
         try:
             for f in saved:
                 setattr(cfg, f, False)
             with shield.open():
                 yield
         finally:
-            for f, v in saved.items():
-                setattr(cfg, f, v)
+            undo()
 
 
 def on_block(model: nn.Module, layer: int, x: Tensor) -> Tensor:
@@ -735,18 +746,23 @@ def W_O(model: nn.Module, layer: int) -> Float[Tensor, "head d_head d_model"]:
 @contextlib.contextmanager
 def frozen_parameters(model: nn.Module) -> Iterator[None]:
     """Turn off ``requires_grad`` on every parameter (no weight gradients), restored on exit."""
-    from extractive_lens.interrupts import Shield
+    from extractive_lens.interrupts import Shield, Undo, caller_frame
 
     saved = [(p, p.requires_grad) for p in model.parameters()]
+
+    def restore() -> None:
+        for p, flag in saved:
+            p.requires_grad_(flag)
+
     with Shield() as shield:
+        undo = Undo(restore, caller_frame())
         try:
             for p, _ in saved:
                 p.requires_grad_(False)
             with shield.open():
                 yield
         finally:
-            for p, flag in saved:
-                p.requires_grad_(flag)
+            undo()
 
 
 class _Call(nn.Module):

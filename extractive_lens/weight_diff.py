@@ -27,7 +27,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from extractive_lens import model as _model
-from extractive_lens.interrupts import Shield
+from extractive_lens.interrupts import Shield, Undo, caller_frame, finish_stale
 from extractive_lens.types import Component, component_axis_labels, parse_components
 
 FORMAT_VERSION = 1
@@ -174,7 +174,15 @@ class WeightDiff:
         self._check_compatible(model)
         params = dict(model.named_parameters())
         saved: dict[str, Tensor] = {}
+
+        def restore() -> None:
+            with torch.no_grad():
+                for name, original in saved.items():
+                    params[name].copy_(original)
+
+        finish_stale()
         with Shield() as shield:  # interrupts wait while weights change or are restored
+            undo = Undo(restore, caller_frame())
             try:
                 with torch.no_grad():
                     for name, d in diff.deltas.items():
@@ -186,9 +194,7 @@ class WeightDiff:
                 with shield.open():
                     yield model
             finally:
-                with torch.no_grad():
-                    for name, original in saved.items():
-                        params[name].copy_(original)
+                undo()
 
     def _check_compatible(self, model: nn.Module) -> None:
         params = dict(model.named_parameters())

@@ -1,7 +1,8 @@
 """Interrupts (Ctrl-C) anywhere leave the model exactly as it was, and the next call succeeds.
 
 Deterministic: a trace function raises KeyboardInterrupt at the n-th line executed in the package
-(and in contextlib, whose context-manager machinery runs our restores) for every n, except where
+(and in contextlib, whose context-manager machinery runs our restores, and in torch's
+``nn.utils``, where ``functional_call`` swaps parameters) for every n, except where
 a real signal would be deferred (inside an ``interrupts.Shield``). Random: SIGALRM timers raise
 KeyboardInterrupt at random moments of the public calls, through the real signal machinery.
 """
@@ -33,13 +34,15 @@ from tests.conftest import make_pair
 from tests.test_linear import small_batch
 
 PACKAGE = str(Path(extractive_lens.__file__).parent)
-WATCHED = (PACKAGE, contextlib.__file__)
+TORCH_SWAP = str(Path(torch.__file__).parent / "nn" / "utils")  # functional_call's parameter swapping
+WATCHED = (PACKAGE, contextlib.__file__, TORCH_SWAP)
 
 
 def snapshot(model):
     hooks = [(n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
               len(getattr(m, "fwd_hooks", [])), len(getattr(m, "bwd_hooks", []))) for n, m in model.named_modules()]
     return dict(weights=[p.detach().clone() for p in model.parameters()],
+                objects=[(n, id(p), type(p).__name__) for n, p in model.named_parameters()],
                 flags=[p.requires_grad for p in model.parameters()], grads=[p.grad for p in model.parameters()],
                 training=[m.training for m in model.modules()], grad_mode=torch.is_grad_enabled(),
                 dtype=model.cfg.dtype, hooks=hooks, level=fwAD._current_level,
@@ -51,7 +54,7 @@ def assert_unchanged(model, before, where):
     for a, b in zip(before["weights"], now["weights"]):
         assert torch.equal(a, b), f"weights changed ({where})"
     assert all(x is y for x, y in zip(before["grads"], now["grads"])), f".grad buffers changed ({where})"
-    for key in ("flags", "training", "grad_mode", "dtype", "hooks", "level", "handlers"):
+    for key in ("objects", "flags", "training", "grad_mode", "dtype", "hooks", "level", "handlers"):
         assert before[key] == now[key], f"{key} changed ({where})"
 
 
@@ -95,9 +98,9 @@ def setting():
 
 
 def calls(base, diff, batch):
-    def applied():
-        with torch.no_grad(), diff.applied(base, components=["L0H1", "L0MLP"]):
-            return base(batch.tokens)
+    def applied():  # (no torch.no_grad() here: its own exit has the same window, and it is torch's)
+        with diff.applied(base, components=["L0H1", "L0MLP"]):
+            return base(batch.tokens).detach()
 
     return {
         "applied": applied,
@@ -159,8 +162,8 @@ def test_interrupt_by_signal_at_random_moments(setting):
             duration = time.perf_counter() - t0
             hits = 0
             for _ in range(15):
-                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-5, duration))
-                try:
+                try:  # armed inside the try: a 10 µs alarm can fire as setitimer returns
+                    signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-5, duration))
                     fn()
                     time.sleep(duration)  # the alarm lands after the call instead
                 except KeyboardInterrupt:
