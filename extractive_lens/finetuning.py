@@ -21,7 +21,7 @@ from torch import nn
 
 from extractive_lens import model as M
 from extractive_lens.batch import PromptBatch
-from extractive_lens.interrupts import Shield, Undo, caller_frame, guarded
+from extractive_lens.interrupts import guarded, state_change
 from extractive_lens.rewards import answer_logprob
 from extractive_lens.scoring.engine import check_arguments
 from extractive_lens.types import Component, parse_components
@@ -119,22 +119,22 @@ def finetune(
             f"parameter of this {model.cfg.n_layers}-layer model. Pick layers in 0..{model.cfg.n_layers - 1} "
             "or components such as 'L0MLP'."
         )
-    with guarded(model), Shield() as shield:  # weights and the user's .grad restored, interrupts or not
-        snapshot = {n: p.detach().clone() for n, p in params.items()}
-        grads = {n: p.grad for n, p in params.items()}
+    snapshot: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor | None] = {}
 
-        def restore() -> None:
-            with torch.no_grad():
-                for name, p in params.items():
+    def change() -> None:
+        snapshot.update({n: p.detach().clone() for n, p in params.items()})
+        grads.update({n: p.grad for n, p in params.items()})
+
+    def restore() -> None:
+        with torch.no_grad():
+            for name, p in params.items():
+                if name in snapshot:
                     p.copy_(snapshot[name])
                     p.grad = grads[name]
 
-        undo = Undo(restore, caller_frame())
-        try:
-            with shield.open():
-                return _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress)
-        finally:
-            undo()
+    with guarded(model), state_change(change, restore):  # weights and .grad restored, interrupts or not
+        return _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress)
 
 
 def _train(

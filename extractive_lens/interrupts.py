@@ -153,12 +153,29 @@ def _pending() -> list[Undo]:
 
 def caller_frame() -> FrameType | None:
     """The frame that opened the calling context manager (skipping contextlib and this module)."""
+    import inspect
     import sys
 
     f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename in (contextlib.__file__, __file__):
+    while f is not None and (f.f_code.co_filename in (contextlib.__file__, __file__)
+                             or f.f_code.co_flags & inspect.CO_GENERATOR):
         f = f.f_back
     return f
+
+
+@contextlib.contextmanager
+def state_change(change: Any, restore: Any) -> Iterator[None]:
+    """``change()`` on entry and ``restore()`` on exit, neither of them interruptible, with
+    interrupts delivered normally in between; ``restore`` is an ``Undo`` (run once, in nesting
+    order, and at the next call if an interrupt skipped this exit)."""
+    with Shield() as shield:
+        undo = Undo(restore, caller_frame())
+        try:
+            change()
+            with shield.open():
+                yield
+        finally:
+            undo()
 
 
 def finish_stale() -> None:
@@ -195,16 +212,15 @@ def guarded(model: Any) -> Iterator[None]:
     them (``WeightDiff.applied``, ``finetune``), each shielded the same way.
     """
     finish_stale()
-    with Shield() as shield:
-        state = _snapshot(model)
+    state: dict[str, Any] = {}
+
+    def change() -> None:
+        state.update(_snapshot(model))
         if state["level"] < 0:
             reset_forward_ad()  # a level leaked by an earlier interrupt, seen only by torch's C++ side
-        undo = Undo(lambda: _restore(model, state), caller_frame())
-        try:
-            with shield.open():
-                yield
-        finally:
-            undo()
+
+    with state_change(change, lambda: _restore(model, state)):
+        yield
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -488,24 +488,20 @@ def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     if dtype == model.cfg.dtype and _COMPUTE_DTYPE.get() in (None, dtype):
         yield
         return
-    from extractive_lens.interrupts import Shield, Undo, caller_frame
+    from extractive_lens.interrupts import state_change
 
-    old = model.cfg.dtype
-    with Shield() as shield:
-        previous = _COMPUTE_DTYPE.get()
+    old, previous = model.cfg.dtype, _COMPUTE_DTYPE.get()
+
+    def change() -> None:
         _COMPUTE_DTYPE.set(dtype)
+        model.cfg.dtype = dtype
 
-        def restore() -> None:  # set, not reset: a late run may be in another context
-            model.cfg.dtype = old
-            _COMPUTE_DTYPE.set(previous)
+    def restore() -> None:  # set, not reset: a late run may be in another context
+        model.cfg.dtype = old
+        _COMPUTE_DTYPE.set(previous)
 
-        undo = Undo(restore, caller_frame())
-        try:
-            model.cfg.dtype = dtype
-            with shield.open():
-                yield
-        finally:
-            undo()
+    with state_change(change, restore):
+        yield
 
 
 def _run(module: nn.Module, prefixes: tuple[str, ...], fn: Any, *args: Any) -> Any:
@@ -604,7 +600,7 @@ what the model computes: scoring turns them off while it runs (``standard_flags`
 def standard_flags(model: nn.Module) -> Iterator[None]:
     """Run with ``VIEW_FLAGS`` off (the forward pieces pass one ``[batch, pos, d_model]`` input to
     attention); the user's settings are restored on exit, interrupts or not."""
-    from extractive_lens.interrupts import Shield, Undo, caller_frame
+    from extractive_lens.interrupts import state_change
 
     cfg = model.cfg
     saved = {f: getattr(cfg, f, False) for f in VIEW_FLAGS}
@@ -612,19 +608,16 @@ def standard_flags(model: nn.Module) -> Iterator[None]:
         yield
         return
 
+    def change() -> None:
+        for f in saved:
+            setattr(cfg, f, False)
+
     def restore() -> None:
         for f, v in saved.items():
             setattr(cfg, f, v)
 
-    with Shield() as shield:
-        undo = Undo(restore, caller_frame())
-        try:
-            for f in saved:
-                setattr(cfg, f, False)
-            with shield.open():
-                yield
-        finally:
-            undo()
+    with state_change(change, restore):
+        yield
 
 
 def on_block(model: nn.Module, layer: int, x: Tensor) -> Tensor:
@@ -746,23 +739,20 @@ def W_O(model: nn.Module, layer: int) -> Float[Tensor, "head d_head d_model"]:
 @contextlib.contextmanager
 def frozen_parameters(model: nn.Module) -> Iterator[None]:
     """Turn off ``requires_grad`` on every parameter (no weight gradients), restored on exit."""
-    from extractive_lens.interrupts import Shield, Undo, caller_frame
+    from extractive_lens.interrupts import state_change
 
     saved = [(p, p.requires_grad) for p in model.parameters()]
+
+    def change() -> None:
+        for p, _ in saved:
+            p.requires_grad_(False)
 
     def restore() -> None:
         for p, flag in saved:
             p.requires_grad_(flag)
 
-    with Shield() as shield:
-        undo = Undo(restore, caller_frame())
-        try:
-            for p, _ in saved:
-                p.requires_grad_(False)
-            with shield.open():
-                yield
-        finally:
-            undo()
+    with state_change(change, restore):
+        yield
 
 
 class _Call(nn.Module):

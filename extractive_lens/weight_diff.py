@@ -27,7 +27,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from extractive_lens import model as _model
-from extractive_lens.interrupts import Shield, Undo, caller_frame, finish_stale
+from extractive_lens.interrupts import finish_stale, state_change
 from extractive_lens.types import Component, component_axis_labels, parse_components
 
 FORMAT_VERSION = 1
@@ -180,21 +180,18 @@ class WeightDiff:
                 for name, original in saved.items():
                     params[name].copy_(original)
 
+        def change() -> None:
+            with torch.no_grad():
+                for name, d in diff.deltas.items():
+                    p = params[name]
+                    saved[name] = p.detach().clone()
+                    d = d.to(p.device)
+                    new = saved[name].to(d.dtype) + (d if scale == 1.0 else scale * d)
+                    p.copy_(new.to(p.dtype))
+
         finish_stale()
-        with Shield() as shield:  # interrupts wait while weights change or are restored
-            undo = Undo(restore, caller_frame())
-            try:
-                with torch.no_grad():
-                    for name, d in diff.deltas.items():
-                        p = params[name]
-                        saved[name] = p.detach().clone()
-                        d = d.to(p.device)
-                        new = saved[name].to(d.dtype) + (d if scale == 1.0 else scale * d)
-                        p.copy_(new.to(p.dtype))
-                with shield.open():
-                    yield model
-            finally:
-                undo()
+        with state_change(change, restore):  # interrupts wait while weights change or are restored
+            yield model
 
     def _check_compatible(self, model: nn.Module) -> None:
         params = dict(model.named_parameters())
