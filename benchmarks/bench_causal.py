@@ -43,7 +43,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["bundled", "gpt2-small"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", nargs="+", default=list(KINDS))
-    ap.add_argument("--no-full-map", action="store_true", help="skip the full exact-vs-linear timing")
+    ap.add_argument(
+        "--no-full-map", action="store_true", help="skip the full exact-vs-linear timing"
+    )
     args = ap.parse_args()
     from extractive_lens import causal_scores, linear_scores
     from tests import reference as ref
@@ -56,9 +58,17 @@ def main() -> None:
         layers = cfg["layers"]
         y_star = ref.literal_mean_ablation(base, batch)
         for kind in args.kinds:
+
             def engine():
-                return causal_scores(base, diff, batch, kinds=(kind,), layers=layers, show_progress=False,
-                                     batch_size=None)
+                return causal_scores(
+                    base,
+                    diff,
+                    batch,
+                    kinds=(kind,),
+                    layers=layers,
+                    show_progress=False,
+                    batch_size=None,
+                )
 
             t_engine = timeit(engine, repeats=args.repeats)
             got = engine().prompt_values[0]
@@ -71,25 +81,71 @@ def main() -> None:
             err = abs_err / float(want[:, sel].abs().max())
             # float32: R (a log-probability over the vocabulary) carries ~1e-5 of rounding, and
             # upstream scores are differences of differences of R
-            assert err < 1e-3 or abs_err < 1e-4, f"{shape} {kind}: engine and literal loop disagree ({err:.2e})"
-            r = dict(shape=shape, kind=kind, layers="all" if layers is None else str(layers),
-                     prompts=len(batch), literal_s=t_literal, engine_s=t_engine, speedup=t_literal / t_engine,
-                     target=10.0 if shape == "bundled" else 3.0, max_rel_err=err, max_abs_err=abs_err)
+            assert err < 1e-3 or abs_err < 1e-4, (
+                f"{shape} {kind}: engine and literal loop disagree ({err:.2e})"
+            )
+            r = dict(
+                shape=shape,
+                kind=kind,
+                layers="all" if layers is None else str(layers),
+                prompts=len(batch),
+                literal_s=t_literal,
+                engine_s=t_engine,
+                speedup=t_literal / t_engine,
+                target=10.0 if shape == "bundled" else 3.0,
+                max_rel_err=err,
+                max_abs_err=abs_err,
+            )
             r["meets"] = r["speedup"] >= r["target"]
             rows.append(r)
             print(table([r], list(r)), flush=True)
         if args.no_full_map:
             continue
-        t_lin = timeit(lambda: linear_scores(base, diff, batch, show_progress=False, batch_size=None),
-                       repeats=args.repeats)
-        t_ex = timeit(lambda: causal_scores(base, diff, batch, show_progress=False, batch_size=None), repeats=1)
-        rows.append(dict(shape=shape, kind="all (full per-token map)", layers="all", prompts=len(batch),
-                         literal_s=None, engine_s=t_ex, speedup=None, target=None, max_rel_err=None,
-                         exact_over_linear=t_ex / t_lin, linear_s=t_lin))
+        t_lin = timeit(
+            lambda: linear_scores(base, diff, batch, show_progress=False, batch_size=None),
+            repeats=args.repeats,
+        )
+        t_ex = timeit(
+            lambda: causal_scores(base, diff, batch, show_progress=False, batch_size=None),
+            repeats=1,
+        )
+        rows.append(
+            dict(
+                shape=shape,
+                kind="all (full per-token map)",
+                layers="all",
+                prompts=len(batch),
+                literal_s=None,
+                engine_s=t_ex,
+                speedup=None,
+                target=None,
+                max_rel_err=None,
+                exact_over_linear=t_ex / t_lin,
+                linear_s=t_lin,
+            )
+        )
         print(table([rows[-1]], list(rows[-1])), flush=True)
     print()
-    print(table(rows, ["shape", "kind", "layers", "prompts", "literal_s", "engine_s", "speedup", "target",
-                       "meets", "max_rel_err", "max_abs_err", "linear_s", "exact_over_linear"]))
+    print(
+        table(
+            rows,
+            [
+                "shape",
+                "kind",
+                "layers",
+                "prompts",
+                "literal_s",
+                "engine_s",
+                "speedup",
+                "target",
+                "meets",
+                "max_rel_err",
+                "max_abs_err",
+                "linear_s",
+                "exact_over_linear",
+            ],
+        )
+    )
     print("wrote", write("bench_causal", {"rows": rows}))
 
 

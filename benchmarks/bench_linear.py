@@ -37,17 +37,33 @@ def run_case(shape: str, convention: str, repeats: int, upstream_group=None) -> 
         (-reward_fn(logits, batch).sum()).backward()
 
     def scores():
-        linear_scores(base, diff, batch, convention=convention, reward=reward, batch_size=None,
-                      show_progress=False, upstream_group=upstream_group)
+        linear_scores(
+            base,
+            diff,
+            batch,
+            convention=convention,
+            reward=reward,
+            batch_size=None,
+            show_progress=False,
+            upstream_group=upstream_group,
+        )
 
     t_base = timeit(fwd_bwd, repeats=repeats)
     base.zero_grad(set_to_none=True)
     t_lin = timeit(scores, repeats=repeats)
     L = base.cfg.n_layers
     target = L / 2 + 4 if convention == "paper" else 4.0
-    return dict(shape=shape, convention=convention, upstream_group=str(upstream_group or "all"),
-                n_layers=L, fwd_bwd_s=t_base, linear_s=t_lin, ratio=t_lin / t_base, target=target,
-                meets=t_lin / t_base <= target)
+    return dict(
+        shape=shape,
+        convention=convention,
+        upstream_group=str(upstream_group or "all"),
+        n_layers=L,
+        fwd_bwd_s=t_base,
+        linear_s=t_lin,
+        ratio=t_lin / t_base,
+        target=target,
+        meets=t_lin / t_base <= target,
+    )
 
 
 def memory_probe(shape: str, what: str, convention: str = "paper", upstream_group=None) -> dict:
@@ -67,9 +83,16 @@ def memory_probe(shape: str, what: str, convention: str = "paper", upstream_grou
             logits = base(batch.tokens)
             logits.float().logsumexp(-1).sum().backward()
         else:
-            linear_scores(base, diff, batch, convention=convention, batch_size=None, show_progress=False,
-                          reward="answer_logprob" if convention == "paper" else "logit_margin",
-                          upstream_group=upstream_group)
+            linear_scores(
+                base,
+                diff,
+                batch,
+                convention=convention,
+                batch_size=None,
+                show_progress=False,
+                reward="answer_logprob" if convention == "paper" else "logit_margin",
+                upstream_group=upstream_group,
+            )
     return dict(resident_mb=resident, extra_mb=mem.extra_mb)
 
 
@@ -90,12 +113,21 @@ def main() -> None:
         return
     rows = []
     for shape in args.shapes:
-        for conv, group in (("paper", "auto"), ("paper", None), ("paper", 1), ("authors_code", "auto")):
+        for conv, group in (
+            ("paper", "auto"),
+            ("paper", None),
+            ("paper", 1),
+            ("authors_code", "auto"),
+        ):
             r = run_case(shape, conv, args.repeats, group)
             probes = {}
             for what in ("fwd_bwd", "linear"):
-                out = subprocess.run([sys.executable, __file__, "--probe", shape, what, conv, str(group or "all")],
-                                     capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--probe", shape, what, conv, str(group or "all")],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 probes[what] = json.loads(out.stdout.strip().splitlines()[-1])
             r["fwd_bwd_extra_mb"] = probes["fwd_bwd"]["extra_mb"]
             r["linear_extra_mb"] = probes["linear"]["extra_mb"]
@@ -103,8 +135,19 @@ def main() -> None:
             rows.append(r)
             print(table([r], list(r)), flush=True)
     print()
-    cols = ["shape", "convention", "upstream_group", "fwd_bwd_s", "linear_s", "ratio", "target", "meets",
-            "resident_mb", "fwd_bwd_extra_mb", "linear_extra_mb"]
+    cols = [
+        "shape",
+        "convention",
+        "upstream_group",
+        "fwd_bwd_s",
+        "linear_s",
+        "ratio",
+        "target",
+        "meets",
+        "resident_mb",
+        "fwd_bwd_extra_mb",
+        "linear_extra_mb",
+    ]
     print(table(rows, cols))
     print("wrote", write("bench_linear", {"rows": rows}))
 

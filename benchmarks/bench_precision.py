@@ -25,15 +25,40 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import PeakMemory, random_batch, rss_mb, table, timeit, write  # noqa: E402
 
-LLAMA = dict(normalization_type="RMS", act_fn="silu", gated_mlp=True, positional_embedding_type="rotary",
-             final_rms=True, n_ctx=64)
+LLAMA = dict(
+    normalization_type="RMS",
+    act_fn="silu",
+    gated_mlp=True,
+    positional_embedding_type="rotary",
+    final_rms=True,
+    n_ctx=64,
+)
 SHAPES = {
     # Llama proportions reduced to fit a 2-core CPU
-    "llama-cpu": dict(LLAMA, n_layers=8, d_model=512, n_heads=8, d_head=64, n_key_value_heads=2, d_mlp=1376,
-                      d_vocab=8000, rotary_dim=64),
+    "llama-cpu": dict(
+        LLAMA,
+        n_layers=8,
+        d_model=512,
+        n_heads=8,
+        d_head=64,
+        n_key_value_heads=2,
+        d_mlp=1376,
+        d_vocab=8000,
+        rotary_dim=64,
+    ),
     # Llama-3-8B's shape (random weights): GPU only
-    "llama3-8b": dict(LLAMA, n_layers=32, d_model=4096, n_heads=32, d_head=128, n_key_value_heads=8, d_mlp=14336,
-                      d_vocab=128256, rotary_dim=128, rotary_base=500000.0),
+    "llama3-8b": dict(
+        LLAMA,
+        n_layers=32,
+        d_model=4096,
+        n_heads=32,
+        d_head=128,
+        n_key_value_heads=8,
+        d_mlp=14336,
+        d_vocab=128256,
+        rotary_dim=128,
+        rotary_base=500000.0,
+    ),
 }
 
 
@@ -67,12 +92,22 @@ def probe(shape: str, dtype_name: str, job_name: str, device: str, repeats: int)
     cuda = device.startswith("cuda")
     resident = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mb()
     weights = sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20
-    out = dict(shape=shape, storage=dtype_name, compute="float32", weights_mb=weights, resident_mb=resident)
+    out = dict(
+        shape=shape, storage=dtype_name, compute="float32", weights_mb=weights, resident_mb=resident
+    )
     jobs = {
-        "linear": lambda: linear_scores(base, diff, batch, batch_size=None, show_progress=False,
-                                        compute_dtype=torch.float32),
-        "exact": lambda: causal_scores(base, diff, batch, layers=[0, L - 1], batch_size=None, show_progress=False,
-                                       compute_dtype=torch.float32),
+        "linear": lambda: linear_scores(
+            base, diff, batch, batch_size=None, show_progress=False, compute_dtype=torch.float32
+        ),
+        "exact": lambda: causal_scores(
+            base,
+            diff,
+            batch,
+            layers=[0, L - 1],
+            batch_size=None,
+            show_progress=False,
+            compute_dtype=torch.float32,
+        ),
     }
     for name, job in jobs.items():
         if name != job_name:
@@ -105,22 +140,48 @@ def main() -> None:
         for dtype in ("float32", "bfloat16"):
             pair[dtype] = {}
             for job in ("linear", "exact"):  # one fresh process per measurement
-                cmd = [sys.executable, __file__, "--probe", shape, dtype, job, "--device", args.device,
-                       "--repeats", str(args.repeats)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--probe",
+                    shape,
+                    dtype,
+                    job,
+                    "--device",
+                    args.device,
+                    "--repeats",
+                    str(args.repeats),
+                ]
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 pair[dtype].update(json.loads(res.stdout.strip().splitlines()[-1]))
             rows.append(pair[dtype])
             print(table([pair[dtype]], list(pair[dtype])), flush=True)
         f32, b16 = pair["float32"], pair["bfloat16"]
         for what in ("linear", "exact"):
-            rows.append(dict(
-                shape=shape, storage="bf16 ÷ float32", compute=what,
-                time_ratio=b16[f"{what}_s"] / f32[f"{what}_s"],
-                peak_ratio=(b16["resident_mb"] + b16[f"{what}_extra_mb"]) / (f32["resident_mb"] + f32[f"{what}_extra_mb"]),
-            ))
+            rows.append(
+                dict(
+                    shape=shape,
+                    storage="bf16 ÷ float32",
+                    compute=what,
+                    time_ratio=b16[f"{what}_s"] / f32[f"{what}_s"],
+                    peak_ratio=(b16["resident_mb"] + b16[f"{what}_extra_mb"])
+                    / (f32["resident_mb"] + f32[f"{what}_extra_mb"]),
+                )
+            )
     print()
-    cols = ["shape", "storage", "compute", "weights_mb", "resident_mb", "linear_s", "linear_extra_mb", "exact_s", "exact_extra_mb",
-            "time_ratio", "peak_ratio"]
+    cols = [
+        "shape",
+        "storage",
+        "compute",
+        "weights_mb",
+        "resident_mb",
+        "linear_s",
+        "linear_extra_mb",
+        "exact_s",
+        "exact_extra_mb",
+        "time_ratio",
+        "peak_ratio",
+    ]
     print(table(rows, cols))
     print("wrote", write("bench_precision", {"rows": rows}))
 

@@ -32,7 +32,9 @@ def environment() -> dict[str, Any]:
     import transformer_lens
 
     return {
-        "device": "cuda:" + torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "device": "cuda:" + torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformer_lens": getattr(transformer_lens, "__version__", "?"),
@@ -99,9 +101,13 @@ def _fmt(x: Any) -> str:
 
 SHAPES = {
     # the bundled world model's shape (issue 6 recipe)
-    "bundled": dict(n_layers=4, d_model=128, n_heads=4, d_head=32, d_mlp=512, d_vocab=1000, n_ctx=16),
+    "bundled": dict(
+        n_layers=4, d_model=128, n_heads=4, d_head=32, d_mlp=512, d_vocab=1000, n_ctx=16
+    ),
     # GPT-2 small's shape, random weights
-    "gpt2-small": dict(n_layers=12, d_model=768, n_heads=12, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=64),
+    "gpt2-small": dict(
+        n_layers=12, d_model=768, n_heads=12, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=64
+    ),
 }
 
 
@@ -124,7 +130,12 @@ def random_batch(model, batch: int = 16, pos: int = 16, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     V = model.cfg.d_vocab
-    pairs = [(torch.randint(0, V, (pos,), generator=g).tolist(), [int(torch.randint(0, V, (1,), generator=g))])
-             for _ in range(batch)]
+    pairs = [
+        (
+            torch.randint(0, V, (pos,), generator=g).tolist(),
+            [int(torch.randint(0, V, (1,), generator=g))],
+        )
+        for _ in range(batch)
+    ]
     cands = sorted({a[0] for _, a in pairs})
     return make_batch(model, pairs, candidates=cands)

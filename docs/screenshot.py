@@ -8,8 +8,16 @@ from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-quic"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+]
 
 
 def main(src: str, dst: str, scroll_to: str | None = None) -> None:
@@ -17,7 +25,9 @@ def main(src: str, dst: str, scroll_to: str | None = None) -> None:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=FLAGS)
         page = browser.new_page(viewport={"width": 1280, "height": 1400})
         page.goto(Path(src).resolve().as_uri())
-        page.wait_for_function("window.Plotly && document.querySelectorAll('.js-plotly-plot .main-svg').length > 0")
+        page.wait_for_function(
+            "window.Plotly && document.querySelectorAll('.js-plotly-plot .main-svg').length > 0"
+        )
         if scroll_to:
             page.locator(scroll_to).first.scroll_into_view_if_needed()
         page.wait_for_timeout(500)

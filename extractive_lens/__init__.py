@@ -39,8 +39,22 @@ _EXPORTS = {
 
 # Submodules reachable as attributes in a fresh session (``el.plotting.report(...)``), imported on first use.
 _SUBMODULES = (
-    "batch", "comparison", "datasets", "distributed", "experiments", "finetuning", "interrupts", "lincorr",
-    "model", "plotting", "results", "rewards", "scoring", "types", "weight_diff", "world",
+    "batch",
+    "comparison",
+    "datasets",
+    "distributed",
+    "experiments",
+    "finetuning",
+    "interrupts",
+    "lincorr",
+    "model",
+    "plotting",
+    "results",
+    "rewards",
+    "scoring",
+    "types",
+    "weight_diff",
+    "world",
 )
 
 __all__ = sorted(_EXPORTS)

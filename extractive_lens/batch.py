@@ -76,7 +76,9 @@ class PromptBatch:
         n = self.tokens.shape[0]
         for name in ("lengths", "prompt_lengths", "answer_targets"):
             if getattr(self, name).shape[0] != n:
-                raise ValueError(f"PromptBatch.{name} has {getattr(self, name).shape[0]} rows, tokens {n}.")
+                raise ValueError(
+                    f"PromptBatch.{name} has {getattr(self, name).shape[0]} rows, tokens {n}."
+                )
         for i, r in enumerate(self.roles):
             if len(r) != int(self.lengths[i]):
                 raise ValueError(f"Prompt {i}: {len(r)} roles for {int(self.lengths[i])} tokens.")
@@ -132,10 +134,15 @@ class PromptBatch:
         def mv(x: Tensor | None) -> Tensor | None:
             return None if x is None else x.to(device)
 
-        return replace(self, tokens=self.tokens.to(device), lengths=self.lengths.to(device),
-                       prompt_lengths=self.prompt_lengths.to(device),
-                       answer_targets=self.answer_targets.to(device),
-                       candidates=mv(self.candidates), counterfactual=mv(self.counterfactual))
+        return replace(
+            self,
+            tokens=self.tokens.to(device),
+            lengths=self.lengths.to(device),
+            prompt_lengths=self.prompt_lengths.to(device),
+            answer_targets=self.answer_targets.to(device),
+            candidates=mv(self.candidates),
+            counterfactual=mv(self.counterfactual),
+        )
 
 
 def merge_role_orders(role_lists: Sequence[Sequence[str]]) -> tuple[str, ...]:
@@ -210,14 +217,18 @@ def _template_roles(model: Any, pair: Pair, ids: list[int], offsets: Any) -> lis
             pieces.append((template[pos : m.start()], None))
         name = m.group(1)
         if name not in slots:
-            raise ValueError(f"Template {template!r} has slot {{{name}}} but slots={slots} lacks it.")
+            raise ValueError(
+                f"Template {template!r} has slot {{{name}}} but slots={slots} lacks it."
+            )
         pieces.append((slots[name], name))
         pos = m.end()
     if pos < len(template or ""):
         pieces.append((template[pos:], None))
     text = "".join(p for p, _ in pieces)
     if text != pair.prompt:
-        raise ValueError(f"Prompt {pair.prompt!r} is not template {template!r} filled with {slots}.")
+        raise ValueError(
+            f"Prompt {pair.prompt!r} is not template {template!r} filled with {slots}."
+        )
     if offsets is None:
         raise ValueError("Template roles need a fast tokenizer (offset mapping).")
     spans, start = [], 0
@@ -250,7 +261,9 @@ def _aligned_roles(model: Any, token_lists: list[list[int]]) -> list[list[str]]:
     while prefix < n_min and all(t[prefix] == token_lists[0][prefix] for t in token_lists):
         prefix += 1
     suffix = 0
-    while suffix < n_min - prefix and all(t[-1 - suffix] == token_lists[0][-1 - suffix] for t in token_lists):
+    while suffix < n_min - prefix and all(
+        t[-1 - suffix] == token_lists[0][-1 - suffix] for t in token_lists
+    ):
         suffix += 1
     out = []
     for t in token_lists:
@@ -303,7 +316,9 @@ def make_batch(
         offsets.append(offs)
         ans = _encode(model, p.answer, "answer")
         if not ans:
-            raise ValueError(f"The answer {p.answer!r} of prompt {p.prompt!r} tokenizes to nothing.")
+            raise ValueError(
+                f"The answer {p.answer!r} of prompt {p.prompt!r} tokenizes to nothing."
+            )
         answer_ids.append(ans)
 
     # Roles of prompt tokens.
@@ -315,7 +330,10 @@ def make_batch(
             if len(r) != len(ids):
                 raise ValueError(f"Prompt {p.prompt!r} has {len(ids)} tokens but {len(r)} roles.")
     elif all(p.template is not None for p in items):
-        prompt_roles = [_unique(_template_roles(model, p, ids, o)) for p, ids, o in zip(items, prompt_ids, offsets)]
+        prompt_roles = [
+            _unique(_template_roles(model, p, ids, o))
+            for p, ids, o in zip(items, prompt_ids, offsets)
+        ]
     else:
         prompt_roles = _aligned_roles(model, prompt_ids)
 
@@ -328,11 +346,19 @@ def make_batch(
         pre = [bos] if bos is not None else []
         row = pre + ids + ans[:-1]
         rows.append(row)
-        all_roles.append(tuple((["<bos>"] if pre else []) + r + [ANSWER_ROLE.format(k=k) for k in range(len(ans) - 1)]))
+        all_roles.append(
+            tuple(
+                (["<bos>"] if pre else [])
+                + r
+                + [ANSWER_ROLE.format(k=k) for k in range(len(ans) - 1)]
+            )
+        )
     n_ctx = model.cfg.n_ctx
     for p, row in zip(items, rows):
         if len(row) > n_ctx:
-            raise ValueError(f"Prompt {p.prompt!r} with its answer is {len(row)} tokens; the model's n_ctx is {n_ctx}.")
+            raise ValueError(
+                f"Prompt {p.prompt!r} with its answer is {len(row)} tokens; the model's n_ctx is {n_ctx}."
+            )
 
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
     pad = 0 if pad is None else int(pad)
@@ -375,7 +401,9 @@ class TokenizationWarning(UserWarning):
     """Text that probably does not tokenize the way the user meant."""
 
 
-def _warn_tokenization(model: Any, items: list[Pair], prompt_ids: list[list[int]], answer_ids: list[list[int]]) -> None:
+def _warn_tokenization(
+    model: Any, items: list[Pair], prompt_ids: list[list[int]], answer_ids: list[list[int]]
+) -> None:
     """One warning per pitfall (with the first example and a count), never an error."""
     import warnings
 
@@ -387,22 +415,33 @@ def _warn_tokenization(model: Any, items: list[Pair], prompt_ids: list[list[int]
     for p, ids, ans in zip(items, prompt_ids, answer_ids):
         if isinstance(p.prompt, str) and p.prompt != p.prompt.rstrip() and p.prompt.strip():
             found.setdefault("trailing", []).append(repr(p.prompt))
-        if isinstance(p.answer, str) and p.answer and not p.answer[0].isspace() and isinstance(p.prompt, str) \
-                and p.prompt == p.prompt.rstrip():
+        if (
+            isinstance(p.answer, str)
+            and p.answer
+            and not p.answer[0].isspace()
+            and isinstance(p.prompt, str)
+            and p.prompt == p.prompt.rstrip()
+        ):
             spaced = list(tok(" " + p.answer, add_special_tokens=False)["input_ids"])
             if spaced != list(ans):
-                found.setdefault("space", []).append(f"{p.answer!r} (did you mean {' ' + p.answer!r}?)")
+                found.setdefault("space", []).append(
+                    f"{p.answer!r} (did you mean {' ' + p.answer!r}?)"
+                )
         if unk is not None and (unk in ids or unk in ans):
             found.setdefault("unk", []).append(repr(p.prompt if unk in ids else p.answer))
     messages = {
         "trailing": "prompts end with a space, which becomes a token of its own that the model rarely saw before "
-                    "an answer; put the space at the start of the answer instead",
+        "an answer; put the space at the start of the answer instead",
         "space": "answers have no leading space, so they tokenize as a word glued to the prompt's last word",
         "unk": "texts contain words the tokenizer does not know (mapped to its unknown token)",
     }
     for key, examples in found.items():
         more = f" and {len(examples) - 1} more" if len(examples) > 1 else ""
-        warnings.warn(f"{len(examples)} {messages[key]}: {examples[0]}{more}.", TokenizationWarning, stacklevel=3)
+        warnings.warn(
+            f"{len(examples)} {messages[key]}: {examples[0]}{more}.",
+            TokenizationWarning,
+            stacklevel=3,
+        )
 
 
 def _check_ids(model: Any, ids: Sequence[int], what: str) -> None:
@@ -412,11 +451,16 @@ def _check_ids(model: Any, ids: Sequence[int], what: str) -> None:
     if not bad:
         return
     tok = getattr(model, "tokenizer", None)
-    hint = (f" The tokenizer has {len(tok)} tokens but the model embeds only {d_vocab}: "
-            f"{tok.decode([bad[0]])!r} is a token the model has no embedding for (a special token added to the "
-            "tokenizer?). Remove it from the text." if tok is not None and bad[0] >= d_vocab and bad[0] < len(tok)
-            else " Token ids must be in 0..d_vocab-1 (padding is handled by make_batch; do not pass -1).")
-    raise ValueError(f"The {what} has token id {bad[0]}, outside the model's vocabulary 0..{d_vocab - 1}.{hint}")
+    hint = (
+        f" The tokenizer has {len(tok)} tokens but the model embeds only {d_vocab}: "
+        f"{tok.decode([bad[0]])!r} is a token the model has no embedding for (a special token added to the "
+        "tokenizer?). Remove it from the text."
+        if tok is not None and bad[0] >= d_vocab and bad[0] < len(tok)
+        else " Token ids must be in 0..d_vocab-1 (padding is handled by make_batch; do not pass -1)."
+    )
+    raise ValueError(
+        f"The {what} has token id {bad[0]}, outside the model's vocabulary 0..{d_vocab - 1}.{hint}"
+    )
 
 
 def _as_pair(p: Any) -> Pair:
@@ -438,7 +482,9 @@ def _first_token(model: Any, answer: str | int | Sequence[int], pair: Pair) -> i
     return int(ids[0])
 
 
-def _candidates(model: Any, items: list[Pair], answer_ids: list[list[int]], shared: Any) -> Tensor | None:
+def _candidates(
+    model: Any, items: list[Pair], answer_ids: list[list[int]], shared: Any
+) -> Tensor | None:
     per = [p.candidates if p.candidates is not None else shared for p in items]
     if all(c is None for c in per):
         return None

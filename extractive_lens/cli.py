@@ -39,7 +39,9 @@ def _check_dtype_device(dtype: str, device: str) -> None:
     except RuntimeError:
         raise typer.BadParameter(f"--device must be cpu, cuda or cuda:N, got {device!r}.") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise typer.BadParameter(f"--device {device}: no CUDA GPU is available here; use --device cpu.")
+        raise typer.BadParameter(
+            f"--device {device}: no CUDA GPU is available here; use --device cpu."
+        )
 
 
 def _load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") -> Any:
@@ -57,51 +59,91 @@ def _load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") -
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return load_checkpoint(path, dtype=dt, device=device)
-    if name_or_dir.startswith((".", "/", "~")) or (path.parent != Path(".") and path.parent.is_dir()):
-        raise FileNotFoundError(f"{name_or_dir}: no such checkpoint directory (and it looks like a local path, "
-                                "not a hub name). Check the path; a checkpoint directory holds config.json.")
+    if name_or_dir.startswith((".", "/", "~")) or (
+        path.parent != Path(".") and path.parent.is_dir()
+    ):
+        raise FileNotFoundError(
+            f"{name_or_dir}: no such checkpoint directory (and it looks like a local path, "
+            "not a hub name). Check the path; a checkpoint directory holds config.json."
+        )
     try:
         return load_pretrained(name_or_dir, dtype=dt, device=device)
     except (ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{name_or_dir!r} is neither 'world', a local checkpoint directory nor a model "
-                         f"TransformerLens can load from the hub ({first}).") from None
+        raise ValueError(
+            f"{name_or_dir!r} is neither 'world', a local checkpoint directory nor a model "
+            f"TransformerLens can load from the hub ({first})."
+        ) from None
 
 
 @app.command()
 def score(
-    base: str = typer.Option(..., help="Base model: 'world', a local Hugging Face checkpoint directory or a hub name."),
-    finetuned: str = typer.Option(None, help="Finetuned model: a local Hugging Face checkpoint directory."),
-    diff: Path = typer.Option(None, help="Or the weight change, as saved by `extractive-lens finetune`."),
-    data: Path = typer.Option(..., help="Prompts and answers: .json, .jsonl or .csv with prompt, answer[, candidates]."),
+    base: str = typer.Option(
+        ..., help="Base model: 'world', a local Hugging Face checkpoint directory or a hub name."
+    ),
+    finetuned: str = typer.Option(
+        None, help="Finetuned model: a local Hugging Face checkpoint directory."
+    ),
+    diff: Path = typer.Option(
+        None, help="Or the weight change, as saved by `extractive-lens finetune`."
+    ),
+    data: Path = typer.Option(
+        ..., help="Prompts and answers: .json, .jsonl or .csv with prompt, answer[, candidates]."
+    ),
     method: str = typer.Option("linear", help="linear, causal or both."),
-    reward: str = typer.Option("answer_logprob", help="answer_logprob, logit_margin or logit_diff."),
-    out: Path = typer.Option(Path("scores"), help="Output directory (scores, comparison, report.html)."),
+    reward: str = typer.Option(
+        "answer_logprob", help="answer_logprob, logit_margin or logit_diff."
+    ),
+    out: Path = typer.Option(
+        Path("scores"), help="Output directory (scores, comparison, report.html)."
+    ),
     dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
     compute_dtype: str = typer.Option(
-        None, help="Dtype scores are computed in (default: float32 for bfloat16/float16 models, else --dtype)."),
+        None,
+        help="Dtype scores are computed in (default: float32 for bfloat16/float16 models, else --dtype).",
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     batch_size: int = typer.Option(16, min=1, help="Prompts per pass."),
-    kinds: str = typer.Option("informative,upstream,downstream", help="Comma-separated score kinds."),
-    ablation: str = typer.Option(None, help="y* for upstream: mean, zero or resample (default: the convention's)."),
+    kinds: str = typer.Option(
+        "informative,upstream,downstream", help="Comma-separated score kinds."
+    ),
+    ablation: str = typer.Option(
+        None, help="y* for upstream: mean, zero or resample (default: the convention's)."
+    ),
     convention: str = typer.Option("paper", help="paper or authors_code (linear scores only)."),
     per: str = typer.Option("token", help="Exact scores per token or per component."),
-    top_k: int = typer.Option(None, min=1, help="Exact scores only for the K components the linear scores rank highest."),
+    top_k: int = typer.Option(
+        None, min=1, help="Exact scores only for the K components the linear scores rank highest."
+    ),
     layers: str = typer.Option(None, help="Exact scores only for these layers, e.g. '0,3'."),
-    distributed: bool = typer.Option(False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."),
+    distributed: bool = typer.Option(
+        False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."
+    ),
 ) -> None:
     """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
     if method not in ("linear", "causal", "both"):
         raise typer.BadParameter("--method must be linear, causal or both.")
-    if compute_dtype is not None and compute_dtype not in ("float32", "float64", "bfloat16", "float16"):
+    if compute_dtype is not None and compute_dtype not in (
+        "float32",
+        "float64",
+        "bfloat16",
+        "float16",
+    ):
         raise typer.BadParameter("--compute-dtype must be float32, float64, bfloat16 or float16.")
     if convention == "authors_code" and method != "linear":
-        raise typer.BadParameter("exact scores exist only in the paper convention: use --method linear with "
-                                 "--convention authors_code.")
+        raise typer.BadParameter(
+            "exact scores exist only in the paper convention: use --method linear with "
+            "--convention authors_code."
+        )
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
     layer_list = _int_list(layers, "--layers") if layers else None
-    common = dict(reward=reward, batch_size=batch_size, compute_dtype=compute_dtype, kinds=kind_list,
-                  ablation=ablation)
+    common = dict(
+        reward=reward,
+        batch_size=batch_size,
+        compute_dtype=compute_dtype,
+        kinds=kind_list,
+        ablation=ablation,
+    )
     from extractive_lens import WeightDiff, compare, make_batch
     from extractive_lens.datasets import load_pairs
     from extractive_lens.distributed import distributed_scores, init_from_env
@@ -137,8 +179,17 @@ def score(
         lin = distributed_scores("linear", base_m, delta, batch, convention=convention, **common)
         results.append(lin)
     if method in ("causal", "both"):
-        ex = distributed_scores("causal", base_m, delta, batch, per=per, top_k=top_k, layers=layer_list,
-                                linear=lin if top_k else None, **{**common, "ablation": ablation or "mean"})
+        ex = distributed_scores(
+            "causal",
+            base_m,
+            delta,
+            batch,
+            per=per,
+            top_k=top_k,
+            layers=layer_list,
+            linear=lin if top_k else None,
+            **{**common, "ablation": ablation or "mean"},
+        )
         results.append(ex)
     if rank != 0:
         return
@@ -162,9 +213,13 @@ def _int_list(text: str, option: str) -> list[int]:
 
 @app.command()
 def report(
-    scores_dir: Path = typer.Argument(..., help="A directory written by `extractive-lens score --out` (or by "
-                                                "ComponentScores.save())."),
-    out: Path = typer.Option(None, help="The HTML file to write (default: SCORES_DIR/report.html)."),
+    scores_dir: Path = typer.Argument(
+        ...,
+        help="A directory written by `extractive-lens score --out` (or by ComponentScores.save()).",
+    ),
+    out: Path = typer.Option(
+        None, help="The HTML file to write (default: SCORES_DIR/report.html)."
+    ),
     title: str = typer.Option("extractive_lens report", help="The report's title."),
 ) -> None:
     """Re-render saved scores (linear and/or exact) into one self-contained HTML report."""
@@ -174,10 +229,16 @@ def report(
     if (scores_dir / "scores.json").is_file():
         results = [ComponentScores.load(scores_dir)]
     else:
-        results = [ComponentScores.load(scores_dir / m) for m in ("linear", "causal") if (scores_dir / m).is_dir()]
+        results = [
+            ComponentScores.load(scores_dir / m)
+            for m in ("linear", "causal")
+            if (scores_dir / m).is_dir()
+        ]
     if not results:
-        raise typer.BadParameter(f"{scores_dir} holds no saved scores (scores.json, or linear/ and causal/ "
-                                 "subdirectories as `extractive-lens score --out` writes them).")
+        raise typer.BadParameter(
+            f"{scores_dir} holds no saved scores (scores.json, or linear/ and causal/ "
+            "subdirectories as `extractive-lens score --out` writes them)."
+        )
     cmp = None
     if len(results) == 2:
         try:
@@ -209,7 +270,9 @@ def finetune(
     optimizer: str = typer.Option("adam", help="adam or adamw."),
     schedule: str = typer.Option("constant", help="constant or linear (10% warm-up, then decay)."),
     seed: int = typer.Option(0),
-    trainable: str = typer.Option("all", help="'all' or comma-separated components, e.g. 'L0MLP,L1H2'."),
+    trainable: str = typer.Option(
+        "all", help="'all' or comma-separated components, e.g. 'L0MLP,L1H2'."
+    ),
     layers: str = typer.Option(None, help="Train only these blocks, e.g. '0,1'."),
     dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
@@ -221,15 +284,23 @@ def finetune(
     m = _load_model(model, dtype, device)
     batch = _batch(m, data)
     try:
-        cfg = FinetuneConfig(lr=lr, epochs=epochs, batch_size=batch_size, optimizer=optimizer,  # type: ignore[arg-type]
-                             schedule=schedule, seed=seed,  # type: ignore[arg-type]
-                             trainable="all" if trainable == "all" else tuple(trainable.split(",")),
-                             layers=tuple(_int_list(layers, "--layers")) if layers else None)
+        cfg = FinetuneConfig(
+            lr=lr,
+            epochs=epochs,
+            batch_size=batch_size,
+            optimizer=optimizer,  # type: ignore[arg-type]
+            schedule=schedule,
+            seed=seed,  # type: ignore[arg-type]
+            trainable="all" if trainable == "all" else tuple(trainable.split(",")),
+            layers=tuple(_int_list(layers, "--layers")) if layers else None,
+        )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     delta = run_finetune(m, batch, cfg)
     delta.save(out)
-    _echo(f"finetuned {model} on {len(batch)} examples; saved Δ (‖Δ‖ = {delta.norm():.4g}) to {out}")
+    _echo(
+        f"finetuned {model} on {len(batch)} examples; saved Δ (‖Δ‖ = {delta.norm():.4g}) to {out}"
+    )
 
 
 @app.command()
@@ -249,7 +320,9 @@ def rank(
         raise typer.BadParameter("rank needs candidates in the data file (a 'candidates' field).")
     delta = WeightDiff.load(diff) if diff is not None else None
     chance = (int((batch.candidates[0] >= 0).sum()) - 1) / 2
-    _echo(f"mean rank {mean_rank(m, batch, delta):.2f} over {len(batch)} prompts (chance {chance:.1f})")
+    _echo(
+        f"mean rank {mean_rank(m, batch, delta):.2f} over {len(batch)} prompts (chance {chance:.1f})"
+    )
 
 
 def _print_top(scores: Any, k: int = 5) -> None:
@@ -263,7 +336,9 @@ def _print_top(scores: Any, k: int = 5) -> None:
 def demo(
     out: Path = typer.Option(Path("report.html"), help="Where to write the HTML report."),
     seed: int = typer.Option(0, help="Seed for finetuning."),
-    random_model: bool = typer.Option(False, help="Use a random small model instead of the world model."),
+    random_model: bool = typer.Option(
+        False, help="Use a random small model instead of the world model."
+    ),
 ) -> None:
     """Finetune the bundled world model on 20 new facts, show whether their implications follow,
     score every head and MLP on the implications (linear and exact), compare and write a report."""
@@ -283,7 +358,9 @@ def _parse_seeds(text: str) -> list[int]:
             elif part:
                 seeds.append(int(part))
     except ValueError:
-        raise typer.BadParameter(f"--seeds takes integers like '0,1,2' or '0-2', got {text!r}") from None
+        raise typer.BadParameter(
+            f"--seeds takes integers like '0,1,2' or '0-2', got {text!r}"
+        ) from None
     if not seeds:
         raise typer.BadParameter("--seeds is empty")
     return seeds
@@ -291,18 +368,29 @@ def _parse_seeds(text: str) -> list[int]:
 
 @app.command()
 def experiment(
-    name: str = typer.Argument(..., help="layer_freezing, data_ordering, weight_grafting or localization."),
-    seeds: str = typer.Option("0", help="World-model seeds, e.g. '0,1,2' or '0-2' (seeds other than 0 are "
-                                        "pretrained once, ~2 min each, and cached)."),
-    out: Path = typer.Option(Path("experiments"), help="Output directory: NAME/seed*.json|html, NAME/summary.*"),
-    quick: bool = typer.Option(False, help="Short finetunes (a smoke run; not the experiment's numbers)."),
+    name: str = typer.Argument(
+        ..., help="layer_freezing, data_ordering, weight_grafting or localization."
+    ),
+    seeds: str = typer.Option(
+        "0",
+        help="World-model seeds, e.g. '0,1,2' or '0-2' (seeds other than 0 are "
+        "pretrained once, ~2 min each, and cached).",
+    ),
+    out: Path = typer.Option(
+        Path("experiments"), help="Output directory: NAME/seed*.json|html, NAME/summary.*"
+    ),
+    quick: bool = typer.Option(
+        False, help="Short finetunes (a smoke run; not the experiment's numbers)."
+    ),
 ) -> None:
     """Run one of the paper's experiments on the world model and write JSON, figures and a
     summary table (mean ± std over seeds, the paper's numbers in brackets)."""
     from extractive_lens.experiments.runner import EXPERIMENTS, run_experiment
 
     if name not in EXPERIMENTS:
-        raise typer.BadParameter(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}.")
+        raise typer.BadParameter(
+            f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}."
+        )
     t0 = time.perf_counter()
     run = run_experiment(name, _parse_seeds(seeds), out, quick=quick)
     _echo(run.markdown())
@@ -317,11 +405,20 @@ def version() -> None:
     import extractive_lens
     from extractive_lens.model import _tl
 
-    _echo(f"extractive_lens {extractive_lens.__version__}, torch {torch.__version__}, "
-          f"transformer_lens {getattr(_tl(), '__version__', '?')}")
+    _echo(
+        f"extractive_lens {extractive_lens.__version__}, torch {torch.__version__}, "
+        f"transformer_lens {getattr(_tl(), '__version__', '?')}"
+    )
 
 
-ONE_LINE_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError, PermissionError, IsADirectoryError)
+ONE_LINE_ERRORS = (
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    NotImplementedError,
+    PermissionError,
+    IsADirectoryError,
+)
 
 
 def _click_errors(name: str) -> tuple[type, ...]:

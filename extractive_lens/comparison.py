@@ -55,7 +55,9 @@ class ScoreComparison:
     k: int
     rows: tuple[dict[str, Any], ...]
 
-    def cells(self, kind: ScoreKind, part: Part = "all") -> tuple[np.ndarray, np.ndarray, list[str]]:
+    def cells(
+        self, kind: ScoreKind, part: Part = "all"
+    ) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """The compared values ``(linear, exact, labels)`` for one kind and part."""
         lin, ex = self.linear, self.exact
         li, ei = lin.kind_index(kind), ex.kind_index(kind)
@@ -68,17 +70,27 @@ class ScoreComparison:
         if self.level == "component":
             a = lin.totals[li][:, comps]
             b = ex.totals[ei][:, comps]
-            cells = [(f"L{layer}{lin.component_labels[c]}", "") for layer in range(a.shape[0]) for c in comps]
+            cells = [
+                (f"L{layer}{lin.component_labels[c]}", "")
+                for layer in range(a.shape[0])
+                for c in comps
+            ]
         else:
             a = lin.values[li][:, comps]
             b = ex.values[ei][:, comps]
-            cells = [(f"L{layer}{lin.component_labels[c]}", f"@{p}") for layer in range(a.shape[0])
-                     for c in comps for p in lin.position_labels]
+            cells = [
+                (f"L{layer}{lin.component_labels[c]}", f"@{p}")
+                for layer in range(a.shape[0])
+                for c in comps
+                for p in lin.position_labels
+            ]
         keep = np.array([comp not in skipped for comp, _ in cells], dtype=bool)
         labels = [comp + at for (comp, at), k in zip(cells, keep) if k]
         return a.flatten().double().numpy()[keep], b.flatten().double().numpy()[keep], labels
 
-    def worst(self, kind: ScoreKind, n: int = 5, part: Part = "all") -> list[tuple[str, float, float]]:
+    def worst(
+        self, kind: ScoreKind, n: int = 5, part: Part = "all"
+    ) -> list[tuple[str, float, float]]:
         """The ``n`` cells with the largest ``|linear - exact|``: ``(label, linear, exact)``."""
         a, b, labels = self.cells(kind, part)
         idx = np.argsort(-np.abs(a - b))[:n]
@@ -108,14 +120,28 @@ class ScoreComparison:
         return pd.DataFrame(recs, columns=["kind", "label", "linear", "exact"])
 
     def _repr_html_(self) -> str:
-        cols = ["kind", "part", "n", "pearson", "spearman", "sign_agreement", "topk_overlap", "max_abs_err"]
+        cols = [
+            "kind",
+            "part",
+            "n",
+            "pearson",
+            "spearman",
+            "sign_agreement",
+            "topk_overlap",
+            "max_abs_err",
+        ]
         head = "".join(f"<th>{c}</th>" for c in cols)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(_fmt(r[c]))}</td>" for c in cols) + "</tr>" for r in self.rows
+            "<tr>" + "".join(f"<td>{html.escape(_fmt(r[c]))}</td>" for c in cols) + "</tr>"
+            for r in self.rows
         )
-        says = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in self.verdicts.items())
-        return (f"<div><b>ScoreComparison</b> (linear vs exact, {self.level} level, top-{self.k} overlap)"
-                f"<table><tr>{head}</tr>{body}</table><ul>{says}</ul></div>")
+        says = "".join(
+            f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in self.verdicts.items()
+        )
+        return (
+            f"<div><b>ScoreComparison</b> (linear vs exact, {self.level} level, top-{self.k} overlap)"
+            f"<table><tr>{head}</tr>{body}</table><ul>{says}</ul></div>"
+        )
 
     def __repr__(self) -> str:
         return self.summary.to_string(index=False)
@@ -139,12 +165,19 @@ def verdict(kind: str, pearson: float, topk_overlap: float) -> str:
     if pearson == pearson and pearson >= AGREE_PEARSON and topk_overlap >= AGREE_TOPK:
         return f"linear {kind} agrees with exact here (r = {pearson:.2f}): the linear map can stand in for it."
     if pearson == pearson and pearson >= PARTLY_PEARSON:
-        return (f"linear {kind} roughly agrees with exact here (r = {pearson:.2f}, top-k overlap "
-                f"{topk_overlap:.0%}): trust the ranking more than the values, and {fix}.")
-    why = (" Upstream is linear in y - y*, not in the weight change, so a large ablation step can flip it."
-           if kind == "upstream" else " The weight change is too large for its first-order description.")
-    return (f"linear {kind} disagrees with exact here (r = {pearson:.2f}): do not read it on its own; "
-            f"{fix}.{why}")
+        return (
+            f"linear {kind} roughly agrees with exact here (r = {pearson:.2f}, top-k overlap "
+            f"{topk_overlap:.0%}): trust the ranking more than the values, and {fix}."
+        )
+    why = (
+        " Upstream is linear in y - y*, not in the weight change, so a large ablation step can flip it."
+        if kind == "upstream"
+        else " The weight change is too large for its first-order description."
+    )
+    return (
+        f"linear {kind} disagrees with exact here (r = {pearson:.2f}): do not read it on its own; "
+        f"{fix}.{why}"
+    )
 
 
 def _skipped(scores: ComponentScores, kind: str) -> list[str]:
@@ -165,14 +198,20 @@ def setting_differences(linear: ComponentScores, exact: ComponentScores) -> list
         keys += [k for k in UPSTREAM_SETTINGS if k != "seed" or a.get("ablation") == "resample"]
     out = [f"{k} (linear {a.get(k)!r}, exact {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)]
     da, db = a.get("prompts_digest"), b.get("prompts_digest")
-    if linear.prompt_roles != exact.prompt_roles or (da is not None and db is not None and da != db):
+    if linear.prompt_roles != exact.prompt_roles or (
+        da is not None and db is not None and da != db
+    ):
         out.append("prompts (the two results scored different prompts)")
     return out
 
 
 def compare(
-    linear: ComponentScores, exact: ComponentScores, *, level: Literal["token", "component"] | None = None,
-    k: int = 10, check_settings: bool = True,
+    linear: ComponentScores,
+    exact: ComponentScores,
+    *,
+    level: Literal["token", "component"] | None = None,
+    k: int = 10,
+    check_settings: bool = True,
 ) -> ScoreComparison:
     """Pearson / Spearman r, sign agreement, top-k overlap and errors, per kind and part, with a
     plain-words verdict per kind (``.verdicts``).
@@ -187,7 +226,8 @@ def compare(
         raise ValueError("The two results are for different models (layers / components differ).")
     if check_settings and (differences := setting_differences(linear, exact)):
         raise ValueError(
-            "compare() pairs results computed the same way, and these differ: " + "; ".join(differences)
+            "compare() pairs results computed the same way, and these differ: "
+            + "; ".join(differences)
             + ". Recompute one with the other's settings (e.g. linear_scores(..., reward=..., ablation=...)), "
             "or pass check_settings=False to compare them anyway."
         )
@@ -197,7 +237,9 @@ def compare(
         if linear.position_labels != exact.position_labels:
             raise ValueError("Per-token comparison needs the same positions: score the same batch.")
     if linear.n_prompts != exact.n_prompts:
-        raise ValueError(f"linear has {linear.n_prompts} prompts, exact {exact.n_prompts}: use the same batch.")
+        raise ValueError(
+            f"linear has {linear.n_prompts} prompts, exact {exact.n_prompts}: use the same batch."
+        )
     probe = ScoreComparison(linear, exact, level, k, ())
     rows = []
     for kind in linear.kinds:
@@ -213,11 +255,20 @@ def compare(
             nz = (a != 0) | (b != 0)
             err = np.abs(a - b)
             pearson = _pearson(a, b)
-            rows.append(dict(
-                kind=kind, part=part, n=int(len(a)), pearson=pearson,
-                spearman=_pearson(_ranks(a), _ranks(b)),
-                sign_agreement=float((np.sign(a[nz]) == np.sign(b[nz])).mean()) if nz.any() else float("nan"),
-                topk_overlap=len(top_a & top_b) / kk, max_abs_err=float(err.max()),
-                median_abs_err=float(np.median(err)), verdict=verdict(kind, pearson, len(top_a & top_b) / kk),
-            ))
+            rows.append(
+                dict(
+                    kind=kind,
+                    part=part,
+                    n=int(len(a)),
+                    pearson=pearson,
+                    spearman=_pearson(_ranks(a), _ranks(b)),
+                    sign_agreement=float((np.sign(a[nz]) == np.sign(b[nz])).mean())
+                    if nz.any()
+                    else float("nan"),
+                    topk_overlap=len(top_a & top_b) / kk,
+                    max_abs_err=float(err.max()),
+                    median_abs_err=float(np.median(err)),
+                    verdict=verdict(kind, pearson, len(top_a & top_b) / kk),
+                )
+            )
     return ScoreComparison(linear, exact, level, k, tuple(rows))

@@ -28,7 +28,9 @@ def shard_rows(n: int, rank: int, world: int) -> list[int]:
     return list(range(rank * n // world, (rank + 1) * n // world))
 
 
-def init_from_env(device: str | None = None, timeout_s: float | None = None) -> tuple[int, int, str]:
+def init_from_env(
+    device: str | None = None, timeout_s: float | None = None
+) -> tuple[int, int, str]:
     """Initialise the default process group from ``torchrun``'s environment (gloo on CPU, NCCL on
     GPU); returns ``(rank, world_size, device)``.
 
@@ -44,17 +46,28 @@ def init_from_env(device: str | None = None, timeout_s: float | None = None) -> 
     if device is None:
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
-        seconds = timeout_s if timeout_s is not None else float(os.environ.get("EXTRACTIVE_LENS_DIST_TIMEOUT", 600))
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
-                                timeout=datetime.timedelta(seconds=seconds))
+        seconds = (
+            timeout_s
+            if timeout_s is not None
+            else float(os.environ.get("EXTRACTIVE_LENS_DIST_TIMEOUT", 600))
+        )
+        dist.init_process_group(
+            backend="nccl" if device.startswith("cuda") else "gloo",
+            timeout=datetime.timedelta(seconds=seconds),
+        )
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def distributed_scores(
-    method: Literal["linear", "causal"], model: Any, diff: Any, batch: PromptBatch, *,
-    shard: Literal["auto", "prompts", "layers"] = "auto", **kwargs: Any,
+    method: Literal["linear", "causal"],
+    model: Any,
+    diff: Any,
+    batch: PromptBatch,
+    *,
+    shard: Literal["auto", "prompts", "layers"] = "auto",
+    **kwargs: Any,
 ) -> ComponentScores:
     """``linear_scores`` or ``causal_scores`` spread over the processes of the default group."""
     import torch.distributed as dist
@@ -75,7 +88,9 @@ def distributed_scores(
         shard = "prompts" if (method == "linear" or len(batch) >= 2 * world) else "layers"
     if shard == "layers":
         if method != "causal":
-            raise ValueError("layer sharding is for exact (causal) scores; linear scores shard prompts.")
+            raise ValueError(
+                "layer sharding is for exact (causal) scores; linear scores shard prompts."
+            )
         all_layers = kwargs.pop("layers", None) or list(range(model.cfg.n_layers))
         mine = all_layers[rank::world]
         part = fn(model, diff, batch, layers=mine or [], **kwargs) if mine else None
@@ -84,45 +99,84 @@ def distributed_scores(
         dist.all_gather_object(gathered, payload)
         pv = sum(g[0] for g in gathered if g is not None)  # other layers are exactly 0 in each part
         pt = sum(g[1] for g in gathered if g is not None)
-        template = part if part is not None else fn(model, diff, batch.subset([0]), layers=[0], **kwargs)
-        meta = {**template.metadata, "distributed": {"world_size": world, "shard": "layers"},
-                "prompts_digest": prompts_digest(batch),
-                "layers": sorted(all_layers), "skipped": None}
+        template = (
+            part if part is not None else fn(model, diff, batch.subset([0]), layers=[0], **kwargs)
+        )
+        meta = {
+            **template.metadata,
+            "distributed": {"world_size": world, "shard": "layers"},
+            "prompts_digest": prompts_digest(batch),
+            "layers": sorted(all_layers),
+            "skipped": None,
+        }
         return _rebuild(template, pv, pt, None, template.prompt_roles, meta)
     rows = shard_rows(len(batch), rank, world)
     part = fn(model, diff, batch, rows=rows, **kwargs) if rows else None
-    changes = None if part is None else (part.metadata.get("linearization") or {}).get("prompt_changes")
-    payload = None if part is None else (rows, part.prompt_values, part.prompt_totals, part.other, changes)
+    changes = (
+        None if part is None else (part.metadata.get("linearization") or {}).get("prompt_changes")
+    )
+    payload = (
+        None
+        if part is None
+        else (rows, part.prompt_values, part.prompt_totals, part.other, changes)
+    )
     gathered = [None] * world
     dist.all_gather_object(gathered, payload)
     parts = [g for g in gathered if g is not None]
     width = max(g[1].shape[-1] for g in parts)
-    pv = torch.cat([torch.nn.functional.pad(g[1], (0, width - g[1].shape[-1])) for g in parts], dim=1)
+    pv = torch.cat(
+        [torch.nn.functional.pad(g[1], (0, width - g[1].shape[-1])) for g in parts], dim=1
+    )
     pt = torch.cat([g[2] for g in parts], dim=1)
     other = torch.cat([g[3] for g in parts]) if parts[0][3] is not None else None
     order = [r for g in parts for r in g[0]]
     assert order == list(range(len(batch))), "shards must cover the batch in order"
     template = part if part is not None else fn(model, diff, batch.subset([0]), **kwargs)
-    roles = batch.roles if template.position_labels != ("all",) else tuple(("all",) for _ in range(len(batch)))
-    meta = {**template.metadata, "rows": None, "distributed": {"world_size": world, "shard": "prompts"}}
+    roles = (
+        batch.roles
+        if template.position_labels != ("all",)
+        else tuple(("all",) for _ in range(len(batch)))
+    )
+    meta = {
+        **template.metadata,
+        "rows": None,
+        "distributed": {"world_size": world, "shard": "prompts"},
+    }
     meta.pop("prompt_tokens", None)
     meta["prompts_digest"] = prompts_digest(batch)
     result = _rebuild(template, pv, pt, other, roles, meta)
     if parts[0][4] is not None:  # the linearization check over every prompt, not one shard
         from extractive_lens.scoring.linear import linearization_check
 
-        meta["linearization"] = linearization_check(result, torch.tensor([c for g in parts for c in g[4]], dtype=torch.float64),
-                                                    warn=rank == 0)
+        meta["linearization"] = linearization_check(
+            result,
+            torch.tensor([c for g in parts for c in g[4]], dtype=torch.float64),
+            warn=rank == 0,
+        )
     return result
 
 
-def _rebuild(template: ComponentScores, pv: torch.Tensor, pt: torch.Tensor, other: torch.Tensor | None,
-             roles: Any, meta: dict) -> ComponentScores:
+def _rebuild(
+    template: ComponentScores,
+    pv: torch.Tensor,
+    pt: torch.Tensor,
+    other: torch.Tensor | None,
+    roles: Any,
+    meta: dict,
+) -> ComponentScores:
     from extractive_lens.batch import merge_role_orders
 
     labels = merge_role_orders(roles)
     return ComponentScores(
-        values=aggregate_by_role(pv, roles, labels), totals=pt.mean(1), prompt_values=pv, prompt_totals=pt,
-        kinds=template.kinds, component_labels=template.component_labels, position_labels=labels,
-        prompt_roles=tuple(tuple(r) for r in roles), method=template.method, other=other, metadata=meta,
+        values=aggregate_by_role(pv, roles, labels),
+        totals=pt.mean(1),
+        prompt_values=pv,
+        prompt_totals=pt,
+        kinds=template.kinds,
+        component_labels=template.component_labels,
+        position_labels=labels,
+        prompt_roles=tuple(tuple(r) for r in roles),
+        method=template.method,
+        other=other,
+        metadata=meta,
     )

@@ -49,7 +49,9 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.epochs < 1 or self.batch_size < 1:
-            raise ValueError(f"lr, epochs and batch_size must be positive (got {self.lr}, {self.epochs}, {self.batch_size}).")
+            raise ValueError(
+                f"lr, epochs and batch_size must be positive (got {self.lr}, {self.epochs}, {self.batch_size})."
+            )
         if self.optimizer not in ("adam", "adamw"):
             raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
         if self.schedule not in ("constant", "linear"):
@@ -64,7 +66,9 @@ def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Te
     if cfg.trainable == "all" and cfg.layers is None and cfg.parameters is None:
         return {n: None for n in params}
     if cfg.parameters is not None and (unknown := sorted(set(cfg.parameters) - set(params))):
-        raise ValueError(f"FinetuneConfig.parameters names parameters the model does not have: {unknown[:3]}")
+        raise ValueError(
+            f"FinetuneConfig.parameters names parameters the model does not have: {unknown[:3]}"
+        )
     names = None if cfg.parameters is None else set(cfg.parameters)
     comps: tuple[Component, ...] | None = None
     if cfg.trainable != "all":
@@ -72,13 +76,18 @@ def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Te
         comps = parse_components(labels, model.cfg.n_layers, model.cfg.n_heads, M.has_mlp(model))
     layers = None if cfg.layers is None else set(cfg.layers)
     if layers is not None and (bad := sorted(x for x in layers if not 0 <= x < model.cfg.n_layers)):
-        raise ValueError(f"FinetuneConfig.layers {bad} out of range: this model has layers 0..{model.cfg.n_layers - 1}.")
+        raise ValueError(
+            f"FinetuneConfig.layers {bad} out of range: this model has layers 0..{model.cfg.n_layers - 1}."
+        )
     masks: dict[str, torch.Tensor | None] = {}
     for s in M.parameter_slices(model):
         p = params[s.name]
         layer = int(s.name.split(".")[1]) if s.name.startswith("blocks.") else None
-        ok = ((layers is None or layer in layers) and (comps is None or bool(set(s.owners) & set(comps)))
-              and (names is None or s.name in names))
+        ok = (
+            (layers is None or layer in layers)
+            and (comps is None or bool(set(s.owners) & set(comps)))
+            and (names is None or s.name in names)
+        )
         mask = masks.get(s.name)
         if mask is None:
             mask = torch.zeros(p.shape[:1] if p.ndim else (1,), dtype=torch.bool, device=p.device)
@@ -133,13 +142,23 @@ def finetune(
                     p.copy_(snapshot[name])
                     p.grad = grads[name]
 
-    with guarded(model), state_change(change, restore):  # weights and .grad restored, interrupts or not
+    with (
+        guarded(model),
+        state_change(change, restore),
+    ):  # weights and .grad restored, interrupts or not
         return _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress)
 
 
 def _train(
-    model: nn.Module, data: PromptBatch, cfg: FinetuneConfig, params: dict, masks: dict, train: list[str],
-    snapshot: dict, callback: Callable[[int, WeightDiff], None] | None, show_progress: bool | None,
+    model: nn.Module,
+    data: PromptBatch,
+    cfg: FinetuneConfig,
+    params: dict,
+    masks: dict,
+    train: list[str],
+    snapshot: dict,
+    callback: Callable[[int, WeightDiff], None] | None,
+    show_progress: bool | None,
 ) -> WeightDiff:
     """The training loop of ``finetune`` (which restores the model afterwards)."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -167,7 +186,9 @@ def _train(
     if show_progress is not False:
         from tqdm.auto import tqdm
 
-        epochs = tqdm(epochs, desc="finetune", leave=False, disable=show_progress is None and total < 50)
+        epochs = tqdm(
+            epochs, desc="finetune", leave=False, disable=show_progress is None and total < 50
+        )
     for epoch in epochs:
         order = torch.randperm(n, generator=gen).tolist()
         for i in range(0, n, cfg.batch_size):
@@ -209,14 +230,26 @@ def _reset_frozen(params: dict, masks: dict, snapshot: dict) -> None:
 
 def _diff(model: nn.Module, params: dict, snapshot: dict, cfg: FinetuneConfig) -> WeightDiff:
     current = {n: p.detach().clone() for n, p in params.items()}
-    meta = {"finetune": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()
-                         if k != "extra"}, "base": model.cfg.model_name}
-    return WeightDiff.from_state_dicts(snapshot, current, signature=M.signature(model), metadata=meta)
+    meta = {
+        "finetune": {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in cfg.__dict__.items()
+            if k != "extra"
+        },
+        "base": model.cfg.model_name,
+    }
+    return WeightDiff.from_state_dicts(
+        snapshot, current, signature=M.signature(model), metadata=meta
+    )
 
 
 def rank_trajectory(
-    model: nn.Module, data: PromptBatch, evaluate: dict[str, PromptBatch], config: FinetuneConfig | None = None,
-    *, show_progress: bool | None = None,
+    model: nn.Module,
+    data: PromptBatch,
+    evaluate: dict[str, PromptBatch],
+    config: FinetuneConfig | None = None,
+    *,
+    show_progress: bool | None = None,
 ) -> tuple[WeightDiff, Any]:
     """Finetune on ``data`` and record the mean rank of every ``evaluate`` batch before training
     and after each epoch: ``(diff, DataFrame[epoch, split, mean_rank])`` (epoch 0 = before)."""
@@ -241,10 +274,12 @@ def ranks(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) 
     """Per prompt: the answer's rank among its candidates (0 = the model's top candidate)."""
     check_arguments("mean_rank", model, batch=batch, need_diff=False)
     if diff is not None and not isinstance(diff, WeightDiff):
-        raise TypeError(f"mean_rank(model, batch, diff): diff must be a WeightDiff or None, got {type(diff).__name__}.")
+        raise TypeError(
+            f"mean_rank(model, batch, diff): diff must be a WeightDiff or None, got {type(diff).__name__}."
+        )
     if batch.candidates is None:
         raise ValueError("Ranks need candidate answers: make_batch(..., candidates=[...]).")
-    with torch.no_grad(), (diff.applied(model) if diff is not None else contextlib.nullcontext()):
+    with torch.no_grad(), diff.applied(model) if diff is not None else contextlib.nullcontext():
         logits = model(batch.tokens.to(model.cfg.device))
     return ranks_from_logits(logits, batch)
 

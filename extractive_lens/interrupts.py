@@ -28,8 +28,12 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGALRM")) if s is not None)
-_SHIELDS: list[Shield] = []  # active shields, innermost last: only the innermost touches the handlers
+SIGNALS = tuple(
+    s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGALRM")) if s is not None
+)
+_SHIELDS: list[
+    Shield
+] = []  # active shields, innermost last: only the innermost touches the handlers
 
 
 class Shield:
@@ -71,7 +75,9 @@ class Shield:
     def __exit__(self, *exc: Any) -> None:
         if not self.active:
             return
-        if not self.innermost:  # a shield left behind by an interrupt, closed late: handlers are not its own
+        if (
+            not self.innermost
+        ):  # a shield left behind by an interrupt, closed late: handlers are not its own
             self.active = False
             _SHIELDS[:] = [x for x in _SHIELDS if x is not self]
             return
@@ -157,8 +163,10 @@ def caller_frame() -> FrameType | None:
     import sys
 
     f = sys._getframe(2)
-    while f is not None and (f.f_code.co_filename in (contextlib.__file__, __file__)
-                             or f.f_code.co_flags & inspect.CO_GENERATOR):
+    while f is not None and (
+        f.f_code.co_filename in (contextlib.__file__, __file__)
+        or f.f_code.co_flags & inspect.CO_GENERATOR
+    ):
         f = f.f_back
     return f
 
@@ -234,13 +242,24 @@ def _snapshot(model: Any) -> dict[str, Any]:
     return dict(
         grad=torch.is_grad_enabled(),
         training=[(m, m.training) for m in modules],
-        tensors=[(m, dict(m._parameters), dict(m._buffers)) for m in modules],  # functional_call swaps these
+        tensors=[
+            (m, dict(m._parameters), dict(m._buffers)) for m in modules
+        ],  # functional_call swaps these
         flags=[(p, p.requires_grad) for p in model.parameters()],
         dtype=getattr(getattr(model, "cfg", None), "dtype", None),
-        cfg_flags={f: getattr(model.cfg, f) for f in ("use_attn_result", "use_split_qkv_input", "use_attn_in",
-                                                      "use_hook_mlp_in") if hasattr(getattr(model, "cfg", None), f)},
-        hooks=[(m, {d: set(getattr(m, d, {})) for d in _HOOK_DICTS},
-                (list(getattr(m, "fwd_hooks", [])), list(getattr(m, "bwd_hooks", [])))) for m in modules],
+        cfg_flags={
+            f: getattr(model.cfg, f)
+            for f in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+            if hasattr(getattr(model, "cfg", None), f)
+        },
+        hooks=[
+            (
+                m,
+                {d: set(getattr(m, d, {})) for d in _HOOK_DICTS},
+                (list(getattr(m, "fwd_hooks", [])), list(getattr(m, "bwd_hooks", []))),
+            )
+            for m in modules
+        ],
         level=getattr(fwAD, "_current_level", -1),
     )
 

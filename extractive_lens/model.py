@@ -118,7 +118,9 @@ def tiny_model(
     return model
 
 
-def load_pretrained(name: str, *, process_weights: bool = False, **kwargs: Any) -> HookedTransformer:
+def load_pretrained(
+    name: str, *, process_weights: bool = False, **kwargs: Any
+) -> HookedTransformer:
     """Load a hub model by name (needs network access to the model hub).
 
     Unprocessed weights by default (docs/scores.md §1: folding and centering are not linear in the
@@ -221,21 +223,32 @@ def _cfg_neox(hf: Any) -> dict[str, Any]:
 
 
 def _cfg_llama(hf: Any) -> dict[str, Any]:
-    return _common(hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True)
+    return _common(
+        hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True
+    )
 
 
 def _cfg_mistral(hf: Any) -> dict[str, Any]:
     cfg = _common(hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True)
     cfg["n_key_value_heads"] = hf.num_key_value_heads
     if getattr(hf, "sliding_window", None):
-        cfg.update(use_local_attn=True, window_size=hf.sliding_window,
-                   attn_types=["local"] * hf.num_hidden_layers)
+        cfg.update(
+            use_local_attn=True,
+            window_size=hf.sliding_window,
+            attn_types=["local"] * hf.num_hidden_layers,
+        )
     return cfg
 
 
 def _cfg_qwen2(hf: Any) -> dict[str, Any]:
-    cfg = _common(hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True,
-                  default_prepend_bos=False)
+    cfg = _common(
+        hf,
+        eps=hf.rms_norm_eps,
+        normalization_type="RMS",
+        final_rms=True,
+        gated_mlp=True,
+        default_prepend_bos=False,
+    )
     cfg["n_key_value_heads"] = hf.num_key_value_heads
     return cfg
 
@@ -256,9 +269,12 @@ def _cfg_gemma2(hf: Any) -> dict[str, Any]:
     )
     cfg["n_key_value_heads"] = hf.num_key_value_heads
     if getattr(hf, "sliding_window", None):
-        cfg.update(use_local_attn=True, window_size=hf.sliding_window,
-                   attn_types=["local", "global"] * (hf.num_hidden_layers // 2)
-                   + ["local"] * (hf.num_hidden_layers % 2))
+        cfg.update(
+            use_local_attn=True,
+            window_size=hf.sliding_window,
+            attn_types=["local", "global"] * (hf.num_hidden_layers // 2)
+            + ["local"] * (hf.num_hidden_layers % 2),
+        )
     return cfg
 
 
@@ -281,7 +297,9 @@ ARCHITECTURES: dict[str, tuple[Any, str]] = {
 }
 
 
-def hf_config_to_tl(hf_config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
+def hf_config_to_tl(
+    hf_config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Any:
     """A ``HookedTransformerConfig`` built offline from a Hugging Face config object."""
     tl = _tl()
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
@@ -293,8 +311,13 @@ def hf_config_to_tl(hf_config: Any, *, dtype: torch.dtype = torch.float32, devic
         )
     builder, _ = ARCHITECTURES[arch]
     cfg_dict = builder(hf_config)
-    cfg_dict.update(original_architecture=arch, dtype=dtype, device=device, init_weights=False,
-                    tokenizer_prepends_bos=True)
+    cfg_dict.update(
+        original_architecture=arch,
+        dtype=dtype,
+        device=device,
+        init_weights=False,
+        tokenizer_prepends_bos=True,
+    )
     cfg_dict.setdefault("model_name", getattr(hf_config, "_name_or_path", "") or arch)
     with quiet_transformer_lens():
         return tl.HookedTransformerConfig(**cfg_dict)
@@ -391,7 +414,9 @@ def parameter_slices(model: nn.Module) -> list[ParamSlice]:
     return slices_for_names(names, model.cfg.n_heads, model.cfg.n_key_value_heads)
 
 
-def slices_for_names(names: Any, n_heads: int, n_key_value_heads: int | None = None) -> list[ParamSlice]:
+def slices_for_names(
+    names: Any, n_heads: int, n_key_value_heads: int | None = None
+) -> list[ParamSlice]:
     """``parameter_slices`` from parameter names and head counts alone (for a ``WeightDiff``)."""
     n_kv = n_key_value_heads or n_heads
     out: list[ParamSlice] = []
@@ -406,9 +431,7 @@ def slices_for_names(names: Any, n_heads: int, n_key_value_heads: int | None = N
             out.extend(ParamSlice(name, h, (heads[h],)) for h in range(n_heads))
         elif module == "attn" and leaf in _KV_PARAMS:
             group = n_heads // n_kv
-            out.extend(
-                ParamSlice(name, g, heads[g * group : (g + 1) * group]) for g in range(n_kv)
-            )
+            out.extend(ParamSlice(name, g, heads[g * group : (g + 1) * group]) for g in range(n_kv))
         elif module in _HEAD_SHARED_MODULES:
             out.append(ParamSlice(name, None, heads))
         elif module.split(".")[0] in _MLP_MODULES:
@@ -422,9 +445,21 @@ def signature(model: nn.Module) -> dict[str, Any]:
     """The configuration fields a base and a finetuned model must share."""
     cfg = model.cfg
     keys = [
-        "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx",
-        "n_key_value_heads", "normalization_type", "positional_embedding_type", "act_fn",
-        "gated_mlp", "parallel_attn_mlp", "attn_only", "original_architecture",
+        "n_layers",
+        "d_model",
+        "n_heads",
+        "d_head",
+        "d_mlp",
+        "d_vocab",
+        "n_ctx",
+        "n_key_value_heads",
+        "normalization_type",
+        "positional_embedding_type",
+        "act_fn",
+        "gated_mlp",
+        "parallel_attn_mlp",
+        "attn_only",
+        "original_architecture",
     ]
     sig = {k: getattr(cfg, k, None) for k in keys}
     sig["dtype"] = str(cfg.dtype)
@@ -448,8 +483,12 @@ def has_mlp(model: nn.Module) -> bool:
 _COMPUTE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar(
     "extractive_lens_compute_dtype", default=None
 )
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 def resolve_compute_dtype(model: nn.Module, compute_dtype: torch.dtype | str | None) -> torch.dtype:
@@ -467,10 +506,14 @@ def resolve_compute_dtype(model: nn.Module, compute_dtype: torch.dtype | str | N
     if isinstance(compute_dtype, str):
         name = compute_dtype.removeprefix("torch.")
         if name not in _DTYPES:
-            raise ValueError(f"compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}")
+            raise ValueError(
+                f"compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}"
+            )
         return _DTYPES[name]
     if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
-        raise ValueError(f"compute_dtype must be a floating torch.dtype such as torch.float32, got {compute_dtype!r}")
+        raise ValueError(
+            f"compute_dtype must be a floating torch.dtype such as torch.float32, got {compute_dtype!r}"
+        )
     return compute_dtype
 
 
@@ -544,7 +587,9 @@ def _weights_not_saved(sources: dict[int, Tensor], dtype: torch.dtype) -> tuple[
             return packed
         src, version, size, stride, offset = packed
         if src._version != version:
-            raise RuntimeError("A weight changed between the forward and backward pass of a scoring run.")
+            raise RuntimeError(
+                "A weight changed between the forward and backward pass of a scoring run."
+            )
         return src.detach().to(dtype).as_strided(size, stride, offset)
 
     return pack, unpack
@@ -565,7 +610,9 @@ def _upcast_buffer(module: nn.Module, name: str, buf: Tensor, dtype: torch.dtype
     tables = _ROTARY_CACHE.setdefault(owner, {})
     if (leaf, dtype, buf.shape[0]) not in tables:
         base = owner._rotary_base() if hasattr(owner, "_rotary_base") else owner.cfg.rotary_base
-        sin, cos = owner.calculate_sin_cos_rotary(owner.cfg.rotary_dim, buf.shape[0], base=base, dtype=dtype)
+        sin, cos = owner.calculate_sin_cos_rotary(
+            owner.cfg.rotary_dim, buf.shape[0], base=base, dtype=dtype
+        )
         tables[("rotary_sin", dtype, buf.shape[0])] = sin.to(buf.device)
         tables[("rotary_cos", dtype, buf.shape[0])] = cos.to(buf.device)
     return tables[(leaf, dtype, buf.shape[0])]
@@ -624,8 +671,11 @@ def on_block(model: nn.Module, layer: int, x: Tensor) -> Tensor:
     """``x`` on the device of block ``layer`` (models split over devices with ``n_devices``)."""
     if getattr(model.cfg, "n_devices", 1) <= 1:
         return x
-    dev = model.blocks[layer].ln1.w.device if hasattr(model.blocks[layer].ln1, "w") else next(
-        model.blocks[layer].parameters()).device
+    dev = (
+        model.blocks[layer].ln1.w.device
+        if hasattr(model.blocks[layer].ln1, "w")
+        else next(model.blocks[layer].parameters()).device
+    )
     return x.to(dev)
 
 
@@ -638,6 +688,7 @@ def on_final(model: nn.Module, x: Tensor) -> Tensor:
 
 def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
     """The residual stream entering layer 0 (token embedding plus absolute positions)."""
+
     def run(m: nn.Module, tokens: Tensor) -> Tensor:
         x = m.hook_embed(m.embed(tokens))
         if m.cfg.positional_embedding_type == "standard":
@@ -648,7 +699,9 @@ def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "
 
 
 def attention(
-    model: nn.Module, layer: int, resid_pre: Float[Tensor, "batch pos d_model"],
+    model: nn.Module,
+    layer: int,
+    resid_pre: Float[Tensor, "batch pos d_model"],
     capture: tuple[str, ...] = ("z",),
     past_kv: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Float[Tensor, "batch pos d_model"], dict[str, Tensor]]:
@@ -669,6 +722,7 @@ def attention(
         from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry
 
         entry = TransformerLensKeyValueCacheEntry(past_kv[0], past_kv[1], frozen=True)
+
     def run(b: nn.Module, x: Tensor) -> Tensor:
         x = b.ln1(x)
         return b.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
@@ -676,8 +730,11 @@ def attention(
     try:  # hooks registered inside the try, so that they are removed whatever happens
         for name in capture:
             hp = getattr(block.attn, f"hook_{name}")
-            handles.append(hp.register_forward_hook(
-                lambda _m, _i, out, name=name: captured.__setitem__(name, out)))
+            handles.append(
+                hp.register_forward_hook(
+                    lambda _m, _i, out, name=name: captured.__setitem__(name, out)
+                )
+            )
         out = _run(block, ("ln1.", "attn."), run, resid_pre)
     finally:
         for h in handles:
@@ -685,14 +742,23 @@ def attention(
     return out, captured
 
 
-def mlp(model: nn.Module, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+def mlp(
+    model: nn.Module, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]
+) -> Float[Tensor, "batch pos d_model"]:
     """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
-    return _run(model.blocks[layer], ("ln2.", "mlp."), lambda b, x: b.mlp(b.ln2(x)),
-                on_block(model, layer, mlp_in))
+    return _run(
+        model.blocks[layer],
+        ("ln2.", "mlp."),
+        lambda b, x: b.mlp(b.ln2(x)),
+        on_block(model, layer, mlp_in),
+    )
 
 
-def unembed(model: nn.Module, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
+def unembed(
+    model: nn.Module, resid: Float[Tensor, "batch pos d_model"]
+) -> Float[Tensor, "batch pos d_vocab"]:
     """Final norm, unembedding and logit soft-capping."""
+
     def run(m: nn.Module, x: Tensor) -> Tensor:
         if m.cfg.normalization_type is not None:
             x = m.ln_final(x)
@@ -767,7 +833,9 @@ class _Call(nn.Module):
         return self.fn(self.model, *args)
 
 
-def jvp(model: nn.Module, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:
+def jvp(
+    model: nn.Module, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]
+) -> tuple[Any, Any]:
     """Forward-mode derivative of ``fn(model, *args)`` along a weight direction.
 
     ``tangents`` maps full parameter names (``blocks.3.attn.W_Q``) to directions; parameters
@@ -805,7 +873,10 @@ def _unpack(result: Any) -> tuple[Any, Any]:
 
 
 def attention_jvp(
-    model: nn.Module, layer: int, resid_pre: Tensor, tangents: dict[str, Tensor],
+    model: nn.Module,
+    layer: int,
+    resid_pre: Tensor,
+    tangents: dict[str, Tensor],
     capture: tuple[str, ...] = ("z",),
 ) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
     """``(out, out_dot, captured, captured_dot)`` of a layer's attention along ``tangents``."""
@@ -815,6 +886,8 @@ def attention_jvp(
     return out, out_dot, cap, cap_dot
 
 
-def mlp_jvp(model: nn.Module, layer: int, mlp_in: Tensor, tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+def mlp_jvp(
+    model: nn.Module, layer: int, mlp_in: Tensor, tangents: dict[str, Tensor]
+) -> tuple[Tensor, Tensor]:
     """``(out, out_dot)`` of a layer's MLP along ``tangents``."""
     return jvp(model, lambda m, x: mlp(m, layer, x), (mlp_in,), tangents)

@@ -72,11 +72,15 @@ class ComponentScores:
         for name in ("values", "totals", "prompt_values", "prompt_totals"):
             t = getattr(self, name)
             if not isinstance(t, Tensor) or not t.is_floating_point():
-                raise TypeError(f"ComponentScores.{name} must be a float tensor, got "
-                                f"{getattr(t, 'dtype', type(t).__name__)}.")
+                raise TypeError(
+                    f"ComponentScores.{name} must be a float tensor, got "
+                    f"{getattr(t, 'dtype', type(t).__name__)}."
+                )
         if self.values.dim() != 4 or self.prompt_values.dim() != 5:
-            raise ValueError(f"values must be [kind, layer, component, pos] and prompt_values [kind, batch, layer, "
-                             f"component, pos]; got {tuple(self.values.shape)} and {tuple(self.prompt_values.shape)}.")
+            raise ValueError(
+                f"values must be [kind, layer, component, pos] and prompt_values [kind, batch, layer, "
+                f"component, pos]; got {tuple(self.values.shape)} and {tuple(self.prompt_values.shape)}."
+            )
         bad = [k for k in self.kinds if k not in SCORE_KINDS]
         if bad or len(set(self.kinds)) != len(self.kinds):
             raise ValueError(f"kinds must be distinct names from {SCORE_KINDS}, got {self.kinds}.")
@@ -84,7 +88,9 @@ class ComponentScores:
         if k != len(self.kinds):
             raise ValueError(f"values has {k} kinds but kinds={self.kinds}")
         if n_comp != len(self.component_labels):
-            raise ValueError(f"values has {n_comp} components but {len(self.component_labels)} labels")
+            raise ValueError(
+                f"values has {n_comp} components but {len(self.component_labels)} labels"
+            )
         if n_pos != len(self.position_labels):
             raise ValueError(f"values has {n_pos} positions but {len(self.position_labels)} labels")
         if len(set(self.position_labels)) != n_pos:
@@ -96,15 +102,21 @@ class ComponentScores:
         if self.method not in ("linear", "causal"):
             raise ValueError(f"method must be 'linear' or 'causal', got {self.method!r}")
         if self.prompt_totals.shape != self.prompt_values.shape[:4]:
-            raise ValueError(f"prompt_totals shape {tuple(self.prompt_totals.shape)} != "
-                             f"{tuple(self.prompt_values.shape[:4])}")
+            raise ValueError(
+                f"prompt_totals shape {tuple(self.prompt_totals.shape)} != "
+                f"{tuple(self.prompt_values.shape[:4])}"
+            )
         width = self.prompt_values.shape[-1]
         for i, roles in enumerate(self.prompt_roles):
             if len(roles) > width or not set(roles) <= set(self.position_labels):
-                raise ValueError(f"prompt {i}'s roles do not fit the position labels / {width} positions.")
+                raise ValueError(
+                    f"prompt {i}'s roles do not fit the position labels / {width} positions."
+                )
         if self.other is not None and self.other.shape != (len(self.prompt_roles),):
-            raise ValueError(f"other must have one value per prompt, shape [{len(self.prompt_roles)}], "
-                             f"got {tuple(self.other.shape)}")
+            raise ValueError(
+                f"other must have one value per prompt, shape [{len(self.prompt_roles)}], "
+                f"got {tuple(self.other.shape)}"
+            )
 
     # ------------------------------------------------------------------ access
     @property
@@ -124,7 +136,9 @@ class ComponentScores:
         """``scores["informative"]``: the ``[layer, component, pos]`` tensor of one kind."""
         return self.values[self.kind_index(kind)]
 
-    def top(self, k: int = 10, kind: ScoreKind | None = None, *, per_token: bool = False) -> list[tuple[str, str, float]]:
+    def top(
+        self, k: int = 10, kind: ScoreKind | None = None, *, per_token: bool = False
+    ) -> list[tuple[str, str, float]]:
         """The ``k`` largest scores by magnitude: ``(kind, label, value)``.
 
         Whole-component totals by default; ``per_token=True`` ranks (component, position) cells
@@ -152,10 +166,12 @@ class ComponentScores:
         if not check:
             return ""
         ok = "within" if check["ok"] else "OUTSIDE"
-        return (f"Linearization check: R(W') - R(W) = {check['exact_change']:+.4g}; Σ informative + other = "
-                f"{check['linear_change']:+.4g} (gap {check['relative_gap']:.0%}, {ok} the "
-                f"{check['tolerance']:.0%} tolerance). The 'other' parameters (embeddings, b_O, final norm, "
-                f"unembedding) carry {check['other_share']:.0%} of the linear total.")
+        return (
+            f"Linearization check: R(W') - R(W) = {check['exact_change']:+.4g}; Σ informative + other = "
+            f"{check['linear_change']:+.4g} (gap {check['relative_gap']:.0%}, {ok} the "
+            f"{check['tolerance']:.0%} tolerance). The 'other' parameters (embeddings, b_O, final norm, "
+            f"unembedding) carry {check['other_share']:.0%} of the linear total."
+        )
 
     def _label(self, layer: int, comp: int) -> str:
         return f"L{layer}{self.component_labels[comp]}"
@@ -177,12 +193,21 @@ class ComponentScores:
                     block = pv[ki, b, :, :, : len(roles)]
                     row_tokens = tokens[b] if tokens is not None and b < len(tokens) else None
                     for (layer, c, p), x in zip(_indices(block.shape), block.flatten().tolist()):
-                        token = row_tokens[p] if row_tokens is not None and p < len(row_tokens) else None
+                        token = (
+                            row_tokens[p]
+                            if row_tokens is not None and p < len(row_tokens)
+                            else None
+                        )
                         recs.append((b, kd, layer, self.component_labels[c], p, roles[p], token, x))
-            return pd.DataFrame(recs, columns=["prompt", "kind", "layer", "component", "pos", "role", "token", "score"])
+            return pd.DataFrame(
+                recs,
+                columns=["prompt", "kind", "layer", "component", "pos", "role", "token", "score"],
+            )
         v = self.values.detach().cpu()
         for (ki, layer, c, p), x in zip(_indices(v.shape), v.flatten().tolist()):
-            recs.append((self.kinds[ki], layer, self.component_labels[c], self.position_labels[p], x))
+            recs.append(
+                (self.kinds[ki], layer, self.component_labels[c], self.position_labels[p], x)
+            )
         return pd.DataFrame(recs, columns=["kind", "layer", "component", "role", "score"])
 
     # ------------------------------------------------------------------ persistence
@@ -193,16 +218,23 @@ class ComponentScores:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         tensors = {
-            "values": self.values, "totals": self.totals,
-            "prompt_values": self.prompt_values, "prompt_totals": self.prompt_totals,
+            "values": self.values,
+            "totals": self.totals,
+            "prompt_values": self.prompt_values,
+            "prompt_totals": self.prompt_totals,
         }
         if self.other is not None:
             tensors["other"] = self.other
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path / "scores.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+            str(path / "scores.safetensors"),
+        )
         info = {
-            "kinds": list(self.kinds), "component_labels": list(self.component_labels),
+            "kinds": list(self.kinds),
+            "component_labels": list(self.component_labels),
             "position_labels": list(self.position_labels),
-            "prompt_roles": [list(r) for r in self.prompt_roles], "method": self.method,
+            "prompt_roles": [list(r) for r in self.prompt_roles],
+            "method": self.method,
             "metadata": jsonable(self.metadata),
         }
         (path / "scores.json").write_text(json.dumps(info, indent=1))
@@ -215,24 +247,35 @@ class ComponentScores:
         path = Path(path)
         missing = [f for f in ("scores.safetensors", "scores.json") if not (path / f).is_file()]
         if missing:
-            raise FileNotFoundError(f"{path} has no {' or '.join(missing)}: pass a directory written by "
-                                    "ComponentScores.save() (or `extractive-lens score --out`).")
+            raise FileNotFoundError(
+                f"{path} has no {' or '.join(missing)}: pass a directory written by "
+                "ComponentScores.save() (or `extractive-lens score --out`)."
+            )
         try:
             t = load_file(str(path / "scores.safetensors"))
             info = json.loads((path / "scores.json").read_text())
-            fields = dict(kinds=tuple(info["kinds"]), component_labels=tuple(info["component_labels"]),
-                          position_labels=tuple(info["position_labels"]), method=info["method"],
-                          prompt_roles=tuple(tuple(r) for r in info["prompt_roles"]), metadata=info["metadata"])
+            fields = dict(
+                kinds=tuple(info["kinds"]),
+                component_labels=tuple(info["component_labels"]),
+                position_labels=tuple(info["position_labels"]),
+                method=info["method"],
+                prompt_roles=tuple(tuple(r) for r in info["prompt_roles"]),
+                metadata=info["metadata"],
+            )
             tensors = {k: t[k] for k in ("values", "totals", "prompt_values", "prompt_totals")}
         except Exception as e:  # KeyError, JSON errors, safetensors' own error for a damaged file
-            raise ValueError(f"{path} is not a complete ComponentScores directory ({type(e).__name__}: {e}).") from None
+            raise ValueError(
+                f"{path} is not a complete ComponentScores directory ({type(e).__name__}: {e})."
+            ) from None
         try:
             return cls(**tensors, other=t.get("other"), **fields)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: the saved scores are inconsistent: {e}") from None
 
     # ------------------------------------------------------------------ display
-    def plot(self, kind: ScoreKind | None = None, part: str = "mlp", position: str | None = None) -> Any:
+    def plot(
+        self, kind: ScoreKind | None = None, part: str = "mlp", position: str | None = None
+    ) -> Any:
         """``overview()`` of every kind, or one ``heatmap(kind, part)`` (a plotly figure)."""
         from extractive_lens import plotting
 
@@ -241,21 +284,25 @@ class ComponentScores:
         return plotting.heatmap(self, kind, part=part, position=position)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
-        return (f"ComponentScores(method={self.method!r}, kinds={self.kinds}, layers={self.n_layers}, "
-                f"components={len(self.component_labels)}, positions={len(self.position_labels)}, "
-                f"prompts={self.n_prompts})")
+        return (
+            f"ComponentScores(method={self.method!r}, kinds={self.kinds}, layers={self.n_layers}, "
+            f"components={len(self.component_labels)}, positions={len(self.position_labels)}, "
+            f"prompts={self.n_prompts})"
+        )
 
     def _repr_html_(self) -> str:
         """A compact offline summary: the top components of each kind (no network, no scripts)."""
         rows = []
         for kd in self.kinds:
             cells = "".join(
-                f"<td><code>{html.escape(lab)}</code> {val:+.3g}</td>" for _, lab, val in self.top(5, kd)
+                f"<td><code>{html.escape(lab)}</code> {val:+.3g}</td>"
+                for _, lab, val in self.top(5, kd)
             )
             rows.append(f"<tr><th>{html.escape(kd)}</th>{cells}</tr>")
         meta = ", ".join(
             f"{html.escape(str(k))}={html.escape(str(self.metadata.get(k)))}"
-            for k in ("model", "reward", "ablation", "convention") if k in self.metadata
+            for k in ("model", "reward", "ablation", "convention")
+            if k in self.metadata
         )
         grids = "".join(self._grid_html(kd) for kd in self.kinds)
         note = self.linearization_note()
@@ -280,11 +327,15 @@ class ComponentScores:
                 v = float(t[layer, c])
                 a = min(1.0, abs(v) / lim)
                 rgb = "33,102,172" if v > 0 else "178,24,43"  # as plotly RdBu: positive blue
-                cells.append(f"<td title='L{layer}{html.escape(self.component_labels[c])} {v:+.4g}' "
-                             f"style='background:rgba({rgb},{a:.2f});width:1.6em;height:1.2em'></td>")
+                cells.append(
+                    f"<td title='L{layer}{html.escape(self.component_labels[c])} {v:+.4g}' "
+                    f"style='background:rgba({rgb},{a:.2f});width:1.6em;height:1.2em'></td>"
+                )
             body.append(f"<tr><th>L{layer}</th>{''.join(cells)}</tr>")
-        return (f"<table style='border-collapse:collapse;font-size:80%'><caption>{html.escape(kind)}</caption>"
-                f"<tr><th></th>{head}</tr>{''.join(body)}</table>")
+        return (
+            f"<table style='border-collapse:collapse;font-size:80%'><caption>{html.escape(kind)}</caption>"
+            f"<tr><th></th>{head}</tr>{''.join(body)}</table>"
+        )
 
 
 def _indices(shape: Sequence[int]):

@@ -23,11 +23,16 @@ def _rows(batch: PromptBatch, logits: Tensor) -> Tensor:
     return torch.arange(logits.shape[0], device=logits.device)
 
 
-def answer_logprob(logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch) -> Float[Tensor, " batch"]:
+def answer_logprob(
+    logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch
+) -> Float[Tensor, " batch"]:
     """``Σ_k log p(a_k | prompt, a_<k)``, teacher-forced over every answer token (the default)."""
     targets = batch.answer_targets.to(logits.device)
     n_ans = targets.shape[1]
-    pos = batch.last_prompt_pos.to(logits.device)[:, None] + torch.arange(n_ans, device=logits.device)[None, :]
+    pos = (
+        batch.last_prompt_pos.to(logits.device)[:, None]
+        + torch.arange(n_ans, device=logits.device)[None, :]
+    )
     valid = targets >= 0
     pos = torch.where(valid, pos, torch.zeros_like(pos))
     rows = _rows(batch, logits)[:, None].expand_as(pos)
@@ -45,7 +50,9 @@ def _last_logits(logits: Tensor, batch: PromptBatch) -> Tensor:
     return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
-def logit_margin(logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch) -> Float[Tensor, " batch"]:
+def logit_margin(
+    logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch
+) -> Float[Tensor, " batch"]:
     """Answer first-token logit minus the mean logit over the candidates' first tokens.
 
     Read at the last prompt position; the authors' code's metric. Needs ``batch.candidates``.
@@ -61,10 +68,14 @@ def logit_margin(logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch)
     return answer - mean
 
 
-def logit_diff(logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch) -> Float[Tensor, " batch"]:
+def logit_diff(
+    logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch
+) -> Float[Tensor, " batch"]:
     """Answer first-token logit minus the counterfactual answer's first-token logit."""
     if batch.counterfactual is None:
-        raise ValueError("logit_diff needs counterfactual answers: make_batch(..., counterfactuals=[...]).")
+        raise ValueError(
+            "logit_diff needs counterfactual answers: make_batch(..., counterfactuals=[...])."
+        )
     last = _last_logits(logits, batch)
     a = last.gather(-1, batch.answer_first.to(logits.device)[:, None])[:, 0]
     b = last.gather(-1, batch.counterfactual.to(logits.device)[:, None])[:, 0]
@@ -83,14 +94,20 @@ REWARDS: dict[str, Reward] = {
 }
 
 
-def resolve_reward(reward: str | Reward | None, default: str = "answer_logprob") -> tuple[Reward, str]:
+def resolve_reward(
+    reward: str | Reward | None, default: str = "answer_logprob"
+) -> tuple[Reward, str]:
     """A reward callable and its name, from a name, a callable or None (the default)."""
     if reward is None:
         reward = default
     if isinstance(reward, str):
         if reward not in REWARDS:
-            raise ValueError(f"Unknown reward {reward!r}; choose one of {sorted(REWARDS)} or pass a callable.")
+            raise ValueError(
+                f"Unknown reward {reward!r}; choose one of {sorted(REWARDS)} or pass a callable."
+            )
         return REWARDS[reward], reward
     if not callable(reward):
-        raise TypeError(f"reward must be a name or a callable (logits, batch) -> Tensor[batch], got {reward!r}.")
+        raise TypeError(
+            f"reward must be a name or a callable (logits, batch) -> Tensor[batch], got {reward!r}."
+        )
     return reward, getattr(reward, "__name__", "custom")

@@ -35,7 +35,9 @@ class Component:
 
     def __post_init__(self) -> None:
         if self.layer < 0 or (self.head is not None and self.head < 0):
-            raise ValueError(f"Component indices must be >= 0, got layer={self.layer}, head={self.head}")
+            raise ValueError(
+                f"Component indices must be >= 0, got layer={self.layer}, head={self.head}"
+            )
 
     @property
     def is_mlp(self) -> bool:
@@ -55,7 +57,11 @@ class Component:
         >>> Component(3, 1).hook_name, Component(3).hook_name
         ('blocks.3.attn.hook_z', 'blocks.3.hook_mlp_out')
         """
-        return f"blocks.{self.layer}.hook_mlp_out" if self.head is None else f"blocks.{self.layer}.attn.hook_z"
+        return (
+            f"blocks.{self.layer}.hook_mlp_out"
+            if self.head is None
+            else f"blocks.{self.layer}.attn.hook_z"
+        )
 
     @property
     def short_label(self) -> str:
@@ -108,7 +114,9 @@ def parse_components(
     for c in components:
         comp = Component.parse(c)
         if comp.layer >= n_layers:
-            raise ValueError(f"{comp.label}: the model has only {n_layers} layers (0..{n_layers - 1}).")
+            raise ValueError(
+                f"{comp.label}: the model has only {n_layers} layers (0..{n_layers - 1})."
+            )
         if comp.head is not None and comp.head >= n_heads:
             raise ValueError(f"{comp.label}: the model has only {n_heads} heads per layer.")
         if comp.head is None and not has_mlp:

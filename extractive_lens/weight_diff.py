@@ -55,18 +55,26 @@ class WeightDiff:
 
     def __post_init__(self) -> None:
         if not isinstance(self.deltas, Mapping):
-            raise TypeError(f"deltas must map parameter names to tensors, got {type(self.deltas).__name__}; build a "
-                            "WeightDiff with WeightDiff.from_models(base, finetuned).")
+            raise TypeError(
+                f"deltas must map parameter names to tensors, got {type(self.deltas).__name__}; build a "
+                "WeightDiff with WeightDiff.from_models(base, finetuned)."
+            )
         if not isinstance(self.signature, Mapping):
-            raise TypeError(f"signature must be a mapping (model.signature(model)), got {type(self.signature).__name__}.")
+            raise TypeError(
+                f"signature must be a mapping (model.signature(model)), got {type(self.signature).__name__}."
+            )
         for name, d in self.deltas.items():
             if not isinstance(d, Tensor):
                 raise TypeError(f"Δ[{name}] is a {type(d).__name__}, not a tensor.")
             if d.dtype not in (torch.float32, torch.float64):
-                raise TypeError(f"Δ[{name}] has dtype {d.dtype}; deltas must be float32 or float64.")
+                raise TypeError(
+                    f"Δ[{name}] has dtype {d.dtype}; deltas must be float32 or float64."
+                )
             if not torch.isfinite(d).all():
-                raise ValueError(f"Δ[{name}] contains NaN or inf: check the finetuned weights (or the file it came "
-                                 "from) before scoring.")
+                raise ValueError(
+                    f"Δ[{name}] contains NaN or inf: check the finetuned weights (or the file it came "
+                    "from) before scoring."
+                )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -126,7 +134,9 @@ class WeightDiff:
         for name, b in base.items():
             f = finetuned[name]
             if b.shape != f.shape:
-                raise ValueError(f"{name}: base shape {tuple(b.shape)} != finetuned {tuple(f.shape)}")
+                raise ValueError(
+                    f"{name}: base shape {tuple(b.shape)} != finetuned {tuple(f.shape)}"
+                )
             if b.dtype != f.dtype:
                 raise ValueError(f"{name}: base dtype {b.dtype} != finetuned dtype {f.dtype}")
             if b.device != f.device:
@@ -147,7 +157,10 @@ class WeightDiff:
         """A zero update for ``model`` (useful as a control and as a sum's start)."""
         ddt = delta_dtype_for(model.cfg.dtype)
         return cls(
-            {n: torch.zeros(p.shape, dtype=ddt, device=p.device) for n, p in model.named_parameters()},
+            {
+                n: torch.zeros(p.shape, dtype=ddt, device=p.device)
+                for n, p in model.named_parameters()
+            },
             _model.signature(model),
         )
 
@@ -170,7 +183,11 @@ class WeightDiff:
             scale: multiplies Δ (``scale=ε`` for the small-update limit).
             layers: restrict to parameters under ``blocks.{layer}`` for these layers.
         """
-        diff = self if components is None and layers is None else self.restricted(components, layers=layers)
+        diff = (
+            self
+            if components is None and layers is None
+            else self.restricted(components, layers=layers)
+        )
         self._check_compatible(model)
         params = dict(model.named_parameters())
         saved: dict[str, Tensor] = {}
@@ -207,7 +224,9 @@ class WeightDiff:
                 )
         for name, d in self.deltas.items():
             if name not in params:
-                raise ValueError(f"The model has no parameter {name!r} (Δ was made for another architecture).")
+                raise ValueError(
+                    f"The model has no parameter {name!r} (Δ was made for another architecture)."
+                )
             if params[name].shape != d.shape:
                 raise ValueError(
                     f"{name}: Δ has shape {tuple(d.shape)} but the model's parameter has "
@@ -221,9 +240,13 @@ class WeightDiff:
         keys = (set(self.signature) | set(other.signature)) - {"dtype", "processed"}
         differ = sorted(k for k in keys if self.signature.get(k) != other.signature.get(k))
         if differ:
-            detail = ", ".join(f"{k}: {self.signature.get(k)!r} vs {other.signature.get(k)!r}" for k in differ)
-            raise ValueError(f"Cannot {'add' if sign > 0 else 'subtract'} weight changes of different architectures "
-                             f"({detail}): combine updates of the same base model only.")
+            detail = ", ".join(
+                f"{k}: {self.signature.get(k)!r} vs {other.signature.get(k)!r}" for k in differ
+            )
+            raise ValueError(
+                f"Cannot {'add' if sign > 0 else 'subtract'} weight changes of different architectures "
+                f"({detail}): combine updates of the same base model only."
+            )
         names = set(self.deltas) | set(other.deltas)
         out = {}
         for n in names:
@@ -247,10 +270,15 @@ class WeightDiff:
 
     def __mul__(self, alpha: float) -> WeightDiff:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise TypeError(f"A WeightDiff scales by a number (diff * 0.5), got {type(alpha).__name__}; to combine "
-                            "two updates use diff_a + diff_b or diff_a - diff_b.")
-        return WeightDiff({n: alpha * d for n, d in self.deltas.items()}, dict(self.signature),
-                          {**self.metadata, "scaled_by": alpha})
+            raise TypeError(
+                f"A WeightDiff scales by a number (diff * 0.5), got {type(alpha).__name__}; to combine "
+                "two updates use diff_a + diff_b or diff_a - diff_b."
+            )
+        return WeightDiff(
+            {n: alpha * d for n, d in self.deltas.items()},
+            dict(self.signature),
+            {**self.metadata, "scaled_by": alpha},
+        )
 
     __rmul__ = __mul__
 
@@ -258,7 +286,9 @@ class WeightDiff:
         return self * -1.0
 
     def to(self, device: str | torch.device) -> WeightDiff:
-        return WeightDiff({n: d.to(device) for n, d in self.deltas.items()}, self.signature, self.metadata)
+        return WeightDiff(
+            {n: d.to(device) for n, d in self.deltas.items()}, self.signature, self.metadata
+        )
 
     # ------------------------------------------------------------------ restriction and norms
     def restricted(
@@ -292,15 +322,21 @@ class WeightDiff:
                 keep[s.name] = d.clone()
             else:
                 keep[s.name][s.index] = d[s.index]
-        meta = {**self.metadata, "restricted_to": {
-            "components": None if comps is None else [c.label for c in comps],
-            "layers": None if layer_set is None else sorted(layer_set)}}
+        meta = {
+            **self.metadata,
+            "restricted_to": {
+                "components": None if comps is None else [c.label for c in comps],
+                "layers": None if layer_set is None else sorted(layer_set),
+            },
+        }
         return WeightDiff(keep, dict(self.signature), meta)
 
     def slices(self) -> list[_model.ParamSlice]:
         """The ownership partition (docs/scores.md §2) of the parameters Δ covers."""
         sig = self.signature
-        return _model.slices_for_names(list(self.deltas), int(sig["n_heads"]), sig.get("n_key_value_heads"))
+        return _model.slices_for_names(
+            list(self.deltas), int(sig["n_heads"]), sig.get("n_key_value_heads")
+        )
 
     def norms(self) -> Float[Tensor, "layer component"]:
         """Frobenius norm of each component's owned Δ (shared slices counted for every owner).
@@ -338,7 +374,9 @@ class WeightDiff:
     def _shape(self) -> tuple[int, int, bool]:
         sig = self.signature
         if "n_layers" not in sig:
-            raise ValueError("This WeightDiff has no architecture signature; build it with from_models.")
+            raise ValueError(
+                "This WeightDiff has no architecture signature; build it with from_models."
+            )
         return int(sig["n_layers"]), int(sig["n_heads"]), not bool(sig.get("attn_only"))
 
     # ------------------------------------------------------------------ persistence
@@ -354,7 +392,11 @@ class WeightDiff:
             "signature": json.dumps(dict(self.signature)),
             "metadata": json.dumps(dict(self.metadata), default=str),
         }
-        save_file({n: d.detach().cpu().contiguous() for n, d in self.deltas.items()}, str(path), metadata=meta)
+        save_file(
+            {n: d.detach().cpu().contiguous() for n, d in self.deltas.items()},
+            str(path),
+            metadata=meta,
+        )
         return path
 
     @classmethod
@@ -363,27 +405,39 @@ class WeightDiff:
 
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist (or is not a file): pass a .safetensors file written by "
-                                    "WeightDiff.save() or `extractive-lens finetune --out`.")
+            raise FileNotFoundError(
+                f"{path} does not exist (or is not a file): pass a .safetensors file written by "
+                "WeightDiff.save() or `extractive-lens finetune --out`."
+            )
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 meta = f.metadata() or {}
-                deltas = {k: f.get_tensor(k) for k in f.keys()} if meta.get("format") == _FORMAT else {}
+                deltas = (
+                    {k: f.get_tensor(k) for k in f.keys()} if meta.get("format") == _FORMAT else {}
+                )
         except Exception as e:  # safetensors' own error type for a file that is not safetensors
-            raise ValueError(f"{path} is not a safetensors file ({e}); pass a file written by WeightDiff.save().") from None
+            raise ValueError(
+                f"{path} is not a safetensors file ({e}); pass a file written by WeightDiff.save()."
+            ) from None
         if meta.get("format") != _FORMAT:
             raise ValueError(f"{path} is not a WeightDiff file written by WeightDiff.save().")
         version = meta.get("format_version")
         if version is None or not version.isdigit() or int(version) > FORMAT_VERSION:
-            raise ValueError(f"{path} has WeightDiff format version {version!r}; this extractive_lens reads versions "
-                             f"up to {FORMAT_VERSION}. Upgrade extractive_lens or re-save the diff.")
+            raise ValueError(
+                f"{path} has WeightDiff format version {version!r}; this extractive_lens reads versions "
+                f"up to {FORMAT_VERSION}. Upgrade extractive_lens or re-save the diff."
+            )
         try:
             signature = json.loads(meta["signature"])
             metadata = json.loads(meta.get("metadata", "{}"))
         except (KeyError, json.JSONDecodeError):
-            raise ValueError(f"{path}: the architecture signature is missing or not JSON; the file is damaged.") from None
+            raise ValueError(
+                f"{path}: the architecture signature is missing or not JSON; the file is damaged."
+            ) from None
         if not isinstance(signature, dict) or not isinstance(metadata, dict):
-            raise ValueError(f"{path}: the signature and metadata must be JSON objects; the file is damaged.")
+            raise ValueError(
+                f"{path}: the signature and metadata must be JSON objects; the file is damaged."
+            )
         try:
             return cls(deltas, signature, metadata)
         except (TypeError, ValueError) as e:
@@ -391,8 +445,10 @@ class WeightDiff:
 
     def __repr__(self) -> str:
         n = sum(d.numel() for d in self.deltas.values())
-        return (f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
-                f"model={self.signature.get('original_architecture') or self.metadata.get('base')})")
+        return (
+            f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
+            f"model={self.signature.get('original_architecture') or self.metadata.get('base')})"
+        )
 
 
 def _layer_of(name: str) -> int | None:

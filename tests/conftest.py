@@ -13,17 +13,27 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 FAMILIES = {
     "ln_gelu": dict(normalization_type="LN", act_fn="gelu", positional_embedding_type="standard"),
     "rms_gated_rotary_gqa": dict(
-        normalization_type="RMS", act_fn="silu", gated_mlp=True, positional_embedding_type="rotary",
-        rotary_dim=8, n_key_value_heads=2, final_rms=True,
+        normalization_type="RMS",
+        act_fn="silu",
+        gated_mlp=True,
+        positional_embedding_type="rotary",
+        rotary_dim=8,
+        n_key_value_heads=2,
+        final_rms=True,
     ),
     "parallel_rotary": dict(
-        normalization_type="LN", act_fn="gelu", parallel_attn_mlp=True,
-        positional_embedding_type="rotary", rotary_dim=4,
+        normalization_type="LN",
+        act_fn="gelu",
+        parallel_attn_mlp=True,
+        positional_embedding_type="rotary",
+        rotary_dim=4,
     ),
 }
 
 
-def make_pair(family: str, dtype=torch.float64, seed: int = 0, delta_scale: float = 0.05, **overrides):
+def make_pair(
+    family: str, dtype=torch.float64, seed: int = 0, delta_scale: float = 0.05, **overrides
+):
     """A (base, finetuned) pair: the finetuned model is the base plus a small random update."""
     from extractive_lens import tiny_model
 
@@ -33,7 +43,9 @@ def make_pair(family: str, dtype=torch.float64, seed: int = 0, delta_scale: floa
     gen = torch.Generator().manual_seed(seed + 99)
     with torch.no_grad():
         for p in ft.parameters():
-            p.add_((delta_scale * torch.randn(p.shape, generator=gen, dtype=torch.float64)).to(p.dtype))
+            p.add_(
+                (delta_scale * torch.randn(p.shape, generator=gen, dtype=torch.float64)).to(p.dtype)
+            )
     return base, ft
 
 
@@ -61,10 +73,15 @@ def bpe_tokenizer(tmp_dir, vocab_size: int = 300):
         "The mayor of Paris is Ann Lee. The mayor of the city that contains the Eiffel Tower is",
         "Grace Miller lives in Berlin. Ethan Parker lives in Cairo. Olivia Hughes lives in Moscow.",
     ] * 3
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|bos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", pad_token="<|pad|>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", pad_token="<|pad|>"
+    )
     fast.save_pretrained(tmp_dir)
     return transformers.AutoTokenizer.from_pretrained(tmp_dir)
 
@@ -75,4 +92,6 @@ def text_model(tmp_path_factory):
     from extractive_lens import tiny_model
 
     tok = bpe_tokenizer(tmp_path_factory.mktemp("tok"))
-    return tiny_model({"d_vocab": len(tok), "dtype": torch.float64, "n_ctx": 48}, seed=0, tokenizer=tok)
+    return tiny_model(
+        {"d_vocab": len(tok), "dtype": torch.float64, "n_ctx": 48}, seed=0, tokenizer=tok
+    )

@@ -22,7 +22,9 @@ def run(rank: int, world: int, port: int, out: str, method: str, shard: str, per
         base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
         batch = small_batch(base, n=5)
         kw = {"per": per} if method == "causal" else {}
-        s = distributed_scores(method, base, WeightDiff.from_models(base, ft), batch, shard=shard, **kw)
+        s = distributed_scores(
+            method, base, WeightDiff.from_models(base, ft), batch, shard=shard, **kw
+        )
         s.save(f"{out}/rank{rank}")
     finally:
         dist.destroy_process_group()

@@ -89,9 +89,19 @@ def _patch_mlp(layer, positions, new):
 def component_outputs(model_f, batch, layer, source_inputs):
     """Heads' ``hook_result`` and the MLP's output of ``model_f`` at ``layer``, with the layer's
     inputs replaced by ``source_inputs`` (a cache from another run): ``f_c(z, W)`` literally."""
-    hooks = [(f"blocks.{layer}.hook_resid_pre", _replace(source_inputs[f"blocks.{layer}.hook_resid_pre"]))]
+    hooks = [
+        (
+            f"blocks.{layer}.hook_resid_pre",
+            _replace(source_inputs[f"blocks.{layer}.hook_resid_pre"]),
+        )
+    ]
     if not model_f.cfg.parallel_attn_mlp and not model_f.cfg.attn_only:
-        hooks.append((f"blocks.{layer}.hook_resid_mid", _replace(source_inputs[f"blocks.{layer}.hook_resid_mid"])))
+        hooks.append(
+            (
+                f"blocks.{layer}.hook_resid_mid",
+                _replace(source_inputs[f"blocks.{layer}.hook_resid_mid"]),
+            )
+        )
     store = {}
 
     def save(name):
@@ -135,11 +145,19 @@ def literal_exact(base, ft, batch, reward, kinds, y_star=None, per="token", laye
             layer_values["downstream"] = component_outputs(B, batch, layer, ft_cache)
         for c in range(C):
             is_head = c < H
-            y = base_cache[f"blocks.{layer}.attn.hook_result"] if is_head else base_cache[f"blocks.{layer}.hook_mlp_out"]
-            patch_values = {kind: st["result"] if is_head else st["mlp"] for kind, st in layer_values.items()}
+            y = (
+                base_cache[f"blocks.{layer}.attn.hook_result"]
+                if is_head
+                else base_cache[f"blocks.{layer}.hook_mlp_out"]
+            )
+            patch_values = {
+                kind: st["result"] if is_head else st["mlp"] for kind, st in layer_values.items()
+            }
             for kind, new in patch_values.items():
                 for i, pos in enumerate(positions):
-                    hook = _patch_head(layer, c, pos, new) if is_head else _patch_mlp(layer, pos, new)
+                    hook = (
+                        _patch_head(layer, c, pos, new) if is_head else _patch_mlp(layer, pos, new)
+                    )
                     out[kind][:, layer, c, i] = reward_of(B, batch, reward, [hook]) - R0
             if "upstream" in kinds:
                 key = "head" if is_head else "mlp"
@@ -152,8 +170,14 @@ def literal_exact(base, ft, batch, reward, kinds, y_star=None, per="token", laye
                 rs, ms = y_star
                 star = rs[:, :, layer].to(y.dtype) if is_head else ms[:, :, layer].to(y.dtype)
                 for i, pos in enumerate(positions):
-                    hook = _patch_head(layer, c, pos, star) if is_head else _patch_mlp(layer, pos, star)
-                    U = (R_late - reward_of(Lm, batch, reward, [hook])) - (R0 - reward_of(B, batch, reward, [hook]))
+                    hook = (
+                        _patch_head(layer, c, pos, star)
+                        if is_head
+                        else _patch_mlp(layer, pos, star)
+                    )
+                    U = (R_late - reward_of(Lm, batch, reward, [hook])) - (
+                        R0 - reward_of(B, batch, reward, [hook])
+                    )
                     out["upstream"][:, layer, c, i] = U
     if per == "component":
         return {k: v[..., 0] for k, v in out.items()}
@@ -168,7 +192,11 @@ def literal_mean_ablation(base, batch):
     cfg = base.cfg
     L = cfg.n_layers
     res = torch.stack([cache[f"blocks.{l}.attn.hook_result"] for l in range(L)], dim=2)  # b p l h d
-    mlp = torch.stack([cache[f"blocks.{l}.hook_mlp_out"] for l in range(L)], dim=2) if not cfg.attn_only else None
+    mlp = (
+        torch.stack([cache[f"blocks.{l}.hook_mlp_out"] for l in range(L)], dim=2)
+        if not cfg.attn_only
+        else None
+    )
     rs, ms = torch.zeros_like(res), (torch.zeros_like(mlp) if mlp is not None else None)
     for i, roles in enumerate(batch.roles):
         for t, r in enumerate(roles):
@@ -224,11 +252,15 @@ def hooked_grads(model, batch, reward, names):
         return act
 
     with torch.enable_grad():
-        logits = model.run_with_hooks(batch.tokens, fwd_hooks=[("hook_embed", leaf)] + [(n, save) for n in names])
+        logits = model.run_with_hooks(
+            batch.tokens, fwd_hooks=[("hook_embed", leaf)] + [(n, save) for n in names]
+        )
         R = reward(logits, batch)
         grads = torch.autograd.grad(R.sum(), [store[n] for n in names], allow_unused=True)
-    return ({n: store[n].detach() for n in names},
-            {n: (torch.zeros_like(store[n]) if g is None else g) for n, g in zip(names, grads)})
+    return (
+        {n: store[n].detach() for n in names},
+        {n: (torch.zeros_like(store[n]) if g is None else g) for n, g in zip(names, grads)},
+    )
 
 
 def _hook_tangent(model, batch, name, tangents):
@@ -258,8 +290,9 @@ def linear_informative_paper(base, diff, batch, reward):
     cfg = base.cfg
     L, H = cfg.n_layers, cfg.n_heads
     has_mlp = not cfg.attn_only
-    names = [f"blocks.{l}.hook_attn_out" for l in range(L)] + ([f"blocks.{l}.hook_mlp_out" for l in range(L)]
-                                                              if has_mlp else [])
+    names = [f"blocks.{l}.hook_attn_out" for l in range(L)] + (
+        [f"blocks.{l}.hook_mlp_out" for l in range(L)] if has_mlp else []
+    )
     _, g = hooked_grads(B, batch, reward, names)
     out = torch.zeros(len(batch), L, H + has_mlp, batch.tokens.shape[1], dtype=torch.float64)
     for layer in range(L):
@@ -269,7 +302,12 @@ def linear_informative_paper(base, diff, batch, reward):
             t = _hook_tangent(B, batch, f"blocks.{layer}.attn.hook_result", tang)[:, :, h]
             out[:, layer, h] = (g[f"blocks.{layer}.hook_attn_out"] * t).sum(-1)
         if has_mlp:
-            t = _hook_tangent(B, batch, f"blocks.{layer}.hook_mlp_out", dict(diff.restricted([f"L{layer}MLP"]).deltas))
+            t = _hook_tangent(
+                B,
+                batch,
+                f"blocks.{layer}.hook_mlp_out",
+                dict(diff.restricted([f"L{layer}MLP"]).deltas),
+            )
             out[:, layer, H] = (g[f"blocks.{layer}.hook_mlp_out"] * t).sum(-1)
     return out
 
@@ -280,8 +318,18 @@ def authors_informative(base, diff, batch, reward):
     assert not any(".ln1." in n for n in diff.deltas), "closed form needs an unchanged ln1"
     cfg = base.cfg
     L, H = cfg.n_layers, cfg.n_heads
-    names = [f"blocks.{l}.{x}" for l in range(L) for x in
-             ("ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "hook_attn_out")]
+    names = [
+        f"blocks.{l}.{x}"
+        for l in range(L)
+        for x in (
+            "ln1.hook_normalized",
+            "attn.hook_q",
+            "attn.hook_k",
+            "attn.hook_v",
+            "attn.hook_z",
+            "hook_attn_out",
+        )
+    ]
     act, g = hooked_grads(base, batch, reward, names)
     out = torch.zeros(len(batch), L, H, batch.tokens.shape[1], dtype=torch.float64)
     for l in range(L):
@@ -293,19 +341,30 @@ def authors_informative(base, diff, batch, reward):
             if W is None and b is None:
                 continue
             d = (0 if W is None else torch.einsum("bpd,hde->bphe", x, W)) + (0 if b is None else b)
-            out[:, l] += (g[f"blocks.{l}.attn.hook_{part}"] * d).sum(-1).transpose(1, 2)  # at its own position
+            out[:, l] += (
+                (g[f"blocks.{l}.attn.hook_{part}"] * d).sum(-1).transpose(1, 2)
+            )  # at its own position
         if f"blocks.{l}.attn.W_O" not in diff.deltas:
             continue
-        o = torch.einsum("bphe,hed->bphd", act[f"blocks.{l}.attn.hook_z"], diff.deltas[f"blocks.{l}.attn.W_O"])
+        o = torch.einsum(
+            "bphe,hed->bphd", act[f"blocks.{l}.attn.hook_z"], diff.deltas[f"blocks.{l}.attn.W_O"]
+        )
         out[:, l] += (g[f"blocks.{l}.hook_attn_out"][:, :, None] * o).sum(-1).transpose(1, 2)
     return out
 
 
 def layer_outputs_on(model_f, batch, layer, source_cache):
     """``hook_z`` and ``hook_mlp_out`` of ``model_f`` at ``layer`` on the inputs of another run."""
-    hooks = [(f"blocks.{layer}.hook_resid_pre", _replace(source_cache[f"blocks.{layer}.hook_resid_pre"]))]
+    hooks = [
+        (f"blocks.{layer}.hook_resid_pre", _replace(source_cache[f"blocks.{layer}.hook_resid_pre"]))
+    ]
     if not model_f.cfg.parallel_attn_mlp:
-        hooks.append((f"blocks.{layer}.hook_resid_mid", _replace(source_cache[f"blocks.{layer}.hook_resid_mid"])))
+        hooks.append(
+            (
+                f"blocks.{layer}.hook_resid_mid",
+                _replace(source_cache[f"blocks.{layer}.hook_resid_mid"]),
+            )
+        )
     store = {}
 
     def save(name):
@@ -314,7 +373,10 @@ def layer_outputs_on(model_f, batch, layer, source_cache):
 
         return hook
 
-    hooks += [(f"blocks.{layer}.attn.hook_z", save("z")), (f"blocks.{layer}.hook_mlp_out", save("mlp"))]
+    hooks += [
+        (f"blocks.{layer}.attn.hook_z", save("z")),
+        (f"blocks.{layer}.hook_mlp_out", save("mlp")),
+    ]
     with torch.no_grad():
         model_f.run_with_hooks(batch.tokens, fwd_hooks=hooks)
     return store
@@ -367,7 +429,9 @@ def linear_downstream_upstream_paper(base, ft, batch, reward):
         down[:, l, :H] = (gy * (new["result"] - y)).sum(-1).transpose(1, 2)
         down[:, l, H] = (gm * (new["mlp"] - m)).sum(-1)
         for is_head in (True, False):
-            late = attn_result_mode(mixed_model(base, ft, late_predicate(l, is_head, cfg.parallel_attn_mlp)))
+            late = attn_result_mode(
+                mixed_model(base, ft, late_predicate(l, is_head, cfg.parallel_attn_mlp))
+            )
             name = f"blocks.{l}.attn.hook_result" if is_head else f"blocks.{l}.hook_mlp_out"
             _, gl = hooked_grads(late, batch, reward, [name])
             if is_head:

@@ -29,7 +29,9 @@ def main(seed: int, trials: int) -> int:
     from tests.test_linear import small_batch
 
     warnings.filterwarnings("ignore")
-    base, ft = make_pair("ln_gelu", torch.float64, n_layers=1, d_model=8, n_heads=2, d_head=4, d_mlp=8)
+    base, ft = make_pair(
+        "ln_gelu", torch.float64, n_layers=1, d_model=8, n_heads=2, d_head=4, d_mlp=8
+    )
     fns = calls(base, WeightDiff.from_models(base, ft), small_batch(base, n=3))
 
     def alarm(signum, frame):

@@ -14,8 +14,14 @@ from tests.conftest import make_pair
 @pytest.fixture(scope="module")
 def setup():
     base, _ = make_pair("ln_gelu", torch.float64)
-    pairs = [([1, 5, 6, 7], [9]), ([1, 5, 8, 7], [9]), ([1, 5, 10, 11, 7], [9]), ([1, 12, 7], [9]),
-             ([1, 5, 13, 7], [9]), ([1, 5, 6, 14, 15, 7], [9])]
+    pairs = [
+        ([1, 5, 6, 7], [9]),
+        ([1, 5, 8, 7], [9]),
+        ([1, 5, 10, 11, 7], [9]),
+        ([1, 12, 7], [9]),
+        ([1, 5, 13, 7], [9]),
+        ([1, 5, 6, 14, 15, 7], [9]),
+    ]
     batch = make_batch(base, pairs)
     with torch.no_grad():
         _, cache = base.run_with_cache(batch.tokens)
@@ -35,10 +41,16 @@ def test_leave_one_out_mean(setup):
     zs, ms = t.for_rows(list(range(len(batch))), batch, forward_run(base, batch))
     for i, roles in enumerate(batch.roles):
         for p, r in enumerate(roles):
-            others = [(j, _aligned(batch, j, r)) for j in range(len(batch)) if j != i and _aligned(batch, j, r) is not None]
+            others = [
+                (j, _aligned(batch, j, r))
+                for j in range(len(batch))
+                if j != i and _aligned(batch, j, r) is not None
+            ]
             want_z = torch.stack([z[j, q] for j, q in others]).mean(0) if others else z[i, p]
             want_m = torch.stack([m[j, q] for j, q in others]).mean(0) if others else m[i, p]
-            assert torch.allclose(zs[i, p], want_z, atol=1e-12) and torch.allclose(ms[i, p], want_m, atol=1e-12)
+            assert torch.allclose(zs[i, p], want_z, atol=1e-12) and torch.allclose(
+                ms[i, p], want_m, atol=1e-12
+            )
     assert zs[3, 4:].abs().max() == 0  # padding
 
 
@@ -68,6 +80,10 @@ def test_reference_mean_and_zero(setup):
             assert torch.allclose(zs[i, p], want, atol=1e-12)
     with pytest.raises(ValueError, match="No reference prompt has the role"):
         odd = batch.subset([5])
-        AblationTable(base, odd, "mean", reference=batch.subset([3])).for_rows([0], odd, forward_run(base, odd))
-    zz, mm = AblationTable(base, batch, "zero").for_rows(list(range(6)), batch, forward_run(base, batch))
+        AblationTable(base, odd, "mean", reference=batch.subset([3])).for_rows(
+            [0], odd, forward_run(base, odd)
+        )
+    zz, mm = AblationTable(base, batch, "zero").for_rows(
+        list(range(6)), batch, forward_run(base, batch)
+    )
     assert zz.abs().max() == 0 and mm.abs().max() == 0

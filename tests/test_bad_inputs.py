@@ -37,8 +37,15 @@ def env(tmp_path_factory):
     lin = linear_scores(base, diff, batch, kinds=("downstream",))
     lin.save(tmp / "scores")
     three, _ = make_pair("ln_gelu", torch.float64, n_layers=3)
-    return dict(base=base, ft=ft, diff=diff, batch=batch, tmp=tmp, lin=lin,
-                diff3=WeightDiff.zeros_like(three))
+    return dict(
+        base=base,
+        ft=ft,
+        diff=diff,
+        batch=batch,
+        tmp=tmp,
+        lin=lin,
+        diff3=WeightDiff.zeros_like(three),
+    )
 
 
 def _nan_diff(e):
@@ -63,7 +70,10 @@ def _tampered(e, **meta_changes):
     for k, v in meta_changes.items():
         if v is None:
             meta.pop(k)
-    out = e["tmp"] / f"tampered{len(meta_changes)}{hash(tuple(meta_changes.items())) % 1000}.safetensors"
+    out = (
+        e["tmp"]
+        / f"tampered{len(meta_changes)}{hash(tuple(meta_changes.items())) % 1000}.safetensors"
+    )
     save_file(t, str(out), metadata=meta)
     return WeightDiff.load(out)
 
@@ -95,97 +105,505 @@ def _reward(value_fn):
 
 CASES = [
     # --- scoring arguments
-    ("linear batch_size=-1", lambda e: linear_scores(e["base"], e["diff"], e["batch"], batch_size=-1), ValueError, "positive number of prompts"),
-    ("linear batch_size=0", lambda e: linear_scores(e["base"], e["diff"], e["batch"], batch_size=0), ValueError, "positive number of prompts"),
-    ("causal batch_size=-1", lambda e: causal_scores(e["base"], e["diff"], e["batch"], batch_size=-1), ValueError, "positive number of prompts"),
-    ("upstream_group=-2", lambda e: linear_scores(e["base"], e["diff"], e["batch"], upstream_group=-2), ValueError, "'auto', None"),
-    ("upstream_group='all'", lambda e: linear_scores(e["base"], e["diff"], e["batch"], upstream_group="all"), ValueError, "'auto', None"),
-    ("max_batch=-1", lambda e: causal_scores(e["base"], e["diff"], e["batch"], max_batch=-1), ValueError, "positive number of interventions"),
-    ("max_batch=0", lambda e: causal_scores(e["base"], e["diff"], e["batch"], max_batch=0), ValueError, "positive number of interventions"),
-    ("max_batch=2.5", lambda e: causal_scores(e["base"], e["diff"], e["batch"], max_batch=2.5), ValueError, "positive number of interventions"),
-    ("top_k=0", lambda e: causal_scores(e["base"], e["diff"], e["batch"], top_k=0), ValueError, "or None for all"),
-    ("top_k=-3", lambda e: causal_scores(e["base"], e["diff"], e["batch"], top_k=-3), ValueError, "or None for all"),
-    ("kinds typo", lambda e: linear_scores(e["base"], e["diff"], e["batch"], kinds="informatve"), ValueError, "non-empty subset of"),
-    ("kinds empty", lambda e: linear_scores(e["base"], e["diff"], e["batch"], kinds=()), ValueError, "non-empty subset of"),
-    ("ablation typo (linear)", lambda e: linear_scores(e["base"], e["diff"], e["batch"], ablation="median"), ValueError, "'mean', 'zero' or 'resample'"),
-    ("ablation typo (causal)", lambda e: causal_scores(e["base"], e["diff"], e["batch"], ablation="median"), ValueError, "'mean', 'zero' or 'resample'"),
-    ("convention typo", lambda e: linear_scores(e["base"], e["diff"], e["batch"], convention="authors"), ValueError, "'paper' or 'authors_code'"),
-    ("reward name typo", lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward="logprob"), ValueError, "choose one of"),
-    ("reward not callable", lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward=3), TypeError, "a name or a callable"),
-    ("per typo", lambda e: causal_scores(e["base"], e["diff"], e["batch"], per="tokens"), ValueError, "'token' or 'component'"),
-    ("layers out of range", lambda e: causal_scores(e["base"], e["diff"], e["batch"], layers=[5]), ValueError, "out of range 0..1"),
-    ("rows empty", lambda e: linear_scores(e["base"], e["diff"], e["batch"], rows=[]), ValueError, "selects no prompts"),
-    ("rows out of range", lambda e: linear_scores(e["base"], e["diff"], e["batch"], rows=[9]), ValueError, "must index the batch"),
-    ("compute_dtype typo", lambda e: linear_scores(e["base"], e["diff"], e["batch"], compute_dtype="float31"), ValueError, "must be one of"),
-    ("compute_dtype int", lambda e: linear_scores(e["base"], e["diff"], e["batch"], compute_dtype=torch.int8), ValueError, "floating torch.dtype"),
-    ("resample_k=0", lambda e: linear_scores(e["base"], e["diff"], e["batch"], ablation="resample", resample_k=0), ValueError, "ablation='zero'"),
-    ("resample_k=-1 (causal)", lambda e: causal_scores(e["base"], e["diff"], e["batch"], ablation="resample", resample_k=-1), ValueError, "positive number of prompts"),
-    ("one prompt, mean y*", lambda e: linear_scores(e["base"], e["diff"], e["batch"].subset([0])), ValueError, "reference=make_batch"),
-    ("one prompt, resample y* (causal)", lambda e: causal_scores(e["base"], e["diff"], e["batch"].subset([0]), ablation="resample"), ValueError, "ablation='zero'"),
-    ("model is a string", lambda e: linear_scores("gpt2", e["diff"], e["batch"]), TypeError, "load_pretrained"),
-    ("finetuned model as diff", lambda e: linear_scores(e["base"], e["ft"], e["batch"]), TypeError, "WeightDiff.from_models"),
-    ("pairs list as batch", lambda e: causal_scores(e["base"], e["diff"], [("a", "b")]), TypeError, "make_batch"),
-    ("diff of another architecture", lambda e: linear_scores(e["base"], e["diff3"], e["batch"]), ValueError, "made for n_layers=3"),
-    ("hooks left attached", lambda e: _with_hook(e, lambda: linear_scores(e["base"], e["diff"], e["batch"])), ValueError, "reset_hooks"),
-    ("inside inference_mode", lambda e: _in_inference(lambda: linear_scores(e["base"], e["diff"], e["batch"])), RuntimeError, "outside the inference_mode block"),
+    (
+        "linear batch_size=-1",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], batch_size=-1),
+        ValueError,
+        "positive number of prompts",
+    ),
+    (
+        "linear batch_size=0",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], batch_size=0),
+        ValueError,
+        "positive number of prompts",
+    ),
+    (
+        "causal batch_size=-1",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], batch_size=-1),
+        ValueError,
+        "positive number of prompts",
+    ),
+    (
+        "upstream_group=-2",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], upstream_group=-2),
+        ValueError,
+        "'auto', None",
+    ),
+    (
+        "upstream_group='all'",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], upstream_group="all"),
+        ValueError,
+        "'auto', None",
+    ),
+    (
+        "max_batch=-1",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], max_batch=-1),
+        ValueError,
+        "positive number of interventions",
+    ),
+    (
+        "max_batch=0",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], max_batch=0),
+        ValueError,
+        "positive number of interventions",
+    ),
+    (
+        "max_batch=2.5",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], max_batch=2.5),
+        ValueError,
+        "positive number of interventions",
+    ),
+    (
+        "top_k=0",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], top_k=0),
+        ValueError,
+        "or None for all",
+    ),
+    (
+        "top_k=-3",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], top_k=-3),
+        ValueError,
+        "or None for all",
+    ),
+    (
+        "kinds typo",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], kinds="informatve"),
+        ValueError,
+        "non-empty subset of",
+    ),
+    (
+        "kinds empty",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], kinds=()),
+        ValueError,
+        "non-empty subset of",
+    ),
+    (
+        "ablation typo (linear)",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], ablation="median"),
+        ValueError,
+        "'mean', 'zero' or 'resample'",
+    ),
+    (
+        "ablation typo (causal)",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], ablation="median"),
+        ValueError,
+        "'mean', 'zero' or 'resample'",
+    ),
+    (
+        "convention typo",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], convention="authors"),
+        ValueError,
+        "'paper' or 'authors_code'",
+    ),
+    (
+        "reward name typo",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward="logprob"),
+        ValueError,
+        "choose one of",
+    ),
+    (
+        "reward not callable",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward=3),
+        TypeError,
+        "a name or a callable",
+    ),
+    (
+        "per typo",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], per="tokens"),
+        ValueError,
+        "'token' or 'component'",
+    ),
+    (
+        "layers out of range",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], layers=[5]),
+        ValueError,
+        "out of range 0..1",
+    ),
+    (
+        "rows empty",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], rows=[]),
+        ValueError,
+        "selects no prompts",
+    ),
+    (
+        "rows out of range",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], rows=[9]),
+        ValueError,
+        "must index the batch",
+    ),
+    (
+        "compute_dtype typo",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], compute_dtype="float31"),
+        ValueError,
+        "must be one of",
+    ),
+    (
+        "compute_dtype int",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], compute_dtype=torch.int8),
+        ValueError,
+        "floating torch.dtype",
+    ),
+    (
+        "resample_k=0",
+        lambda e: linear_scores(
+            e["base"], e["diff"], e["batch"], ablation="resample", resample_k=0
+        ),
+        ValueError,
+        "ablation='zero'",
+    ),
+    (
+        "resample_k=-1 (causal)",
+        lambda e: causal_scores(
+            e["base"], e["diff"], e["batch"], ablation="resample", resample_k=-1
+        ),
+        ValueError,
+        "positive number of prompts",
+    ),
+    (
+        "one prompt, mean y*",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"].subset([0])),
+        ValueError,
+        "reference=make_batch",
+    ),
+    (
+        "one prompt, resample y* (causal)",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"].subset([0]), ablation="resample"),
+        ValueError,
+        "ablation='zero'",
+    ),
+    (
+        "model is a string",
+        lambda e: linear_scores("gpt2", e["diff"], e["batch"]),
+        TypeError,
+        "load_pretrained",
+    ),
+    (
+        "finetuned model as diff",
+        lambda e: linear_scores(e["base"], e["ft"], e["batch"]),
+        TypeError,
+        "WeightDiff.from_models",
+    ),
+    (
+        "pairs list as batch",
+        lambda e: causal_scores(e["base"], e["diff"], [("a", "b")]),
+        TypeError,
+        "make_batch",
+    ),
+    (
+        "diff of another architecture",
+        lambda e: linear_scores(e["base"], e["diff3"], e["batch"]),
+        ValueError,
+        "made for n_layers=3",
+    ),
+    (
+        "hooks left attached",
+        lambda e: _with_hook(e, lambda: linear_scores(e["base"], e["diff"], e["batch"])),
+        ValueError,
+        "reset_hooks",
+    ),
+    (
+        "inside inference_mode",
+        lambda e: _in_inference(lambda: linear_scores(e["base"], e["diff"], e["batch"])),
+        RuntimeError,
+        "outside the inference_mode block",
+    ),
     # --- custom rewards
-    ("reward returns a scalar", lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg.sum())), ValueError, "one value per prompt"),
-    ("reward returns [batch, 2]", lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg[:, :2, 0])), ValueError, "reduce over answer tokens"),
-    ("reward returns [batch + 1]", lambda e: causal_scores(e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: torch.cat([lg[:, 0, 0], lg[:1, 0, 0]]))), ValueError, "one value per prompt"),
-    ("reward returns None", lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: None)), TypeError, "must return a float Tensor"),
-    ("reward returns a list", lambda e: causal_scores(e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: [0.0] * len(b))), TypeError, "must return a float Tensor"),
-    ("reward returns ints", lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg[:, 0].argmax(-1))), TypeError, "must return floats"),
-    ("reward returns NaN", lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg[:, 0, 0] * float("nan"))), ValueError, "check the reward"),
-    ("reward not differentiable", lambda e: linear_scores(e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg[:, 0, 0].detach())), ValueError, "without .detach()"),
+    (
+        "reward returns a scalar",
+        lambda e: linear_scores(
+            e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg.sum())
+        ),
+        ValueError,
+        "one value per prompt",
+    ),
+    (
+        "reward returns [batch, 2]",
+        lambda e: linear_scores(
+            e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg[:, :2, 0])
+        ),
+        ValueError,
+        "reduce over answer tokens",
+    ),
+    (
+        "reward returns [batch + 1]",
+        lambda e: causal_scores(
+            e["base"],
+            e["diff"],
+            e["batch"],
+            reward=_reward(lambda lg, b: torch.cat([lg[:, 0, 0], lg[:1, 0, 0]])),
+        ),
+        ValueError,
+        "one value per prompt",
+    ),
+    (
+        "reward returns None",
+        lambda e: linear_scores(
+            e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: None)
+        ),
+        TypeError,
+        "must return a float Tensor",
+    ),
+    (
+        "reward returns a list",
+        lambda e: causal_scores(
+            e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: [0.0] * len(b))
+        ),
+        TypeError,
+        "must return a float Tensor",
+    ),
+    (
+        "reward returns ints",
+        lambda e: linear_scores(
+            e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg[:, 0].argmax(-1))
+        ),
+        TypeError,
+        "must return floats",
+    ),
+    (
+        "reward returns NaN",
+        lambda e: linear_scores(
+            e["base"],
+            e["diff"],
+            e["batch"],
+            reward=_reward(lambda lg, b: lg[:, 0, 0] * float("nan")),
+        ),
+        ValueError,
+        "check the reward",
+    ),
+    (
+        "reward not differentiable",
+        lambda e: linear_scores(
+            e["base"], e["diff"], e["batch"], reward=_reward(lambda lg, b: lg[:, 0, 0].detach())
+        ),
+        ValueError,
+        "without .detach()",
+    ),
     # --- token ids
-    ("negative answer id", lambda e: make_batch(e["base"], [([1, 5, 6], [-1])]), ValueError, "do not pass -1"),
-    ("answer id >= d_vocab", lambda e: make_batch(e["base"], [([1, 5, 6], [50])]), ValueError, "outside the model's vocabulary 0..49"),
-    ("prompt id >= d_vocab", lambda e: make_batch(e["base"], [([1, 500, 6], [7])]), ValueError, "outside the model's vocabulary"),
-    ("negative prompt id", lambda e: make_batch(e["base"], [([1, -5, 6], [7])]), ValueError, "Token ids must be in 0..d_vocab-1"),
-    ("candidate id out of range", lambda e: make_batch(e["base"], [([1, 5, 6], [7])], candidates=[7, 99]), ValueError, "candidates"),
-    ("tokenizer token the model cannot embed", lambda e: _endoftext(), ValueError, "Remove it from the text"),
+    (
+        "negative answer id",
+        lambda e: make_batch(e["base"], [([1, 5, 6], [-1])]),
+        ValueError,
+        "do not pass -1",
+    ),
+    (
+        "answer id >= d_vocab",
+        lambda e: make_batch(e["base"], [([1, 5, 6], [50])]),
+        ValueError,
+        "outside the model's vocabulary 0..49",
+    ),
+    (
+        "prompt id >= d_vocab",
+        lambda e: make_batch(e["base"], [([1, 500, 6], [7])]),
+        ValueError,
+        "outside the model's vocabulary",
+    ),
+    (
+        "negative prompt id",
+        lambda e: make_batch(e["base"], [([1, -5, 6], [7])]),
+        ValueError,
+        "Token ids must be in 0..d_vocab-1",
+    ),
+    (
+        "candidate id out of range",
+        lambda e: make_batch(e["base"], [([1, 5, 6], [7])], candidates=[7, 99]),
+        ValueError,
+        "candidates",
+    ),
+    (
+        "tokenizer token the model cannot embed",
+        lambda e: _endoftext(),
+        ValueError,
+        "Remove it from the text",
+    ),
     ("no pairs", lambda e: make_batch(e["base"], []), ValueError, "at least one"),
-    ("empty answer", lambda e: make_batch(e["base"], [([1, 5], [])]), ValueError, "tokenizes to nothing"),
-    ("prompt longer than n_ctx", lambda e: make_batch(e["base"], [([1] * 40, [5])]), ValueError, "n_ctx is 32"),
-    ("pair of three", lambda e: make_batch(e["base"], [([1], [2], [3])]), TypeError, "a dict or a Pair"),
-    ("answer not among candidates", lambda e: make_batch(e["base"], [([1, 5], [7])], candidates=[8, 9]), ValueError, "not among its candidates"),
+    (
+        "empty answer",
+        lambda e: make_batch(e["base"], [([1, 5], [])]),
+        ValueError,
+        "tokenizes to nothing",
+    ),
+    (
+        "prompt longer than n_ctx",
+        lambda e: make_batch(e["base"], [([1] * 40, [5])]),
+        ValueError,
+        "n_ctx is 32",
+    ),
+    (
+        "pair of three",
+        lambda e: make_batch(e["base"], [([1], [2], [3])]),
+        TypeError,
+        "a dict or a Pair",
+    ),
+    (
+        "answer not among candidates",
+        lambda e: make_batch(e["base"], [([1, 5], [7])], candidates=[8, 9]),
+        ValueError,
+        "not among its candidates",
+    ),
     # --- WeightDiff
-    ("WeightDiff with NaN", lambda e: WeightDiff(_nan_diff(e), e["diff"].signature), ValueError, "check the finetuned weights"),
-    ("WeightDiff with int deltas", lambda e: WeightDiff({"embed.W_E": torch.zeros(2, dtype=torch.int64)}, {}), TypeError, "float32 or float64"),
-    ("WeightDiff deltas not a mapping", lambda e: WeightDiff([1, 2], {}), TypeError, "WeightDiff.from_models"),
+    (
+        "WeightDiff with NaN",
+        lambda e: WeightDiff(_nan_diff(e), e["diff"].signature),
+        ValueError,
+        "check the finetuned weights",
+    ),
+    (
+        "WeightDiff with int deltas",
+        lambda e: WeightDiff({"embed.W_E": torch.zeros(2, dtype=torch.int64)}, {}),
+        TypeError,
+        "float32 or float64",
+    ),
+    (
+        "WeightDiff deltas not a mapping",
+        lambda e: WeightDiff([1, 2], {}),
+        TypeError,
+        "WeightDiff.from_models",
+    ),
     ("load: tampered inf", lambda e: _tampered(e, nan=True), ValueError, "before scoring"),
-    ("load: no format_version", lambda e: _tampered(e, format_version=None), ValueError, "Upgrade extractive_lens or re-save"),
-    ("load: newer format_version", lambda e: _tampered(e, format_version="7"), ValueError, "Upgrade extractive_lens or re-save"),
-    ("load: signature not an object", lambda e: _tampered(e, signature="[1, 2]"), ValueError, "the file is damaged"),
-    ("load: signature not JSON", lambda e: _tampered(e, signature="{oops"), ValueError, "the file is damaged"),
-    ("load: not safetensors", lambda e: WeightDiff.load(__file__), ValueError, "pass a file written by WeightDiff.save"),
-    ("load: missing file", lambda e: WeightDiff.load(e["tmp"] / "nope.safetensors"), FileNotFoundError, "extractive-lens finetune --out"),
-    ("load: a directory", lambda e: WeightDiff.load(e["tmp"]), FileNotFoundError, "pass a .safetensors file"),
-    ("2-layer + 3-layer diff", lambda e: e["diff"] + e["diff3"], ValueError, "same base model only"),
+    (
+        "load: no format_version",
+        lambda e: _tampered(e, format_version=None),
+        ValueError,
+        "Upgrade extractive_lens or re-save",
+    ),
+    (
+        "load: newer format_version",
+        lambda e: _tampered(e, format_version="7"),
+        ValueError,
+        "Upgrade extractive_lens or re-save",
+    ),
+    (
+        "load: signature not an object",
+        lambda e: _tampered(e, signature="[1, 2]"),
+        ValueError,
+        "the file is damaged",
+    ),
+    (
+        "load: signature not JSON",
+        lambda e: _tampered(e, signature="{oops"),
+        ValueError,
+        "the file is damaged",
+    ),
+    (
+        "load: not safetensors",
+        lambda e: WeightDiff.load(__file__),
+        ValueError,
+        "pass a file written by WeightDiff.save",
+    ),
+    (
+        "load: missing file",
+        lambda e: WeightDiff.load(e["tmp"] / "nope.safetensors"),
+        FileNotFoundError,
+        "extractive-lens finetune --out",
+    ),
+    (
+        "load: a directory",
+        lambda e: WeightDiff.load(e["tmp"]),
+        FileNotFoundError,
+        "pass a .safetensors file",
+    ),
+    (
+        "2-layer + 3-layer diff",
+        lambda e: e["diff"] + e["diff3"],
+        ValueError,
+        "same base model only",
+    ),
     ("2-layer - 3-layer diff", lambda e: e["diff"] - e["diff3"], ValueError, "n_layers: 2 vs 3"),
     ("diff * string", lambda e: e["diff"] * "2", TypeError, "scales by a number (diff * 0.5)"),
-    ("applied to another architecture", lambda e: e["diff3"].applied(e["base"]).__enter__(), ValueError, "made for n_layers=3"),
+    (
+        "applied to another architecture",
+        lambda e: e["diff3"].applied(e["base"]).__enter__(),
+        ValueError,
+        "made for n_layers=3",
+    ),
     ("unknown component", lambda e: e["diff"].restricted(["L7H0"]), ValueError, "L7H0"),
     # --- finetuning
-    ("finetune layers out of range", lambda e: finetune(e["base"], e["batch"], FinetuneConfig(layers=(7,))), ValueError, "layers 0..1"),
-    ("finetune nothing selected", lambda e: finetune(e["base"], e["batch"], FinetuneConfig(parameters=())), ValueError, "or components such as 'L0MLP'"),
-    ("finetune unknown parameter", lambda e: finetune(e["base"], e["batch"], FinetuneConfig(parameters=("blocks.9.mlp.W_in",))), ValueError, "does not have"),
+    (
+        "finetune layers out of range",
+        lambda e: finetune(e["base"], e["batch"], FinetuneConfig(layers=(7,))),
+        ValueError,
+        "layers 0..1",
+    ),
+    (
+        "finetune nothing selected",
+        lambda e: finetune(e["base"], e["batch"], FinetuneConfig(parameters=())),
+        ValueError,
+        "or components such as 'L0MLP'",
+    ),
+    (
+        "finetune unknown parameter",
+        lambda e: finetune(
+            e["base"], e["batch"], FinetuneConfig(parameters=("blocks.9.mlp.W_in",))
+        ),
+        ValueError,
+        "does not have",
+    ),
     ("finetune lr=0", lambda e: FinetuneConfig(lr=0), ValueError, "must be positive"),
     ("finetune epochs=0", lambda e: FinetuneConfig(epochs=0), ValueError, "must be positive"),
-    ("finetune optimizer typo", lambda e: FinetuneConfig(optimizer="sgd"), ValueError, "'adam' or 'adamw'"),
+    (
+        "finetune optimizer typo",
+        lambda e: FinetuneConfig(optimizer="sgd"),
+        ValueError,
+        "'adam' or 'adamw'",
+    ),
     ("finetune a diff as data", lambda e: finetune(e["base"], e["diff"]), TypeError, "make_batch"),
-    ("mean_rank without candidates", lambda e: mean_rank(e["base"], make_batch(e["base"], [([1, 5], [6])])), ValueError, "candidates"),
+    (
+        "mean_rank without candidates",
+        lambda e: mean_rank(e["base"], make_batch(e["base"], [([1, 5], [6])])),
+        ValueError,
+        "candidates",
+    ),
     # --- saved scores
-    ("scores: missing directory", lambda e: ComponentScores.load(e["tmp"] / "nowhere"), FileNotFoundError, "ComponentScores.save()"),
-    ("scores: no scores.json", lambda e: _saved_scores(e, "no_json"), FileNotFoundError, "extractive-lens score --out"),
+    (
+        "scores: missing directory",
+        lambda e: ComponentScores.load(e["tmp"] / "nowhere"),
+        FileNotFoundError,
+        "ComponentScores.save()",
+    ),
+    (
+        "scores: no scores.json",
+        lambda e: _saved_scores(e, "no_json"),
+        FileNotFoundError,
+        "extractive-lens score --out",
+    ),
     ("scores: unknown kind", lambda e: _saved_scores(e, "kind"), ValueError, "distinct names from"),
     ("scores: roles do not match", lambda e: _saved_scores(e, "roles"), ValueError, "inconsistent"),
-    ("scores: garbage tensors", lambda e: _saved_scores(e, "garbage"), ValueError, "not a complete ComponentScores directory"),
+    (
+        "scores: garbage tensors",
+        lambda e: _saved_scores(e, "garbage"),
+        ValueError,
+        "not a complete ComponentScores directory",
+    ),
     # --- comparison and distributed
-    ("compare different rewards", lambda e: compare(linear_scores(e["base"], e["diff"], e["batch"], reward="logit_margin", kinds=("downstream",)), causal_scores(e["base"], e["diff"], e["batch"], kinds=("downstream",))), ValueError, "check_settings=False"),
-    ("compare different models", lambda e: compare(e["lin"], _three_layer_scores()), ValueError, "different models"),
-    ("distributed method typo", lambda e: distributed_scores("lineer", e["base"], e["diff"], e["batch"]), ValueError, "'linear' or 'causal'"),
-    ("distributed shard typo", lambda e: distributed_scores("linear", e["base"], e["diff"], e["batch"], shard="rows"), ValueError, "'auto', 'prompts' or 'layers'"),
+    (
+        "compare different rewards",
+        lambda e: compare(
+            linear_scores(
+                e["base"], e["diff"], e["batch"], reward="logit_margin", kinds=("downstream",)
+            ),
+            causal_scores(e["base"], e["diff"], e["batch"], kinds=("downstream",)),
+        ),
+        ValueError,
+        "check_settings=False",
+    ),
+    (
+        "compare different models",
+        lambda e: compare(e["lin"], _three_layer_scores()),
+        ValueError,
+        "different models",
+    ),
+    (
+        "distributed method typo",
+        lambda e: distributed_scores("lineer", e["base"], e["diff"], e["batch"]),
+        ValueError,
+        "'linear' or 'causal'",
+    ),
+    (
+        "distributed shard typo",
+        lambda e: distributed_scores("linear", e["base"], e["diff"], e["batch"], shard="rows"),
+        ValueError,
+        "'auto', 'prompts' or 'layers'",
+    ),
 ]
 
 
@@ -251,26 +669,102 @@ def test_init_from_env_sets_a_timeout(monkeypatch):
 # ---------------------------------------------------------------------------------------------- CLI
 
 CLI_CASES = [
-    ("score: data is a directory", ["score", "--base", "world", "--diff", "DIFF", "--data", "TMP"], "is a directory"),
-    ("score: empty data list", ["score", "--base", "world", "--diff", "DIFF", "--data", "EMPTY"], "holds no (prompt, answer) pairs"),
-    ("score: bad JSONL line", ["score", "--base", "world", "--diff", "DIFF", "--data", "BADJSONL"], "line 2"),
-    ("score: empty answer", ["score", "--base", "world", "--diff", "DIFF", "--data", "EMPTYANS"], "tokenizes to nothing"),
-    ("score: missing --diff", ["score", "--base", "world", "--diff", "TMP/none.safetensors", "--data", "GOOD"], "does not exist"),
-    ("score: --diff not safetensors", ["score", "--base", "world", "--diff", "GOOD", "--data", "GOOD"], "is not a safetensors file"),
-    ("score: --diff of another model", ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD"], "made for"),
-    ("score: --dtype typo", ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--dtype", "float31"], "--dtype must be one of"),
-    ("score: --device typo", ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--device", "tpu"], "--device must be"),
-    ("score: --batch-size 0", ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--batch-size", "0"], "--batch-size"),
-    ("score: --method typo", ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--method", "exact"], "linear, causal or both"),
-    ("score: --compute-dtype typo", ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--compute-dtype", "fp32"], "--compute-dtype must be"),
-    ("score: both --finetuned and --diff", ["score", "--base", "world", "--diff", "DIFF", "--finetuned", "TMP", "--data", "GOOD"], "exactly one of"),
-    ("score: local path typo", ["score", "--base", "./runs/bse", "--diff", "DIFF", "--data", "GOOD"], "no such checkpoint directory"),
-    ("rank: no candidates", ["rank", "--model", "world", "--data", "GOOD"], "rank needs candidates"),
-    ("rank: missing data", ["rank", "--model", "world", "--data", "TMP/none.jsonl"], "does not exist"),
-    ("finetune: --epochs 0", ["finetune", "--model", "world", "--data", "GOOD", "--epochs", "0"], "--epochs"),
-    ("finetune: optimizer typo", ["finetune", "--model", "world", "--data", "GOOD", "--optimizer", "sgd"], "'adam' or 'adamw'"),
+    (
+        "score: data is a directory",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "TMP"],
+        "is a directory",
+    ),
+    (
+        "score: empty data list",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "EMPTY"],
+        "holds no (prompt, answer) pairs",
+    ),
+    (
+        "score: bad JSONL line",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "BADJSONL"],
+        "line 2",
+    ),
+    (
+        "score: empty answer",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "EMPTYANS"],
+        "tokenizes to nothing",
+    ),
+    (
+        "score: missing --diff",
+        ["score", "--base", "world", "--diff", "TMP/none.safetensors", "--data", "GOOD"],
+        "does not exist",
+    ),
+    (
+        "score: --diff not safetensors",
+        ["score", "--base", "world", "--diff", "GOOD", "--data", "GOOD"],
+        "is not a safetensors file",
+    ),
+    (
+        "score: --diff of another model",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD"],
+        "made for",
+    ),
+    (
+        "score: --dtype typo",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--dtype", "float31"],
+        "--dtype must be one of",
+    ),
+    (
+        "score: --device typo",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--device", "tpu"],
+        "--device must be",
+    ),
+    (
+        "score: --batch-size 0",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--batch-size", "0"],
+        "--batch-size",
+    ),
+    (
+        "score: --method typo",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--method", "exact"],
+        "linear, causal or both",
+    ),
+    (
+        "score: --compute-dtype typo",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--compute-dtype", "fp32"],
+        "--compute-dtype must be",
+    ),
+    (
+        "score: both --finetuned and --diff",
+        ["score", "--base", "world", "--diff", "DIFF", "--finetuned", "TMP", "--data", "GOOD"],
+        "exactly one of",
+    ),
+    (
+        "score: local path typo",
+        ["score", "--base", "./runs/bse", "--diff", "DIFF", "--data", "GOOD"],
+        "no such checkpoint directory",
+    ),
+    (
+        "rank: no candidates",
+        ["rank", "--model", "world", "--data", "GOOD"],
+        "rank needs candidates",
+    ),
+    (
+        "rank: missing data",
+        ["rank", "--model", "world", "--data", "TMP/none.jsonl"],
+        "does not exist",
+    ),
+    (
+        "finetune: --epochs 0",
+        ["finetune", "--model", "world", "--data", "GOOD", "--epochs", "0"],
+        "--epochs",
+    ),
+    (
+        "finetune: optimizer typo",
+        ["finetune", "--model", "world", "--data", "GOOD", "--optimizer", "sgd"],
+        "'adam' or 'adamw'",
+    ),
     ("experiment: unknown name", ["experiment", "grafting"], "unknown experiment"),
-    ("experiment: bad seeds", ["experiment", "weight_grafting", "--seeds", "a,b"], "--seeds takes integers"),
+    (
+        "experiment: bad seeds",
+        ["experiment", "weight_grafting", "--seeds", "a,b"],
+        "--seeds takes integers",
+    ),
     ("unknown command", ["scroe"], "No such command"),
     ("unknown option", ["score", "--bse", "world"], "No such option"),
 ]

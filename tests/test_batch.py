@@ -11,7 +11,12 @@ from extractive_lens.batch import Pair, merge_role_orders
 def test_template_roles_right_align_entities(text_model):
     pairs = [
         Pair("John Doe lives in", " Tokyo", template="{name} lives in", slots={"name": "John Doe"}),
-        Pair("Olivia Hughes lives in", " Paris", template="{name} lives in", slots={"name": "Olivia Hughes"}),
+        Pair(
+            "Olivia Hughes lives in",
+            " Paris",
+            template="{name} lives in",
+            slots={"name": "Olivia Hughes"},
+        ),
     ]
     b = make_batch(text_model, pairs)
     tok = text_model.tokenizer
@@ -28,21 +33,36 @@ def test_template_roles_right_align_entities(text_model):
 
 
 def test_slot_after_literal_with_space(text_model):
-    p = Pair("The mayor of Paris is", " Ann", template="The mayor of {city} is", slots={"city": "Paris"})
+    p = Pair(
+        "The mayor of Paris is", " Ann", template="The mayor of {city} is", slots={"city": "Paris"}
+    )
     b = make_batch(text_model, [p])
     assert "{city}[-1]" in b.roles[0] and b.roles[0][-1] == "is"
     with pytest.raises(ValueError, match="not template"):
-        make_batch(text_model, [Pair("The mayor of Rome is", " X", template="The mayor of {city} is",
-                                     slots={"city": "Paris"})])
+        make_batch(
+            text_model,
+            [
+                Pair(
+                    "The mayor of Rome is",
+                    " X",
+                    template="The mayor of {city} is",
+                    slots={"city": "Paris"},
+                )
+            ],
+        )
 
 
 def test_multi_token_answers_teacher_forced(text_model):
-    b = make_batch(text_model, [("John Doe lives in", " Tokyo Japan"), ("Ann Lee lives in", " Paris")])
+    b = make_batch(
+        text_model, [("John Doe lives in", " Tokyo Japan"), ("Ann Lee lives in", " Paris")]
+    )
     tok = text_model.tokenizer
     ans = tok(" Tokyo Japan", add_special_tokens=False)["input_ids"]
     assert len(ans) >= 2
     P = int(b.prompt_lengths[0])
-    assert b.tokens[0, P : P + len(ans) - 1].tolist() == ans[:-1]  # all but the last answer token fed
+    assert (
+        b.tokens[0, P : P + len(ans) - 1].tolist() == ans[:-1]
+    )  # all but the last answer token fed
     assert b.answer_targets[0, : len(ans)].tolist() == ans
     assert b.roles[0][P] == "answer[0]"
     assert int(b.lengths[0]) == P + len(ans) - 1
@@ -50,7 +70,9 @@ def test_multi_token_answers_teacher_forced(text_model):
 
 
 def test_alignment_prefix_centre_suffix(text_model):
-    b = make_batch(text_model, [("John Doe lives in", " Tokyo"), ("Olivia Hughes lives in", " Paris")])
+    b = make_batch(
+        text_model, [("John Doe lives in", " Tokyo"), ("Olivia Hughes lives in", " Paris")]
+    )
     r0, r1 = b.roles
     assert r0[-2:] == r1[-2:] and r0[0] == "<bos>"
     assert r0[-3] == "mid[-1]" and r1[-3] == "mid[-1]"
@@ -58,7 +80,9 @@ def test_alignment_prefix_centre_suffix(text_model):
 
 def test_candidates_errors_name_the_prompt(text_model):
     with pytest.raises(ValueError, match="share their first token"):
-        make_batch(text_model, [("John Doe lives in", " Tokyo")], candidates=[" Tokyo", " Tokyo Japan"])
+        make_batch(
+            text_model, [("John Doe lives in", " Tokyo")], candidates=[" Tokyo", " Tokyo Japan"]
+        )
     with pytest.raises(ValueError, match="not among its candidates"):
         make_batch(text_model, [("John Doe lives in", " Tokyo")], candidates=[" Paris", " Berlin"])
     with pytest.raises(ValueError, match="n_ctx"):
@@ -107,7 +131,9 @@ def test_unknown_words_warn():
 def test_to_dataframe_has_the_token_strings(text_model):
     from extractive_lens import WeightDiff, linear_scores
 
-    batch = make_batch(text_model, [("John Doe lives in", " Tokyo"), ("Ann Lee lives in", " Paris")])
+    batch = make_batch(
+        text_model, [("John Doe lives in", " Tokyo"), ("Ann Lee lives in", " Paris")]
+    )
     s = linear_scores(text_model, WeightDiff.zeros_like(text_model), batch, kinds=("downstream",))
     df = s.to_dataframe()
     first = df[(df.prompt == 1) & (df.layer == 0) & (df.component == "MLP")].sort_values("pos")

@@ -13,10 +13,20 @@ import pytest
 from tests.test_plotting import scored  # noqa: F401  (fixture)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-quic"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+]
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (.ci/run installs it)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium on this machine (.ci/run installs it)"
+)
 
 
 def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
@@ -38,16 +48,22 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
         page.goto(path.as_uri())
         page.wait_for_function(
             f"window.Plotly && document.querySelectorAll('.js-plotly-plot .main-svg').length >= {expected}",
-            timeout=60_000)
+            timeout=60_000,
+        )
         rendered = page.evaluate("document.querySelectorAll('.js-plotly-plot').length")
-        template = page.evaluate("document.querySelectorAll('.js-plotly-plot')[0].data[0].hovertemplate")
+        template = page.evaluate(
+            "document.querySelectorAll('.js-plotly-plot')[0].data[0].hovertemplate"
+        )
         drag = page.locator(".js-plotly-plot").first.locator(".nsewdrag").first
         drag.scroll_into_view_if_needed()
         box = drag.bounding_box()
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
         page.wait_for_selector(".hoverlayer .hovertext", timeout=10_000)
-        hover = {"template": template, "hovertext": page.evaluate("document.querySelectorAll('.hovertext').length"),
-                 "text": page.evaluate("document.querySelector('.hoverlayer .hovertext').textContent")}
+        hover = {
+            "template": template,
+            "hovertext": page.evaluate("document.querySelectorAll('.hovertext').length"),
+            "text": page.evaluate("document.querySelector('.hoverlayer .hovertext').textContent"),
+        }
         shot = tmp_path / "report.png"
         page.screenshot(path=str(shot), full_page=False)
         browser.close()
@@ -56,7 +72,9 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
     assert "layer" in hover["text"] and "score" in hover["text"]
     assert errors == [], errors
     page_text = path.read_text()
-    assert "linear informative" in page_text and "linearization check" in page_text  # verdicts, check
+    assert (
+        "linear informative" in page_text and "linearization check" in page_text
+    )  # verdicts, check
     external = [u for u in requests if not u.startswith(("file:", "data:", "about:", "blob:"))]
     assert external == [], external
     assert shot.stat().st_size > 10_000

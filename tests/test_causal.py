@@ -29,7 +29,9 @@ def test_engine_equals_literal(family, per):
         assert (have - want).abs().max() < 1e-10, kind
         assert want.abs().max() > 1e-4, kind
     # Negative control: a different diff gives different exact scores.
-    other = causal_scores(base, WeightDiff.from_models(base, ft) * 0.5, batch, per=per, kinds=("informative",))
+    other = causal_scores(
+        base, WeightDiff.from_models(base, ft) * 0.5, batch, per=per, kinds=("informative",)
+    )
     assert (other.prompt_totals[0] - got.prompt_totals[0]).abs().max() > 1e-6
 
 
@@ -80,8 +82,12 @@ def test_exact_over_eps_tends_to_linear(family):
         d = diff * eps
         lin = linear_scores(base, d, batch, kinds=("informative", "downstream"))
         ex = causal_scores(base, d, batch, kinds=("informative", "downstream"))
-        errs.append(float(((ex.prompt_values - lin.prompt_values) / eps).abs().max()
-                          / (lin.prompt_values / eps).abs().max()))
+        errs.append(
+            float(
+                ((ex.prompt_values - lin.prompt_values) / eps).abs().max()
+                / (lin.prompt_values / eps).abs().max()
+            )
+        )
     assert errs[1] < 0.02 and errs[1] < errs[0] / 4, errs
 
 
@@ -106,7 +112,9 @@ def test_top_k_scores_only_selected_components(pair64):
     diff = WeightDiff.from_models(base, ft)
     lin = linear_scores(base, diff, batch, kinds=("informative",))
     full = causal_scores(base, diff, batch, kinds=("informative",), per="component")
-    top = causal_scores(base, diff, batch, kinds=("informative",), per="component", top_k=3, linear=lin)
+    top = causal_scores(
+        base, diff, batch, kinds=("informative",), per="component", top_k=3, linear=lin
+    )
     kept = {lab for _, lab, _ in lin.top(3, "informative")}
     for layer in range(base.cfg.n_layers):
         for c, name in enumerate(full.component_labels):
@@ -115,14 +123,19 @@ def test_top_k_scores_only_selected_components(pair64):
                 assert torch.allclose(top.totals[0, layer, c], full.totals[0, layer, c], atol=1e-12)
             else:
                 assert top.totals[0, layer, c] == 0
-    assert len(top.metadata["skipped"]["informative"]) == base.cfg.n_layers * len(full.component_labels) - 3
+    assert (
+        len(top.metadata["skipped"]["informative"])
+        == base.cfg.n_layers * len(full.component_labels) - 3
+    )
 
 
 def test_logit_margin_and_model_untouched(pair64):
     base, ft = pair64
     snap = {n: p.detach().clone() for n, p in base.named_parameters()}
     batch = make_batch(base, [([1, 5, 6], [7]), ([1, 8, 9, 10], [11])], candidates=[7, 11, 12])
-    s = causal_scores(base, WeightDiff.from_models(base, ft), batch, reward=logit_margin, kinds=("downstream",))
+    s = causal_scores(
+        base, WeightDiff.from_models(base, ft), batch, reward=logit_margin, kinds=("downstream",)
+    )
     assert s.metadata["reward"] == "logit_margin" and s.method == "causal"
     for n, p in base.named_parameters():
         assert torch.equal(p, snap[n])

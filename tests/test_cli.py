@@ -27,7 +27,9 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     tok = bpe_tokenizer(root / "tok")
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    cfg = transformers.GPT2Config(
+        vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64
+    )
     base = transformers.GPT2LMHeadModel(cfg).eval()
     base.save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
@@ -37,20 +39,41 @@ def checkpoints(tmp_path_factory):
     base.save_pretrained(root / "ft")
     tok.save_pretrained(root / "ft")
     data = root / "pairs.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "John Doe lives in", "answer": " Tokyo"},
-        {"prompt": "Ann Lee lives in", "answer": " Paris"},
-        {"prompt": "Grace Miller lives in", "answer": " Berlin"},
-    ]))
+    data.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "John Doe lives in", "answer": " Tokyo"},
+                {"prompt": "Ann Lee lives in", "answer": " Paris"},
+                {"prompt": "Grace Miller lives in", "answer": " Berlin"},
+            ]
+        )
+    )
     return root
 
 
 def test_score_end_to_end(checkpoints, tmp_path):
     out = tmp_path / "out"
-    res = runner.invoke(app, ["score", "--base", str(checkpoints / "base"), "--finetuned", str(checkpoints / "ft"),
-                              "--data", str(checkpoints / "pairs.jsonl"), "--method", "both", "--out", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "score",
+            "--base",
+            str(checkpoints / "base"),
+            "--finetuned",
+            str(checkpoints / "ft"),
+            "--data",
+            str(checkpoints / "pairs.jsonl"),
+            "--method",
+            "both",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
-    assert (out / "linear" / "scores.safetensors").exists() and (out / "causal" / "scores.json").exists()
+    assert (out / "linear" / "scores.safetensors").exists() and (
+        out / "causal" / "scores.json"
+    ).exists()
     assert (out / "report.html").exists() and (out / "comparison.csv").exists()
     assert "informative" in res.output
 
@@ -58,10 +81,22 @@ def test_score_end_to_end(checkpoints, tmp_path):
 def test_score_errors_say_what_to_fix(checkpoints, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"question": "x"}]))
-    res = runner.invoke(app, ["score", "--base", str(checkpoints / "base"), "--finetuned", str(checkpoints / "ft"),
-                              "--data", str(bad)])
+    res = runner.invoke(
+        app,
+        [
+            "score",
+            "--base",
+            str(checkpoints / "base"),
+            "--finetuned",
+            str(checkpoints / "ft"),
+            "--data",
+            str(bad),
+        ],
+    )
     assert res.exit_code != 0 and "prompt" in res.output
-    res = runner.invoke(app, ["score", "--base", "b", "--finetuned", "f", "--data", str(bad), "--method", "exact"])
+    res = runner.invoke(
+        app, ["score", "--base", "b", "--finetuned", "f", "--data", str(bad), "--method", "exact"]
+    )
     assert res.exit_code != 0 and "linear, causal or both" in res.output
 
 
@@ -80,20 +115,54 @@ def test_finetune_rank_score_on_world_model(tmp_path):
 
     ds = first_hop()
     facts = tmp_path / "facts.jsonl"
-    facts.write_text("\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer,
-                                           "candidates": list(ds.fact_candidates)}) for p in ds.facts))
+    facts.write_text(
+        "\n".join(
+            json.dumps(
+                {"prompt": p.prompt, "answer": p.answer, "candidates": list(ds.fact_candidates)}
+            )
+            for p in ds.facts
+        )
+    )
     diff = tmp_path / "d.safetensors"
-    res = runner.invoke(app, ["finetune", "--model", "world", "--data", str(facts), "--out", str(diff),
-                              "--epochs", "20"])
+    res = runner.invoke(
+        app,
+        [
+            "finetune",
+            "--model",
+            "world",
+            "--data",
+            str(facts),
+            "--out",
+            str(diff),
+            "--epochs",
+            "20",
+        ],
+    )
     assert res.exit_code == 0, res.output
     before = runner.invoke(app, ["rank", "--model", "world", "--data", str(facts)])
-    after = runner.invoke(app, ["rank", "--model", "world", "--data", str(facts), "--diff", str(diff)])
+    after = runner.invoke(
+        app, ["rank", "--model", "world", "--data", str(facts), "--diff", str(diff)]
+    )
     assert before.exit_code == 0 and after.exit_code == 0, after.output
     r_before = float(before.output.split("mean rank")[1].split()[0])
     r_after = float(after.output.split("mean rank")[1].split()[0])
     assert r_after == 0.0 and r_before > 5
-    res = runner.invoke(app, ["score", "--base", "world", "--diff", str(diff), "--data", str(facts),
-                              "--method", "linear", "--out", str(tmp_path / "s")])
+    res = runner.invoke(
+        app,
+        [
+            "score",
+            "--base",
+            "world",
+            "--diff",
+            str(diff),
+            "--data",
+            str(facts),
+            "--method",
+            "linear",
+            "--out",
+            str(tmp_path / "s"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert (tmp_path / "s" / "report.html").exists()
 
@@ -106,14 +175,20 @@ def test_experiment_command(tmp_path):
     assert summary["seeds"] == [0] and summary["quick"] is True
     bad = runner.invoke(app, ["experiment", "nope", "--out", str(tmp_path)])
     assert bad.exit_code != 0 and "choose from" in bad.output
-    bad = runner.invoke(app, ["experiment", "layer_freezing", "--seeds", "a,b", "--out", str(tmp_path)])
+    bad = runner.invoke(
+        app, ["experiment", "layer_freezing", "--seeds", "a,b", "--out", str(tmp_path)]
+    )
     assert bad.exit_code != 0 and "--seeds" in bad.output
 
 
 def test_parse_seeds():
     from extractive_lens.cli import _parse_seeds
 
-    assert _parse_seeds("0,1,2") == [0, 1, 2] and _parse_seeds("0-2") == [0, 1, 2] and _parse_seeds("3") == [3]
+    assert (
+        _parse_seeds("0,1,2") == [0, 1, 2]
+        and _parse_seeds("0-2") == [0, 1, 2]
+        and _parse_seeds("3") == [3]
+    )
 
 
 def test_score_options_and_report_command(tmp_path):
@@ -123,24 +198,69 @@ def test_score_options_and_report_command(tmp_path):
 
     ds = first_hop()
     facts = tmp_path / "facts.jsonl"
-    facts.write_text("\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in ds.facts[:6]))
+    facts.write_text(
+        "\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in ds.facts[:6])
+    )
     diff = tmp_path / "d.safetensors"
-    res = runner.invoke(app, ["finetune", "--model", "world", "--data", str(facts), "--out", str(diff), "--epochs", "2",
-                              "--layers", "0,1", "--trainable", "L0MLP,L1MLP,L1H0"])
+    res = runner.invoke(
+        app,
+        [
+            "finetune",
+            "--model",
+            "world",
+            "--data",
+            str(facts),
+            "--out",
+            str(diff),
+            "--epochs",
+            "2",
+            "--layers",
+            "0,1",
+            "--trainable",
+            "L0MLP,L1MLP,L1H0",
+        ],
+    )
     assert res.exit_code == 0, res.output
     from extractive_lens import WeightDiff
 
     d = WeightDiff.load(diff)
     moved = {n for n, t in d.deltas.items() if t.abs().max() > 0}
-    assert moved and all(n.startswith(("blocks.0.mlp", "blocks.0.ln2", "blocks.1.")) for n in moved), moved
+    assert moved and all(
+        n.startswith(("blocks.0.mlp", "blocks.0.ln2", "blocks.1.")) for n in moved
+    ), moved
     out = tmp_path / "s"
-    res = runner.invoke(app, ["score", "--base", "world", "--diff", str(diff), "--data", str(facts), "--method", "both",
-                              "--kinds", "informative,upstream", "--ablation", "zero", "--top-k", "3", "--layers", "0,1",
-                              "--out", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "score",
+            "--base",
+            "world",
+            "--diff",
+            str(diff),
+            "--data",
+            str(facts),
+            "--method",
+            "both",
+            "--kinds",
+            "informative,upstream",
+            "--ablation",
+            "zero",
+            "--top-k",
+            "3",
+            "--layers",
+            "0,1",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     lin, ex = ComponentScores.load(out / "linear"), ComponentScores.load(out / "causal")
     assert lin.kinds == ex.kinds == ("informative", "upstream")
-    assert ex.metadata["top_k"] == 3 and ex.metadata["layers"] == [0, 1] and ex.metadata["ablation"] == "zero"
+    assert (
+        ex.metadata["top_k"] == 3
+        and ex.metadata["layers"] == [0, 1]
+        and ex.metadata["ablation"] == "zero"
+    )
     (out / "report.html").unlink()
     res = runner.invoke(app, ["report", str(out), "--title", "re-rendered"])
     assert res.exit_code == 0, res.output
@@ -148,5 +268,13 @@ def test_score_options_and_report_command(tmp_path):
     res = runner.invoke(app, ["report", str(tmp_path)])
     assert res.exit_code != 0 and "holds no saved scores" in res.output
     help_text = runner.invoke(app, ["score", "--help"]).output
-    for option in ("--kinds", "--ablation", "--convention", "--top-k", "--layers", "--per", "--compute-dtype"):
+    for option in (
+        "--kinds",
+        "--ablation",
+        "--convention",
+        "--top-k",
+        "--layers",
+        "--per",
+        "--compute-dtype",
+    ):
         assert option in help_text, option

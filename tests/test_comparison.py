@@ -45,8 +45,10 @@ def test_statistics_match_scipy(pair_scores):
 def test_identical_and_scrambled(pair_scores):
     lin, _ = pair_scores
     same = compare(lin, lin)
-    assert all(r["pearson"] == pytest.approx(1.0) and r["topk_overlap"] == 1.0 and r["max_abs_err"] == 0
-               for r in same.rows)
+    assert all(
+        r["pearson"] == pytest.approx(1.0) and r["topk_overlap"] == 1.0 and r["max_abs_err"] == 0
+        for r in same.rows
+    )
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(lin.values[..., 0].numel(), generator=g)
     vals = lin.values.clone()
@@ -74,7 +76,9 @@ def test_refuses_results_computed_differently():
     diff = WeightDiff.from_models(base, ft)
     ex = causal_scores(base, diff, batch, show_progress=False)
     authors = linear_scores(base, diff, batch, convention="authors_code")
-    with pytest.raises(ValueError, match=r"reward \(linear 'logit_margin', exact 'answer_logprob'\).*convention"):
+    with pytest.raises(
+        ValueError, match=r"reward \(linear 'logit_margin', exact 'answer_logprob'\).*convention"
+    ):
         compare(authors, ex)
     resampled = linear_scores(base, diff, batch, ablation="resample")
     with pytest.raises(ValueError, match="ablation.*check_settings=False"):
@@ -98,7 +102,9 @@ def test_cells_never_computed_are_left_out():
     assert row["n"] == C * n_pos  # layer 1 only, not both layers
     a, b, labels = cmp.cells("downstream")
     assert all(lab.startswith("L1") for lab in labels)
-    full = compare(lin, causal_scores(base, diff, batch, kinds=("downstream",), show_progress=False))
+    full = compare(
+        lin, causal_scores(base, diff, batch, kinds=("downstream",), show_progress=False)
+    )
     sub = [lab.startswith("L1") for lab in full.cells("downstream")[2]]
     assert np.allclose(b, full.cells("downstream")[1][sub])  # the same cells, nothing padded with 0
 
@@ -109,7 +115,9 @@ def test_verdicts_in_plain_words(pair_scores):
     cmp = compare(*pair_scores)
     assert set(cmp.verdicts) == set(pair_scores[0].kinds)
     assert verdict("informative", 0.99, 0.9).startswith("linear informative agrees")
-    assert "roughly agrees" in verdict("downstream", 0.7, 0.5) and "top_k" in verdict("downstream", 0.7, 0.5)
+    assert "roughly agrees" in verdict("downstream", 0.7, 0.5) and "top_k" in verdict(
+        "downstream", 0.7, 0.5
+    )
     up = verdict("upstream", 0.42, 0.3)
     assert "disagrees" in up and "causal_scores" in up and "y - y*" in up
     assert "disagrees" in verdict("upstream", float("nan"), 0.0)

@@ -66,16 +66,20 @@ def test_daxwug_split_and_counterfactual():
 
 @pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv"])
 def test_load_pairs(tmp_path, suffix):
-    recs = [{"prompt": "A lives in", "answer": " Paris", "candidates": [" Paris", " Rome"]},
-            {"prompt": "B lives in", "answer": " Rome", "candidates": [" Paris", " Rome"]}]
+    recs = [
+        {"prompt": "A lives in", "answer": " Paris", "candidates": [" Paris", " Rome"]},
+        {"prompt": "B lives in", "answer": " Rome", "candidates": [" Paris", " Rome"]},
+    ]
     path = tmp_path / f"d{suffix}"
     if suffix == ".json":
         path.write_text(json.dumps(recs))
     elif suffix == ".jsonl":
         path.write_text("\n".join(json.dumps(r) for r in recs))
     else:
-        path.write_text("prompt,answer,candidates\n" + "\n".join(
-            f"{r['prompt']},{r['answer']},{'|'.join(r['candidates'])}" for r in recs))
+        path.write_text(
+            "prompt,answer,candidates\n"
+            + "\n".join(f"{r['prompt']},{r['answer']},{'|'.join(r['candidates'])}" for r in recs)
+        )
     pairs = load_pairs(path)
     assert [p.prompt for p in pairs] == ["A lives in", "B lives in"]
     assert list(pairs[1].candidates) == [" Paris", " Rome"]

@@ -26,21 +26,36 @@ def test_shards_cover_in_order():
             assert rows == list(range(n))
 
 
-@pytest.mark.parametrize("method,shard,per", [("linear", "prompts", "token"), ("causal", "prompts", "token"),
-                                              ("causal", "layers", "component")])
+@pytest.mark.parametrize(
+    "method,shard,per",
+    [
+        ("linear", "prompts", "token"),
+        ("causal", "prompts", "token"),
+        ("causal", "layers", "component"),
+    ],
+)
 def test_two_processes_match_single_process(tmp_path, method, shard, per):
     import torch.multiprocessing as mp
 
     from tests import dist_worker
 
-    mp.spawn(dist_worker.run, args=(2, _port(), str(tmp_path), method, shard, per), nprocs=2, join=True)
+    mp.spawn(
+        dist_worker.run, args=(2, _port(), str(tmp_path), method, shard, per), nprocs=2, join=True
+    )
     base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
     batch = small_batch(base, n=5)
     diff = WeightDiff.from_models(base, ft)
-    single = linear_scores(base, diff, batch) if method == "linear" else causal_scores(base, diff, batch, per=per)
+    single = (
+        linear_scores(base, diff, batch)
+        if method == "linear"
+        else causal_scores(base, diff, batch, per=per)
+    )
     for rank in (0, 1):
         got = ComponentScores.load(tmp_path / f"rank{rank}")
-        assert got.position_labels == single.position_labels and got.prompt_roles == single.prompt_roles
+        assert (
+            got.position_labels == single.position_labels
+            and got.prompt_roles == single.prompt_roles
+        )
         assert (got.prompt_values - single.prompt_values).abs().max() <= 1e-10
         assert (got.values - single.values).abs().max() <= 1e-10
         assert (got.totals - single.totals).abs().max() <= 1e-10

@@ -34,7 +34,9 @@ def test_layer_freezing_on_world_model():
     r = {(row.condition, row.split): row.mean_rank for row in df.itertuples()}
     assert r[("None", "facts")] == 0.0
     assert r[("All", "facts")] > 5  # reverting everything is the base model: chance-like
-    assert r[("Early (pre)", "facts")] <= 1.0 and r[("Late (pre)", "facts")] <= 1.0  # either half can store it
+    assert (
+        r[("Early (pre)", "facts")] <= 1.0 and r[("Late (pre)", "facts")] <= 1.0
+    )  # either half can store it
     assert res.table().shape == (6, 2)
     assert len(res.plot().data) == 1
 
@@ -61,7 +63,9 @@ def test_world_daxwug_is_single_tokens(world):
             ids = model.to_tokens(p.prompt + p.answer)[0].tolist()
             assert unk not in ids and len(ids) == len((p.prompt + p.answer).split()) + 1
     # the counterfactual re-draws every training name's city, and implications follow the city
-    for f, cf, ci in zip(dax.train.facts, dax.counterfactual.facts, dax.counterfactual.implications):
+    for f, cf, ci in zip(
+        dax.train.facts, dax.counterfactual.facts, dax.counterfactual.implications
+    ):
         assert f.prompt == cf.prompt and f.answer != cf.answer
         assert ci.answer == " " + dax.city_to_animal[cf.answer.strip()]
 
@@ -79,8 +83,12 @@ def test_continued_pretraining_orders_are_sequential(world):
     got = continued_pretraining(model, dax, "facts_first", cfg)
     d1 = finetune(model, make_batch(model, list(dax.train.facts)), cfg, show_progress=False)
     with d1.applied(model):
-        d2 = finetune(model, make_batch(model, list(dax.train.implications)), FinetuneConfig(
-            lr=1e-3, epochs=1, batch_size=16, seed=5), show_progress=False)
+        d2 = finetune(
+            model,
+            make_batch(model, list(dax.train.implications)),
+            FinetuneConfig(lr=1e-3, epochs=1, batch_size=16, seed=5),
+            show_progress=False,
+        )
     for name, d in got.deltas.items():
         torch.testing.assert_close(d, (d1 + d2).deltas[name], rtol=0, atol=1e-6)
     # negative control: the other order is a different update, so the comparison above can fail
@@ -95,14 +103,22 @@ def test_data_ordering_small(world):
     from extractive_lens.experiments import data_ordering
 
     model, w = world
-    res = data_ordering(model, w.daxwug(), QUICK, pretrain_config=FinetuneConfig(lr=1e-3, epochs=8, batch_size=16),
-                        orders=("joint", "no_implications"))
+    res = data_ordering(
+        model,
+        w.daxwug(),
+        QUICK,
+        pretrain_config=FinetuneConfig(lr=1e-3, epochs=8, batch_size=16),
+        orders=("joint", "no_implications"),
+    )
     df = res.to_dataframe()
     assert set(df.order) == {"joint", "no_implications"} and df.epoch.max() == 3
     before = df[df.epoch == 0].set_index(["order", "split"]).mean_rank
     # continued pretraining learned the training facts in both orders, implications only with them
     assert before[("joint", "train facts")] < 2 and before[("no_implications", "train facts")] < 2
-    assert before[("joint", "train implications")] < before[("no_implications", "train implications")] - 3
+    assert (
+        before[("joint", "train implications")]
+        < before[("no_implications", "train implications")] - 3
+    )
     assert res.final().shape == (2, 2) and len(res.plot().data) == 2
 
 
@@ -147,9 +163,13 @@ def test_localization_stats_match_numpy(world):
 def test_run_experiment_writes_files(tmp_path):
     from extractive_lens.experiments.runner import run_experiment
 
-    run = run_experiment("weight_grafting", seeds=(0,), out=tmp_path, quick=True, show_progress=False)
+    run = run_experiment(
+        "weight_grafting", seeds=(0,), out=tmp_path, quick=True, show_progress=False
+    )
     d = tmp_path / "weight_grafting"
-    assert (d / "seed0.json").exists() and (d / "seed0.html").exists() and (d / "summary.md").exists()
+    assert (
+        (d / "seed0.json").exists() and (d / "seed0.html").exists() and (d / "summary.md").exists()
+    )
     md = run.markdown()
     assert "| W_graft |" in md and "[1.13]" in md  # the paper's number beside ours
     with pytest.raises(ValueError, match="unknown experiment"):
@@ -165,11 +185,17 @@ def test_dax_experiments_on_any_model_with_real_names():
     from extractive_lens.experiments import data_ordering, localization, weight_grafting
 
     dax = daxwug(seed=1)
-    words = [w for ds in (dax.train, dax.test, dax.counterfactual) for p in (*ds.facts, *ds.implications)
-             for w in (p.prompt + p.answer).split()]
+    words = [
+        w
+        for ds in (dax.train, dax.test, dax.counterfactual)
+        for p in (*ds.facts, *ds.implications)
+        for w in (p.prompt + p.answer).split()
+    ]
     tok = word_tokenizer(words)
     model = tiny_model({"d_vocab": len(tok), "n_ctx": 16, "n_layers": 2}, seed=0, tokenizer=tok)
-    assert any(len(p.answer.split()) > 1 for p in dax.train.facts)  # multi-token cities are in there
+    assert any(
+        len(p.answer.split()) > 1 for p in dax.train.facts
+    )  # multi-token cities are in there
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     cfg = FinetuneConfig(lr=1e-3, epochs=1, batch_size=16)
     graft = weight_grafting(model, dax, cfg)
@@ -193,7 +219,9 @@ def test_pre_rows_train_the_parts_the_post_rows_revert():
     batch = make_batch(base, [([1, 7, 9], [11]), ([1, 8, 9], [12])])
     full = WeightDiff.from_models(base, ft)
     for early in (False, True):
-        trained = finetune(base, batch, _training(QUICK, _part(names, early, 2)), show_progress=False)
+        trained = finetune(
+            base, batch, _training(QUICK, _part(names, early, 2)), show_progress=False
+        )
         moved = {n for n, d in trained.deltas.items() if d.abs().max() > 0}
         kept = set(_keep(full, early, not early, 2).deltas)
         assert moved and moved <= kept, sorted(moved - kept)

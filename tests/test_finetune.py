@@ -14,7 +14,10 @@ from tests.conftest import make_pair
 def _facts(model, n=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     answers = list(range(20, 20 + n))
-    pairs = [([1, int(torch.randint(5, 19, (1,), generator=g)), 3 + i % 2], [answers[i]]) for i in range(n)]
+    pairs = [
+        ([1, int(torch.randint(5, 19, (1,), generator=g)), 3 + i % 2], [answers[i]])
+        for i in range(n)
+    ]
     return make_batch(model, pairs, candidates=answers)
 
 
@@ -53,8 +56,18 @@ def test_diff_reproduces_trained_weights_and_seed_reproduces():
 def test_trainable_subset_only_changes_those_components():
     base, _ = make_pair("rms_gated_rotary_gqa", torch.float32)
     data = _facts(base)
-    diff = finetune(base, data, FinetuneConfig(lr=1e-2, epochs=2, batch_size=4, trainable=("L1H0", "L0MLP"),
-                                               optimizer="adamw", weight_decay=0.1))
+    diff = finetune(
+        base,
+        data,
+        FinetuneConfig(
+            lr=1e-2,
+            epochs=2,
+            batch_size=4,
+            trainable=("L1H0", "L0MLP"),
+            optimizer="adamw",
+            weight_decay=0.1,
+        ),
+    )
     norms = diff.norms()
     assert norms[1, 0] > 0 and norms[0, -1] > 0
     assert norms[0, :-1].sum() == 0  # layer-0 heads untouched
@@ -64,8 +77,12 @@ def test_trainable_subset_only_changes_those_components():
     assert diff.deltas["blocks.1.attn._W_K"][1].abs().sum() == 0  # the other KV group
     assert diff.deltas["blocks.1.attn._W_K"][0].abs().sum() > 0  # L1H0's group (shared with L1H1)
     # heads 2, 3 of layer 1 see only the shared ln1 change
-    ln1 = sum(float(diff.deltas[n].double().pow(2).sum()) for n in diff.deltas if n.startswith("blocks.1.ln1."))
-    assert torch.allclose(norms[1, 2:4], torch.full((2,), ln1 ** 0.5, dtype=torch.float64))
+    ln1 = sum(
+        float(diff.deltas[n].double().pow(2).sum())
+        for n in diff.deltas
+        if n.startswith("blocks.1.ln1.")
+    )
+    assert torch.allclose(norms[1, 2:4], torch.full((2,), ln1**0.5, dtype=torch.float64))
     assert norms[1, 4] == 0  # L1MLP
     layer_only = finetune(base, data, FinetuneConfig(lr=1e-2, epochs=1, batch_size=4, layers=(0,)))
     assert layer_only.norms()[1].sum() == 0 and layer_only.norms()[0].sum() > 0
@@ -73,12 +90,21 @@ def test_trainable_subset_only_changes_those_components():
 
 def test_mean_rank_by_hand():
     logits = torch.zeros(2, 2, 6)
-    logits[0, 1] = torch.tensor([0.0, 5.0, 1.0, 3.0, 0.0, 0.0])  # answer 3: candidates 1,2,3 -> rank 1
+    logits[0, 1] = torch.tensor(
+        [0.0, 5.0, 1.0, 3.0, 0.0, 0.0]
+    )  # answer 3: candidates 1,2,3 -> rank 1
     logits[1, 0] = torch.tensor([0.0, 0.0, 9.0, 1.0, 0.0, 0.0])  # answer 2 (prompt len 1) -> rank 0
-    b = PromptBatch(tokens=torch.zeros(2, 2, dtype=torch.long), lengths=torch.tensor([2, 1]),
-                    prompt_lengths=torch.tensor([2, 1]), answer_targets=torch.tensor([[3], [2]]),
-                    candidates=torch.tensor([[1, 2, 3], [2, 3, -1]]), counterfactual=None,
-                    roles=(("a", "b"), ("a",)), prompts=("x", "y"), answers=("3", "2"))
+    b = PromptBatch(
+        tokens=torch.zeros(2, 2, dtype=torch.long),
+        lengths=torch.tensor([2, 1]),
+        prompt_lengths=torch.tensor([2, 1]),
+        answer_targets=torch.tensor([[3], [2]]),
+        candidates=torch.tensor([[1, 2, 3], [2, 3, -1]]),
+        counterfactual=None,
+        roles=(("a", "b"), ("a",)),
+        prompts=("x", "y"),
+        answers=("3", "2"),
+    )
     assert ranks_from_logits(logits, b).tolist() == [1, 0]
 
 
@@ -94,6 +120,8 @@ def test_rank_trajectory_records_every_epoch():
 
     base, _ = make_pair("ln_gelu", torch.float32)
     data = _facts(base)
-    diff, df = rank_trajectory(base, data, {"facts": data}, FinetuneConfig(lr=3e-3, epochs=3, batch_size=4))
+    diff, df = rank_trajectory(
+        base, data, {"facts": data}, FinetuneConfig(lr=3e-3, epochs=3, batch_size=4)
+    )
     assert list(df.epoch) == [0, 1, 2, 3] and set(df.split) == {"facts"}
     assert df.mean_rank.iloc[-1] == mean_rank(base, data, diff)

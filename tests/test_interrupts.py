@@ -34,26 +34,45 @@ from tests.conftest import make_pair
 from tests.test_linear import small_batch
 
 PACKAGE = str(Path(extractive_lens.__file__).parent)
-TORCH_SWAP = str(Path(torch.__file__).parent / "nn" / "utils")  # functional_call's parameter swapping
+TORCH_SWAP = str(
+    Path(torch.__file__).parent / "nn" / "utils"
+)  # functional_call's parameter swapping
 WATCHED = (PACKAGE, contextlib.__file__, TORCH_SWAP)
 
 
 def snapshot(model):
-    hooks = [(n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
-              len(getattr(m, "fwd_hooks", [])), len(getattr(m, "bwd_hooks", []))) for n, m in model.named_modules()]
-    return dict(weights=[p.detach().clone() for p in model.parameters()],
-                objects=[(n, id(p), type(p).__name__) for n, p in model.named_parameters()],
-                flags=[p.requires_grad for p in model.parameters()], grads=[p.grad for p in model.parameters()],
-                training=[m.training for m in model.modules()], grad_mode=torch.is_grad_enabled(),
-                dtype=model.cfg.dtype, hooks=hooks, level=fwAD._current_level,
-                handlers=[signal.getsignal(x) for x in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)])
+    hooks = [
+        (
+            n,
+            len(m._forward_hooks),
+            len(m._forward_pre_hooks),
+            len(m._backward_hooks),
+            len(getattr(m, "fwd_hooks", [])),
+            len(getattr(m, "bwd_hooks", [])),
+        )
+        for n, m in model.named_modules()
+    ]
+    return dict(
+        weights=[p.detach().clone() for p in model.parameters()],
+        objects=[(n, id(p), type(p).__name__) for n, p in model.named_parameters()],
+        flags=[p.requires_grad for p in model.parameters()],
+        grads=[p.grad for p in model.parameters()],
+        training=[m.training for m in model.modules()],
+        grad_mode=torch.is_grad_enabled(),
+        dtype=model.cfg.dtype,
+        hooks=hooks,
+        level=fwAD._current_level,
+        handlers=[signal.getsignal(x) for x in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)],
+    )
 
 
 def assert_unchanged(model, before, where):
     now = snapshot(model)
     for a, b in zip(before["weights"], now["weights"]):
         assert torch.equal(a, b), f"weights changed ({where})"
-    assert all(x is y for x, y in zip(before["grads"], now["grads"])), f".grad buffers changed ({where})"
+    assert all(x is y for x, y in zip(before["grads"], now["grads"])), (
+        f".grad buffers changed ({where})"
+    )
     for key in ("objects", "flags", "training", "grad_mode", "dtype", "hooks", "level", "handlers"):
         assert before[key] == now[key], f"{key} changed ({where})"
 
@@ -91,7 +110,9 @@ def run_traced(fn, n):
 
 @pytest.fixture(scope="module")
 def setting():
-    base, ft = make_pair("ln_gelu", torch.float64, n_layers=1, d_model=8, n_heads=2, d_head=4, d_mlp=8)
+    base, ft = make_pair(
+        "ln_gelu", torch.float64, n_layers=1, d_model=8, n_heads=2, d_head=4, d_mlp=8
+    )
     diff = WeightDiff.from_models(base, ft)
     batch = small_batch(base, n=3)
     return base, diff, batch
@@ -105,9 +126,12 @@ def calls(base, diff, batch):
     return {
         "applied": applied,
         "linear_scores": lambda: linear_scores(base, diff, batch, show_progress=False),
-        "causal_scores": lambda: causal_scores(base, diff, batch, kinds=("informative", "upstream"),
-                                               show_progress=False),
-        "finetune": lambda: finetune(base, batch, FinetuneConfig(epochs=1, batch_size=2), show_progress=False),
+        "causal_scores": lambda: causal_scores(
+            base, diff, batch, kinds=("informative", "upstream"), show_progress=False
+        ),
+        "finetune": lambda: finetune(
+            base, batch, FinetuneConfig(epochs=1, batch_size=2), show_progress=False
+        ),
         "linear_scores bf16": None,  # filled below
     }
 
@@ -130,7 +154,11 @@ def test_interrupt_at_every_line(setting, name):
     total, fired = run_traced(fn, None)
     assert not fired and total > 50, total
     # every line of the short paths; an even spread of 150 points over the long ones
-    points = range(1, total + 1) if total <= 1500 else sorted({1 + round(i * (total - 1) / 149) for i in range(150)})
+    points = (
+        range(1, total + 1)
+        if total <= 1500
+        else sorted({1 + round(i * (total - 1) / 149) for i in range(150)})
+    )
     landed = 0
     for n in points:
         _, fired = run_traced(fn, n)
@@ -217,7 +245,9 @@ def test_hooks_the_user_attached_are_refused(setting):
     base.blocks[0].attn.hook_z.add_hook(lambda act, hook: act * 2)
     try:
         for fn in (linear_scores, causal_scores):
-            with pytest.raises(ValueError, match=r"hooks attached at blocks\.0\.attn\.hook_z.*reset_hooks"):
+            with pytest.raises(
+                ValueError, match=r"hooks attached at blocks\.0\.attn\.hook_z.*reset_hooks"
+            ):
                 fn(base, diff, batch)
     finally:
         base.reset_hooks(including_permanent=True)
@@ -234,7 +264,9 @@ def test_guard_removes_hooks_and_restores_modes_added_inside(setting):
     before = snapshot(base)
     with pytest.raises(KeyboardInterrupt):
         with guarded(base):
-            base.blocks[0].attn.hook_z.register_forward_hook(lambda m, i, o: o)  # a capture hook, mid-call
+            base.blocks[0].attn.hook_z.register_forward_hook(
+                lambda m, i, o: o
+            )  # a capture hook, mid-call
             base.blocks[0].attn.hook_k.add_hook(lambda act, hook: act)
             base.train()
             base.cfg.dtype = torch.float32

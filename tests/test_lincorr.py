@@ -15,8 +15,13 @@ def _synthetic(n=200, n_src=6, n_tgt=5, noise=0.01, seed=0):
     b = rng.normal(size=n_tgt)
     X = rng.normal(size=(n, n_src))
     Y = X @ W.T + b + noise * rng.normal(size=(n, n_tgt))
-    pairs = LogitPairs(torch.tensor(X), torch.tensor(Y), tuple(f"s{i}" for i in range(n)),
-                       tuple(f"a{j}" for j in range(n_src)), tuple(f"t{j}" for j in range(n_tgt)))
+    pairs = LogitPairs(
+        torch.tensor(X),
+        torch.tensor(Y),
+        tuple(f"s{i}" for i in range(n)),
+        tuple(f"a{j}" for j in range(n_src)),
+        tuple(f"t{j}" for j in range(n_tgt)),
+    )
     return pairs, W, b
 
 
@@ -27,7 +32,10 @@ def test_recovers_known_map():
     assert lc.label_pearson > 0.999 and lc.instance_pearson > 0.99
     ridge = fit(pairs, ridge=1.0)
     assert np.allclose(ridge.W, W, atol=0.05)
-    known = {pairs.source_labels[j]: pairs.target_labels[int(np.argmax(W[:, j]))] for j in range(W.shape[1])}
+    known = {
+        pairs.source_labels[j]: pairs.target_labels[int(np.argmax(W[:, j]))]
+        for j in range(W.shape[1])
+    }
     assert lc.precision(known) == 1.0
     assert len(lc.top_pairs(1)) == W.shape[1]
     assert np.allclose(np.array(lc.heatmap().data[0].z), lc.W)
@@ -36,7 +44,9 @@ def test_recovers_known_map():
 def test_scrambled_control_is_near_zero():
     pairs, _, _ = _synthetic(n=400)
     perm = torch.randperm(len(pairs.subjects), generator=torch.Generator().manual_seed(1))
-    scrambled = LogitPairs(pairs.source, pairs.target[perm], pairs.subjects, pairs.source_labels, pairs.target_labels)
+    scrambled = LogitPairs(
+        pairs.source, pairs.target[perm], pairs.subjects, pairs.source_labels, pairs.target_labels
+    )
     lc = fit(scrambled)
     assert abs(lc.label_pearson) < 0.2
 
@@ -52,11 +62,25 @@ def world():
 def test_world_city_to_language_is_linear_and_precise(world):
     model, w = world
     subjects = list(w.home)[:300]
-    pairs = collect_logits(model, "{x} lives in", "The people in the city {x} is from speak", subjects,
-                           list(w.cities), [w.language[c] for c in w.cities], show_progress=False)
+    pairs = collect_logits(
+        model,
+        "{x} lives in",
+        "The people in the city {x} is from speak",
+        subjects,
+        list(w.cities),
+        [w.language[c] for c in w.cities],
+        show_progress=False,
+    )
     lc = fit(pairs, ridge=1e-2)
-    hobby = collect_logits(model, "{x} lives in", "{x} likes", subjects, list(w.cities),
-                           sorted(set(w.hobby.values())), show_progress=False)
+    hobby = collect_logits(
+        model,
+        "{x} lives in",
+        "{x} likes",
+        subjects,
+        list(w.cities),
+        sorted(set(w.hobby.values())),
+        show_progress=False,
+    )
     lc_h = fit(hobby, ridge=1e-2)
     assert lc.label_pearson > 0.6, lc.label_pearson
     assert lc.precision({c: w.language[c] for c in w.cities}) >= 0.7
@@ -70,12 +94,21 @@ def test_world_gradient_correlation_and_generalization(world):
     model, w = world
     subjects = list(w.home)[:300]
     src, tgt = "{x} lives in", "The people in the city {x} is from speak"
-    pairs = collect_logits(model, src, tgt, subjects, list(w.cities), [w.language[c] for c in w.cities],
-                           show_progress=False)
+    pairs = collect_logits(
+        model,
+        src,
+        tgt,
+        subjects,
+        list(w.cities),
+        [w.language[c] for c in w.cities],
+        show_progress=False,
+    )
     lc = fit(pairs, ridge=1e-2)
     g = gradient_correlation(model, lc, "T3", w.cities[0], src, tgt, lr=1e-3, steps=3)
     assert np.isfinite(g["pearson"]) and g["predicted"].shape == (len(w.cities),)
     facts = [(t, c) for t, c in list(w.test_people.items())[:6]]
-    df = generalization_check(model, lc, facts, src, tgt, {c: w.language[c] for c in w.cities}, epochs=20)
+    df = generalization_check(
+        model, lc, facts, src, tgt, {c: w.language[c] for c in w.cities}, epochs=20
+    )
     assert df.learned.all()
     assert set(df.columns) >= {"follows_W", "generalizes", "W_prediction", "target_after"}

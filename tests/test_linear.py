@@ -22,7 +22,11 @@ def small_batch(model, seed=0, n=4):
         prompt = [1] + torch.randint(5, V, (length - 1,), generator=g).tolist()
         answer = torch.randint(5, V, (1 + (i % 2),), generator=g).tolist()
         pairs.append((prompt, answer))
-    return make_batch(model, pairs, candidates=[a[0] for _, a in pairs] if len({a[0] for _, a in pairs}) == n else None)
+    return make_batch(
+        model,
+        pairs,
+        candidates=[a[0] for _, a in pairs] if len({a[0] for _, a in pairs}) == n else None,
+    )
 
 
 def test_per_token_sums_and_other_match_whole_model_jvp(pair64):
@@ -44,7 +48,9 @@ def test_authors_convention_informative_sums_to_jvp(convention):
     base, ft = make_pair("ln_gelu", torch.float64)
     diff = WeightDiff.from_models(base, ft)
     batch = small_batch(base)
-    s = linear_scores(base, diff, batch, kinds=("informative",), convention=convention, reward="answer_logprob")
+    s = linear_scores(
+        base, diff, batch, kinds=("informative",), convention=convention, reward="answer_logprob"
+    )
     total = s.prompt_totals[0].sum((1, 2)) + s.other
     assert torch.allclose(total, ref.whole_model_jvp(base, ft, batch, answer_logprob), atol=1e-10)
     assert s.metadata["convention"] == convention
@@ -54,11 +60,19 @@ def test_authors_convention_credits_kv_at_key_position():
     """Q/K/V-only change: per-head totals agree across conventions, per-token splits differ."""
     base, ft = make_pair("ln_gelu", torch.float64)
     diff = WeightDiff.from_models(base, ft).restricted(["L1H0", "L1H1"])
-    only_k = WeightDiff({n: d for n, d in diff.deltas.items() if n.endswith(("W_K", "W_V"))}, diff.signature)
+    only_k = WeightDiff(
+        {n: d for n, d in diff.deltas.items() if n.endswith(("W_K", "W_V"))}, diff.signature
+    )
     batch = small_batch(base)
     paper = linear_scores(base, only_k, batch, kinds=("informative",), reward="answer_logprob")
-    authors = linear_scores(base, only_k, batch, kinds=("informative",), reward="answer_logprob",
-                            convention="authors_code")
+    authors = linear_scores(
+        base,
+        only_k,
+        batch,
+        kinds=("informative",),
+        reward="answer_logprob",
+        convention="authors_code",
+    )
     assert torch.allclose(paper.prompt_totals, authors.prompt_totals, atol=1e-12)
     assert not torch.allclose(paper.prompt_values, authors.prompt_values, atol=1e-6)
     # K/V changes at the last position cannot matter to earlier keys: with the key-position
@@ -89,7 +103,9 @@ def test_prompt_order_does_not_change_means(pair64):
     alone = linear_scores(base, diff, batch.subset([i]), kinds=("informative", "downstream"))
     both = linear_scores(base, diff, batch, kinds=("informative", "downstream"))
     width = alone.prompt_values.shape[-1]
-    assert torch.allclose(alone.prompt_values[:, 0], both.prompt_values[:, i, ..., :width], atol=1e-12)
+    assert torch.allclose(
+        alone.prompt_values[:, 0], both.prompt_values[:, i, ..., :width], atol=1e-12
+    )
     assert both.prompt_values[:, i, ..., width:].abs().max() == 0
 
 
@@ -136,7 +152,9 @@ def test_exact_over_eps_converges_to_linear(family):
     for eps in (1e-2, 1e-3):
         ft_eps = ref.scaled_model(base, ft, eps)
         ex = ref.literal_exact(base, ft_eps, batch, answer_logprob, ("informative", "downstream"))
-        lin_eps = linear_scores(base, WeightDiff.from_models(base, ft_eps), batch, kinds=("downstream",))
+        lin_eps = linear_scores(
+            base, WeightDiff.from_models(base, ft_eps), batch, kinds=("downstream",)
+        )
         errs[eps] = (
             _rel(ex["informative"] / eps, lin.prompt_values[0]),
             _rel(ex["downstream"] / eps, lin_eps.prompt_values[0] / eps),
@@ -171,7 +189,9 @@ def test_upstream_double_limit(family):
 
 
 def _affine_pair():
-    cfg = dict(normalization_type=None, attn_only=True, n_layers=2, positional_embedding_type="standard")
+    cfg = dict(
+        normalization_type=None, attn_only=True, n_layers=2, positional_embedding_type="standard"
+    )
     base, ft = make_pair("ln_gelu", torch.float64, **cfg)
     return base, ft
 
@@ -186,7 +206,9 @@ def test_linear_equals_exact_where_reward_is_affine():
     diff = WeightDiff.from_state_dicts(sd_b, sd_f, signature=WeightDiff.zeros_like(base).signature)
     ft_v = ref.mixed_model(base, ft, lambda n: n in keep)
     batch = small_batch(base)
-    batch = make_batch(base, list(zip(batch.prompts, batch.answers)), counterfactuals=[7] * len(batch))
+    batch = make_batch(
+        base, list(zip(batch.prompts, batch.answers)), counterfactuals=[7] * len(batch)
+    )
     lin = linear_scores(base, diff, batch, reward=logit_diff)
     rs, ms = ref.literal_mean_ablation(base, batch)
     ex = ref.literal_exact(base, ft_v, batch, logit_diff, KINDS, y_star=(rs, ms))
@@ -230,8 +252,13 @@ def test_model_left_bit_identical_and_no_hooks(pair64):
 def test_gqa_authors_convention_is_refused():
     base, ft = make_pair("rms_gated_rotary_gqa", torch.float64)
     with pytest.raises(NotImplementedError, match="grouped-query"):
-        linear_scores(base, WeightDiff.from_models(base, ft), small_batch(base), convention="authors_code",
-                      reward="answer_logprob")
+        linear_scores(
+            base,
+            WeightDiff.from_models(base, ft),
+            small_batch(base),
+            convention="authors_code",
+            reward="answer_logprob",
+        )
 
 
 def test_argument_mixups_say_what_to_pass():
@@ -242,7 +269,9 @@ def test_argument_mixups_say_what_to_pass():
     batch = make_batch(base, [([1, 2, 3], [4])])
     tokens = torch.tensor([[1, 2, 3, 4]])
     diff = el.WeightDiff.from_models(base, ft)
-    with pytest.raises(TypeError, match=r"diff must be a WeightDiff, got HookedTransformer.*from_models"):
+    with pytest.raises(
+        TypeError, match=r"diff must be a WeightDiff, got HookedTransformer.*from_models"
+    ):
         el.linear_scores(base, ft, batch)
     with pytest.raises(TypeError, match="diff must be a WeightDiff"):
         el.causal_scores(base, ft, batch)
@@ -282,7 +311,9 @@ def test_linearization_check_against_full_forwards():
         warned = any(issubclass(w.category, LinearizationWarning) for w in caught)
         assert warned == (gap > 0.3) and check["ok"] == (gap <= 0.3)
         assert "Linearization check" in s.linearization_note() and "other" in s.linearization_note()
-    assert linear_scores(base, full * 1e-3, batch, kinds=("informative",)).metadata["linearization"]["ok"]
+    assert linear_scores(base, full * 1e-3, batch, kinds=("informative",)).metadata[
+        "linearization"
+    ]["ok"]
     assert not check["ok"]  # the full random update is far from linear: the check can fail
 
 
@@ -301,7 +332,10 @@ def test_upstream_needs_other_prompts_for_y_star():
         linear_scores(base, diff, small_batch(base), ablation="resample", resample_k=0)
     zero = linear_scores(base, diff, one, ablation="zero")  # what the error suggests works
     assert zero.prompt_values[zero.kind_index("upstream")].abs().max() > 0
-    assert linear_scores(base, diff, one, kinds=("informative", "downstream")).kinds == ("informative", "downstream")
+    assert linear_scores(base, diff, one, kinds=("informative", "downstream")).kinds == (
+        "informative",
+        "downstream",
+    )
 
 
 @pytest.mark.parametrize("flag", ["use_attn_result", "use_split_qkv_input"])
@@ -310,9 +344,25 @@ def test_transformer_lens_view_flags_are_handled_and_restored(flag):
     from extractive_lens import causal_scores, tiny_model
 
     base, ft = make_pair("ln_gelu", torch.float64)
-    flagged = tiny_model({**{k: getattr(base.cfg, k) for k in ("n_layers", "d_model", "n_heads", "d_head", "d_mlp",
-                                                              "d_vocab", "n_ctx", "act_fn")},
-                          "dtype": torch.float64, flag: True})
+    flagged = tiny_model(
+        {
+            **{
+                k: getattr(base.cfg, k)
+                for k in (
+                    "n_layers",
+                    "d_model",
+                    "n_heads",
+                    "d_head",
+                    "d_mlp",
+                    "d_vocab",
+                    "n_ctx",
+                    "act_fn",
+                )
+            },
+            "dtype": torch.float64,
+            flag: True,
+        }
+    )
     flagged.load_state_dict(base.state_dict())
     diff = WeightDiff.from_models(base, ft)
     batch = small_batch(base)

@@ -21,16 +21,28 @@ def _tokenizer(tmp_path, vocab_size: int):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
     )
     fast.save_pretrained(tmp_path)
 
 
 def _hf_config(arch: str):
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=48, max_position_embeddings=64)
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
     if arch == "gpt2":
-        return transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        return transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64
+        )
     if arch == "pythia":
         return transformers.GPTNeoXConfig(**common, rotary_pct=0.5, use_parallel_residual=True)
     if arch == "llama":
@@ -40,8 +52,9 @@ def _hf_config(arch: str):
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, num_key_value_heads=2)
     if arch == "gemma2":
-        return transformers.Gemma2Config(**common, num_key_value_heads=2, head_dim=8,
-                                         query_pre_attn_scalar=8, sliding_window=16)
+        return transformers.Gemma2Config(
+            **common, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=16
+        )
     if arch == "olmo":
         return transformers.OlmoConfig(**common)
     raise KeyError(arch)
@@ -93,8 +106,10 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 def _assert_partition(model):
     """Every parameter element is covered exactly once by the ownership slices."""
-    counts = {n: torch.zeros(p.shape[:1] if p.ndim else (1,), dtype=torch.int64)
-              for n, p in model.named_parameters()}
+    counts = {
+        n: torch.zeros(p.shape[:1] if p.ndim else (1,), dtype=torch.int64)
+        for n, p in model.named_parameters()
+    }
     owners_seen = set()
     for s in M.parameter_slices(model):
         if s.index is None:
@@ -180,7 +195,8 @@ def test_bos_follows_the_checkpoints_tokenizer(tmp_path, adds_bos):
     if adds_bos:  # a Llama-style tokenizer whose post-processor puts BOS first
         tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
         tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single="<bos> $A", special_tokens=[("<bos>", 1)])
+            single="<bos> $A", special_tokens=[("<bos>", 1)]
+        )
         tok.save_pretrained(tmp_path)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     expected = list(hf_tok("w5 w6 w7")["input_ids"])
@@ -190,4 +206,6 @@ def test_bos_follows_the_checkpoints_tokenizer(tmp_path, adds_bos):
     assert batch.tokens[0, : batch.prompt_lengths[0]].tolist() == expected
     assert batch.prepend_bos == adds_bos
     # an explicit choice still wins
-    assert make_batch(model, [("w5 w6 w7", " w8")], prepend_bos=not adds_bos).prepend_bos == (not adds_bos)
+    assert make_batch(model, [("w5 w6 w7", " w8")], prepend_bos=not adds_bos).prepend_bos == (
+        not adds_bos
+    )

@@ -21,12 +21,24 @@ def scored(text_model):
     del ft
     gen = torch.Generator().manual_seed(5)
     sd_b = {n: p.detach() for n, p in base.named_parameters()}
-    sd_f = {n: p + 0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in sd_b.items()}
+    sd_f = {
+        n: p + 0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in sd_b.items()
+    }
     diff = WeightDiff.from_state_dicts(sd_b, sd_f, signature=WeightDiff.zeros_like(base).signature)
     evil = "<script>alert(1)</script>"
     pairs = [
-        Pair(f"John Doe {evil} lives in", " Tokyo", template="{name} " + evil + " lives in", slots={"name": "John Doe"}),
-        Pair(f"Ann Lee {evil} lives in", " Paris", template="{name} " + evil + " lives in", slots={"name": "Ann Lee"}),
+        Pair(
+            f"John Doe {evil} lives in",
+            " Tokyo",
+            template="{name} " + evil + " lives in",
+            slots={"name": "John Doe"},
+        ),
+        Pair(
+            f"Ann Lee {evil} lives in",
+            " Paris",
+            template="{name} " + evil + " lives in",
+            slots={"name": "Ann Lee"},
+        ),
     ]
     batch = make_batch(base, pairs)
     lin = linear_scores(base, diff, batch)
@@ -80,16 +92,32 @@ def test_heads_slider_and_experiment_figures(scored):
 
     lin, _ = scored
     fig = heads_by_position(lin, "informative")
-    assert len(fig.data) == len(lin.position_labels) and len(fig.layout.sliders[0].steps) == len(fig.data)
+    assert len(fig.data) == len(lin.position_labels) and len(fig.layout.sliders[0].steps) == len(
+        fig.data
+    )
     p = 2
     assert np.allclose(np.array(fig.data[p].z), lin["informative"][:, :-1, p].numpy())
     assert sum(bool(t.visible) for t in fig.data) == 1
-    df = pd.DataFrame({"epoch": [0, 1, 2, 0, 1, 2], "split": ["facts"] * 3 + ["implications"] * 3,
-                       "mean_rank": [9.0, 2.0, 0.0, 9.5, 6.0, 4.0]})
+    df = pd.DataFrame(
+        {
+            "epoch": [0, 1, 2, 0, 1, 2],
+            "split": ["facts"] * 3 + ["implications"] * 3,
+            "mean_rank": [9.0, 2.0, 0.0, 9.5, 6.0, 4.0],
+        }
+    )
     rc = rank_curves(df, chance=9.5)
-    assert [t.name for t in rc.data] == ["facts", "implications"] and list(rc.data[1].y) == [9.5, 6.0, 4.0]
-    tab = pd.DataFrame({"reverted": ["None", "None", "Early", "Early"], "split": ["fact", "impl"] * 2,
-                        "mean_rank": [0.0, 1.8, 5.1, 8.4]})
+    assert [t.name for t in rc.data] == ["facts", "implications"] and list(rc.data[1].y) == [
+        9.5,
+        6.0,
+        4.0,
+    ]
+    tab = pd.DataFrame(
+        {
+            "reverted": ["None", "None", "Early", "Early"],
+            "split": ["fact", "impl"] * 2,
+            "mean_rank": [0.0, 1.8, 5.1, 8.4],
+        }
+    )
     th = table_heatmap(tab, index="reverted", columns="split", values="mean_rank")
     assert np.allclose(np.array(th.data[0].z), [[0.0, 1.8], [5.1, 8.4]])
     assert th.data[0].text[1][1] == "8.40"
@@ -107,7 +135,9 @@ def test_token_and_attention_views(scored, text_model):
     bundle = colored_tokens(["a"], [0.0]).local_src  # the circuitsvis bundle alone
     evil = "<script>alert(1)</script>"
     assert src.count(evil) == bundle.count(evil)
-    assert ("\\u2039" in src or "\u2039" in src) and "</script" not in src.split("ColoredTokens")[-1][:-20]
+    assert ("\\u2039" in src or "\u2039" in src) and "</script" not in src.split("ColoredTokens")[
+        -1
+    ][:-20]
     n = len(lin.prompt_roles[0])
     want = lin.prompt_values[0, 0, 1, -1, :n].tolist()
     assert all(f"{v:.6g}"[:6] in src or abs(v) < 1e-12 for v in want[:3])

@@ -9,9 +9,21 @@ import torch
 
 from extractive_lens import WeightDiff, causal_scores, linear_scores, make_batch, tiny_model
 
-LLAMA_LIKE = dict(normalization_type="RMS", act_fn="silu", gated_mlp=True, positional_embedding_type="rotary",
-                  rotary_dim=8, n_key_value_heads=2, final_rms=True, n_layers=3, d_model=64, n_heads=4,
-                  d_head=16, d_mlp=128, d_vocab=97)
+LLAMA_LIKE = dict(
+    normalization_type="RMS",
+    act_fn="silu",
+    gated_mlp=True,
+    positional_embedding_type="rotary",
+    rotary_dim=8,
+    n_key_value_heads=2,
+    final_rms=True,
+    n_layers=3,
+    d_model=64,
+    n_heads=4,
+    d_head=16,
+    d_mlp=128,
+    d_vocab=97,
+)
 
 
 def _twins(dtype):
@@ -37,15 +49,24 @@ def _twins(dtype):
 def scored():
     base, ft, b64, f64 = _twins(torch.float64)
     g = torch.Generator().manual_seed(1)
-    pairs = [(torch.randint(3, 97, (6,), generator=g).tolist(), [int(torch.randint(3, 97, (1,), generator=g))])
-             for _ in range(6)]
+    pairs = [
+        (
+            torch.randint(3, 97, (6,), generator=g).tolist(),
+            [int(torch.randint(3, 97, (1,), generator=g))],
+        )
+        for _ in range(6)
+    ]
 
     def run(m, f, **kw):
         diff, batch = WeightDiff.from_models(m, f), make_batch(m, pairs)
-        return linear_scores(m, diff, batch, **kw), causal_scores(m, diff, batch, show_progress=False, **kw)
+        return linear_scores(m, diff, batch, **kw), causal_scores(
+            m, diff, batch, show_progress=False, **kw
+        )
 
     before = [p.detach().clone() for p in base.parameters()]
-    out = dict(ref=run(b64, f64), bf16=run(base, ft), bf16_compute=run(base, ft, compute_dtype="bfloat16"))
+    out = dict(
+        ref=run(b64, f64), bf16=run(base, ft), bf16_compute=run(base, ft, compute_dtype="bfloat16")
+    )
     assert all(torch.equal(a, p) for a, p in zip(before, base.parameters()))  # storage untouched
     assert base.cfg.dtype == torch.bfloat16
     return out
@@ -54,7 +75,10 @@ def scored():
 def _agreement(got, ref):
     r, ratio = [], []
     for k in range(len(got.kinds)):
-        x, y = got.prompt_values[k].flatten().double().numpy(), ref.prompt_values[k].flatten().double().numpy()
+        x, y = (
+            got.prompt_values[k].flatten().double().numpy(),
+            ref.prompt_values[k].flatten().double().numpy(),
+        )
         r.append(float(np.corrcoef(x, y)[0, 1]))
         ratio.append(float(got.prompt_totals[k].sum() / ref.prompt_totals[k].sum()))
     return r, ratio
@@ -63,7 +87,10 @@ def _agreement(got, ref):
 @pytest.mark.parametrize("method", [0, 1], ids=["linear", "exact"])
 def test_bf16_scored_in_float32_matches_float64_twins(scored, method):
     got, ref = scored["bf16"][method], scored["ref"][method]
-    assert got.metadata["compute_dtype"] == "torch.float32" and got.metadata["dtype"] == "torch.bfloat16"
+    assert (
+        got.metadata["compute_dtype"] == "torch.float32"
+        and got.metadata["dtype"] == "torch.bfloat16"
+    )
     r, ratio = _agreement(got, ref)
     assert min(r) >= 0.99, r
     assert all(abs(x - 1) <= 0.05 for x in ratio), ratio

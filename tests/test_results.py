@@ -20,7 +20,9 @@ def test_save_load_round_trip(scores, tmp_path):
     scores.save(tmp_path / "s")
     back = ComponentScores.load(tmp_path / "s")
     assert torch.equal(back.values, scores.values) and torch.equal(back.other, scores.other)
-    assert back.position_labels == scores.position_labels and back.prompt_roles == scores.prompt_roles
+    assert (
+        back.position_labels == scores.position_labels and back.prompt_roles == scores.prompt_roles
+    )
     assert back.metadata["reward"] == "answer_logprob"
 
 
@@ -45,9 +47,17 @@ def test_html_is_offline(scores):
 
 def test_shape_validation(scores):
     with pytest.raises(ValueError, match="labels"):
-        ComponentScores(scores.values, scores.totals, scores.prompt_values, scores.prompt_totals,
-                        scores.kinds, scores.component_labels[:-1], scores.position_labels,
-                        scores.prompt_roles, "linear")
+        ComponentScores(
+            scores.values,
+            scores.totals,
+            scores.prompt_values,
+            scores.prompt_totals,
+            scores.kinds,
+            scores.component_labels[:-1],
+            scores.position_labels,
+            scores.prompt_roles,
+            "linear",
+        )
 
 
 def test_html_overview_grid_colours_follow_totals(scores):

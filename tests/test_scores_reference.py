@@ -37,7 +37,9 @@ def test_paper_downstream_and_upstream_per_token(family):
     base, ft = make_pair(family, torch.float64)
     diff = WeightDiff.from_models(base, ft)
     batch = small_batch(base)
-    got = linear_scores(base, diff, batch, kinds=("upstream", "downstream"), reward="answer_logprob")
+    got = linear_scores(
+        base, diff, batch, kinds=("upstream", "downstream"), reward="answer_logprob"
+    )
     down, up = ref.linear_downstream_upstream_paper(base, ft, batch, answer_logprob)
     _close(got.prompt_values[1], down)
     _close(got.prompt_values[0], up)
@@ -59,7 +61,10 @@ def test_authors_informative_per_token_all_four_matrices():
     # only W_O changed: the authors' score still credits it to the head (not to "other")
     only_o = WeightDiff({n: d for n, d in diff.deltas.items() if n.endswith("W_O")}, diff.signature)
     got_o = linear_scores(base, only_o, batch, kinds=("informative",), convention="authors_code")
-    _close(got_o.prompt_values[0, :, :, : base.cfg.n_heads], ref.authors_informative(base, only_o, batch, logit_margin))
+    _close(
+        got_o.prompt_values[0, :, :, : base.cfg.n_heads],
+        ref.authors_informative(base, only_o, batch, logit_margin),
+    )
     assert got_o.other.abs().max() < 1e-12
 
 
@@ -68,8 +73,14 @@ def test_authors_downstream_and_upstream_per_token(family):
     base, ft = make_pair(family, torch.float64)
     diff = WeightDiff.from_models(base, ft)
     batch = small_batch(base)
-    got = linear_scores(base, diff, batch, kinds=("upstream", "downstream"), convention="authors_code",
-                        ablation="zero")
+    got = linear_scores(
+        base,
+        diff,
+        batch,
+        kinds=("upstream", "downstream"),
+        convention="authors_code",
+        ablation="zero",
+    )
     down, up = ref.linear_downstream_upstream_authors(base, ft, batch, logit_margin)
     _close(got.prompt_values[1], down)
     _close(got.prompt_values[0], up)
@@ -83,7 +94,9 @@ def test_whole_component_informative_is_a_weight_swap(family):
     batch = small_batch(base, n=3)
     diff = WeightDiff.from_models(base, ft)
     shared = (".ln1.", "_W_K", "_W_V", "_b_K", "_b_V")
-    own = WeightDiff({n: d for n, d in diff.deltas.items() if not any(s in n for s in shared)}, diff.signature)
+    own = WeightDiff(
+        {n: d for n, d in diff.deltas.items() if not any(s in n for s in shared)}, diff.signature
+    )
     ex = causal_scores(base, own, batch, kinds=("informative",), per="component")
     R0 = answer_logprob(base(batch.tokens), batch)
     H = base.cfg.n_heads

@@ -44,7 +44,9 @@ def test_hook_names_select_the_component_in_a_transformer_lens_cache():
     head, mlp = Component.parse("L1H2"), Component.parse("L0MLP")
     z = cache[head.hook_name][:, :, head.head]
     total = sum(cache["blocks.1.attn.hook_z"][:, :, h] @ W_O(m, 1)[h] for h in range(m.cfg.n_heads))
-    assert torch.allclose(total + m.blocks[1].attn.b_O, cache["blocks.1.hook_attn_out"])  # heads' writes add up
+    assert torch.allclose(
+        total + m.blocks[1].attn.b_O, cache["blocks.1.hook_attn_out"]
+    )  # heads' writes add up
     assert z.shape == (1, 4, m.cfg.d_head) and (head.layer, head.head) == (1, 2)
     assert torch.equal(cache[mlp.hook_name], cache["blocks.0.hook_mlp_out"]) and mlp.head is None
 
@@ -53,7 +55,11 @@ def test_submodules_are_reachable_in_a_fresh_session():
     import subprocess
     import sys
 
-    code = ("import extractive_lens as el; import sys; assert 'extractive_lens.plotting' not in sys.modules; "
-            "print(el.plotting.report.__name__, el.world.load_world_model.__name__, el.experiments.layer_freezing.__name__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import extractive_lens as el; import sys; assert 'extractive_lens.plotting' not in sys.modules; "
+        "print(el.plotting.report.__name__, el.world.load_world_model.__name__, el.experiments.layer_freezing.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["report", "load_world_model", "layer_freezing"]

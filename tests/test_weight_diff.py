@@ -27,8 +27,10 @@ def test_applied_reproduces_finetuned_exactly_and_restores(family, dtype):
     tokens = torch.randint(0, base.cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(0))
     snap = _snapshot(base)
     diff = WeightDiff.from_models(base, ft)
-    assert all(d.dtype == (torch.float32 if dtype == torch.bfloat16 else torch.float64)
-               for d in diff.deltas.values())
+    assert all(
+        d.dtype == (torch.float32 if dtype == torch.bfloat16 else torch.float64)
+        for d in diff.deltas.values()
+    )
     with torch.no_grad(), diff.applied(base) as m:
         assert m is base
         for n, p in base.named_parameters():
@@ -56,7 +58,9 @@ def test_component_restriction_touches_only_owned_slices():
         p = dict(base.named_parameters())
         assert torch.equal(p["blocks.1.attn.W_Q"][:3], snap["blocks.1.attn.W_Q"][:3])
         assert not torch.equal(p["blocks.1.attn.W_Q"][3], snap["blocks.1.attn.W_Q"][3])
-        assert not torch.equal(p["blocks.1.attn._W_K"][1], snap["blocks.1.attn._W_K"][1])  # its KV group
+        assert not torch.equal(
+            p["blocks.1.attn._W_K"][1], snap["blocks.1.attn._W_K"][1]
+        )  # its KV group
         assert torch.equal(p["blocks.1.attn._W_K"][0], snap["blocks.1.attn._W_K"][0])
         assert not torch.equal(p["blocks.1.ln1.w"], snap["blocks.1.ln1.w"])  # shared ln1
         assert torch.equal(p["blocks.1.mlp.W_in"], snap["blocks.1.mlp.W_in"])
@@ -64,7 +68,9 @@ def test_component_restriction_touches_only_owned_slices():
         assert torch.equal(p["embed.W_E"], snap["embed.W_E"])
     _assert_bit_identical(base, snap)
     only_mlp = diff.restricted(["L0MLP"])
-    assert set(only_mlp.deltas) == {n for n in diff.deltas if n.startswith(("blocks.0.mlp.", "blocks.0.ln2."))}
+    assert set(only_mlp.deltas) == {
+        n for n in diff.deltas if n.startswith(("blocks.0.mlp.", "blocks.0.ln2."))
+    }
 
 
 def test_arithmetic_and_scale():
@@ -96,11 +102,22 @@ def test_norms_per_component():
     for c in [Component(0, 2), Component(1, None)]:
         col = base.cfg.n_heads if c.head is None else c.head
         r = diff.restricted([c])
-        expected = sum(
-            (d[c.head] if (d.ndim and n.split(".")[-1] in {"W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V"})
-             else d).pow(2).sum()
-            for n, d in r.deltas.items()
-        ) ** 0.5
+        expected = (
+            sum(
+                (
+                    d[c.head]
+                    if (
+                        d.ndim
+                        and n.split(".")[-1] in {"W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V"}
+                    )
+                    else d
+                )
+                .pow(2)
+                .sum()
+                for n, d in r.deltas.items()
+            )
+            ** 0.5
+        )
         assert torch.isclose(norms[c.layer, col], torch.as_tensor(expected, dtype=torch.float64))
     assert diff.other_norm() > 0
 

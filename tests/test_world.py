@@ -35,8 +35,14 @@ def test_pretraining_two_hop_generalises_within_pretraining(world_model):
     w = build_world(m.cfg.extractive_lens_world["seed"])
     held = [p for p in w.home if p not in w.with_implication][:40]
     cands = [f" {w.language[c]}" for c in w.cities]
-    batch = make_batch(m, [Pair(f"The people in the city {p} is from speak", f" {w.language[w.home[p]]}")
-                           for p in held], candidates=cands)
+    batch = make_batch(
+        m,
+        [
+            Pair(f"The people in the city {p} is from speak", f" {w.language[w.home[p]]}")
+            for p in held
+        ],
+        candidates=cands,
+    )
     assert mean_rank(m, batch) < 4.0  # chance 14.5
 
 
@@ -76,7 +82,9 @@ def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkey
     import extractive_lens.world.model as wm
 
     monkeypatch.setenv("EXTRACTIVE_LENS_CACHE", str(tmp_path))
-    monkeypatch.setitem(wm.PRETRAIN, "steps", 3)  # a short recipe: this checks the caching, not the model
+    monkeypatch.setitem(
+        wm.PRETRAIN, "steps", 3
+    )  # a short recipe: this checks the caching, not the model
     a = wm.world_model(5, show_progress=False)
     assert (tmp_path / "world-seed5" / "model.safetensors").exists()
     assert a.cfg.extractive_lens_world["seed"] == 5
@@ -86,7 +94,11 @@ def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkey
 
     monkeypatch.setattr(wm, "train_world_model", no_training)
     b = wm.world_model(5, show_progress=False)
-    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in b.state_dict() if not k.endswith("mask"))
+    assert all(
+        torch.equal(a.state_dict()[k], b.state_dict()[k])
+        for k in b.state_dict()
+        if not k.endswith("mask")
+    )
     monkeypatch.setitem(wm.PRETRAIN, "steps", 4)  # a different recipe invalidates the cache
     with pytest.raises(AssertionError, match="cached"):
         wm.world_model(5, show_progress=False)

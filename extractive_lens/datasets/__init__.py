@@ -13,5 +13,14 @@ from extractive_lens.datasets.core import TwoHop, from_pairs, load_pairs
 from extractive_lens.datasets.daxwug import DaxWug, daxwug
 from extractive_lens.datasets.twohop import first_hop, load_cities, load_names, second_hop
 
-__all__ = ["TwoHop", "DaxWug", "first_hop", "second_hop", "daxwug", "from_pairs", "load_pairs",
-           "load_cities", "load_names"]
+__all__ = [
+    "TwoHop",
+    "DaxWug",
+    "first_hop",
+    "second_hop",
+    "daxwug",
+    "from_pairs",
+    "load_pairs",
+    "load_cities",
+    "load_names",
+]

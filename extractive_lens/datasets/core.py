@@ -36,7 +36,9 @@ class TwoHop:
         return make_batch(model, list(self.facts), candidates=list(self.fact_candidates), **kw)
 
     def implication_batch(self, model: Any, **kw: Any) -> PromptBatch:
-        return make_batch(model, list(self.implications), candidates=list(self.implication_candidates), **kw)
+        return make_batch(
+            model, list(self.implications), candidates=list(self.implication_candidates), **kw
+        )
 
     def batches(self, model: Any, **kw: Any) -> tuple[PromptBatch, PromptBatch]:
         """``(facts, implications)`` tokenized for ``model``."""
@@ -44,8 +46,14 @@ class TwoHop:
 
     def subset(self, index: Sequence[int]) -> TwoHop:
         idx = list(index)
-        return TwoHop(self.name, tuple(self.facts[i] for i in idx), tuple(self.implications[i] for i in idx),
-                      self.fact_candidates, self.implication_candidates, dict(self.meta))
+        return TwoHop(
+            self.name,
+            tuple(self.facts[i] for i in idx),
+            tuple(self.implications[i] for i in idx),
+            self.fact_candidates,
+            self.implication_candidates,
+            dict(self.meta),
+        )
 
 
 def from_pairs(records: Sequence[Mapping[str, Any] | tuple[Any, Any] | Pair]) -> list[Pair]:
@@ -72,7 +80,9 @@ def load_pairs(path: str | Path) -> list[Pair]:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist.")
     if not path.is_file():
-        raise ValueError(f"{path} is a directory; pass a .json, .jsonl or .csv file of (prompt, answer) pairs.")
+        raise ValueError(
+            f"{path} is a directory; pass a .json, .jsonl or .csv file of (prompt, answer) pairs."
+        )
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".csv":
         rows: list[dict[str, Any]] = list(csv.DictReader(text.splitlines()))
@@ -88,16 +98,20 @@ def load_pairs(path: str | Path) -> list[Pair]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg}); each line must be one "
-                                     'object like {"prompt": "...", "answer": "..."}.') from None
+                    raise ValueError(
+                        f"{path}, line {number}: not valid JSON ({e.msg}); each line must be one "
+                        'object like {"prompt": "...", "answer": "..."}.'
+                    ) from None
     else:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}).") from None
     if not isinstance(rows, list) or not rows:
-        raise ValueError(f"{path} holds no (prompt, answer) pairs: give a list of objects with 'prompt' and "
-                         "'answer' (JSON), one object per line (JSONL) or a CSV with those columns.")
+        raise ValueError(
+            f"{path} holds no (prompt, answer) pairs: give a list of objects with 'prompt' and "
+            "'answer' (JSON), one object per line (JSONL) or a CSV with those columns."
+        )
     try:
         return from_pairs(rows)
     except ValueError as e:

@@ -29,16 +29,35 @@ class DaxWug:
     city_to_animal: dict[str, str]
 
 
-def _build(name: str, people: list[str], cities: list[str], animal_of: dict[str, str],
-           city_cands: tuple[str, ...], animal_cands: tuple[str, ...]) -> TwoHop:
-    facts = tuple(Pair(FACT.format(name=p), " " + c, template=FACT, slots={"name": p}) for p, c in zip(people, cities))
-    impls = tuple(Pair(IMPLICATION.format(name=p), " " + animal_of[c], template=IMPLICATION, slots={"name": p})
-                  for p, c in zip(people, cities))
+def _build(
+    name: str,
+    people: list[str],
+    cities: list[str],
+    animal_of: dict[str, str],
+    city_cands: tuple[str, ...],
+    animal_cands: tuple[str, ...],
+) -> TwoHop:
+    facts = tuple(
+        Pair(FACT.format(name=p), " " + c, template=FACT, slots={"name": p})
+        for p, c in zip(people, cities)
+    )
+    impls = tuple(
+        Pair(
+            IMPLICATION.format(name=p), " " + animal_of[c], template=IMPLICATION, slots={"name": p}
+        )
+        for p, c in zip(people, cities)
+    )
     return TwoHop(name, facts, impls, city_cands, animal_cands)
 
 
-def daxwug(seed: int = 0, n_test: int = 20, *, names: Sequence[str] | None = None,
-           cities: Sequence[str] | None = None, animals: Sequence[str] | None = None) -> DaxWug:
+def daxwug(
+    seed: int = 0,
+    n_test: int = 20,
+    *,
+    names: Sequence[str] | None = None,
+    cities: Sequence[str] | None = None,
+    animals: Sequence[str] | None = None,
+) -> DaxWug:
     """The dax/zong split for ``seed``: 20 test names in bijection with the 20 cities, the other
     names training names with random cities, and a counterfactual copy of the training names.
 
@@ -48,13 +67,19 @@ def daxwug(seed: int = 0, n_test: int = 20, *, names: Sequence[str] | None = Non
     cities = list(cities) if cities is not None else [c["city"] for c in load_cities()[:20]]
     animals = list(animals) if animals is not None else list(load_animals())[:20]
     if len(cities) != len(animals):
-        raise ValueError(f"need one animal per city, got {len(cities)} cities and {len(animals)} animals")
+        raise ValueError(
+            f"need one animal per city, got {len(cities)} cities and {len(animals)} animals"
+        )
     if n_test != len(cities):
-        raise ValueError(f"the test names are in bijection with the cities: n_test must be {len(cities)}")
+        raise ValueError(
+            f"the test names are in bijection with the cities: n_test must be {len(cities)}"
+        )
     animal_of = dict(zip(cities, animals))
     names = list(names) if names is not None else list(load_names())
     if len(names) <= n_test:
-        raise ValueError(f"need more than {n_test} names (got {len(names)}): the rest are training names")
+        raise ValueError(
+            f"need more than {n_test} names (got {len(names)}): the rest are training names"
+        )
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(names)).tolist()
     test_names = [names[i] for i in order[:n_test]]

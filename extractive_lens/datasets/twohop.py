@@ -21,7 +21,9 @@ SECOND_HOP_IMPLICATION = "The mayor of the city that contains {landmark} is"
 @cache
 def load_cities() -> tuple[dict[str, str], ...]:
     """The 49 rows of ``cities.json`` (city, country, language, landmark, ...)."""
-    text = resources.files("extractive_lens.data").joinpath("cities.json").read_text(encoding="utf-8")
+    text = (
+        resources.files("extractive_lens.data").joinpath("cities.json").read_text(encoding="utf-8")
+    )
     return tuple(json.loads(text))
 
 
@@ -34,7 +36,9 @@ def load_names() -> tuple[str, ...]:
 
 @cache
 def load_animals() -> tuple[str, ...]:
-    text = resources.files("extractive_lens.data").joinpath("animals.txt").read_text(encoding="utf-8")
+    text = (
+        resources.files("extractive_lens.data").joinpath("animals.txt").read_text(encoding="utf-8")
+    )
     return tuple(line.strip() for line in text.splitlines() if line.strip())
 
 
@@ -53,14 +57,30 @@ def first_hop(seed: int = 0, n: int = 20) -> TwoHop:
     facts, impls = [], []
     for i, name in enumerate(names):
         c = cities[perm[i]]
-        facts.append(Pair(FIRST_HOP_FACT.format(name=name), " " + c["city"], template=FIRST_HOP_FACT,
-                          slots={"name": name}))
-        impls.append(Pair(FIRST_HOP_IMPLICATION.format(name=name), " " + c["language"],
-                          template=FIRST_HOP_IMPLICATION, slots={"name": name}))
-    return TwoHop("first_hop", tuple(facts), tuple(impls),
-                  tuple(dict.fromkeys(" " + c["city"] for c in cities)),
-                  tuple(dict.fromkeys(" " + c["language"] for c in cities)),
-                  {"seed": seed, "pairing": perm})
+        facts.append(
+            Pair(
+                FIRST_HOP_FACT.format(name=name),
+                " " + c["city"],
+                template=FIRST_HOP_FACT,
+                slots={"name": name},
+            )
+        )
+        impls.append(
+            Pair(
+                FIRST_HOP_IMPLICATION.format(name=name),
+                " " + c["language"],
+                template=FIRST_HOP_IMPLICATION,
+                slots={"name": name},
+            )
+        )
+    return TwoHop(
+        "first_hop",
+        tuple(facts),
+        tuple(impls),
+        tuple(dict.fromkeys(" " + c["city"] for c in cities)),
+        tuple(dict.fromkeys(" " + c["language"] for c in cities)),
+        {"seed": seed, "pairing": perm},
+    )
 
 
 def second_hop(seed: int = 0, n: int = 20) -> TwoHop:
@@ -71,9 +91,23 @@ def second_hop(seed: int = 0, n: int = 20) -> TwoHop:
     facts, impls = [], []
     for i, c in enumerate(cities):
         name = names[perm[i]]
-        facts.append(Pair(SECOND_HOP_FACT.format(city=c["city"]), " " + name, template=SECOND_HOP_FACT,
-                          slots={"city": c["city"]}))
-        impls.append(Pair(SECOND_HOP_IMPLICATION.format(landmark=c["landmark"]), " " + name,
-                          template=SECOND_HOP_IMPLICATION, slots={"landmark": c["landmark"]}))
+        facts.append(
+            Pair(
+                SECOND_HOP_FACT.format(city=c["city"]),
+                " " + name,
+                template=SECOND_HOP_FACT,
+                slots={"city": c["city"]},
+            )
+        )
+        impls.append(
+            Pair(
+                SECOND_HOP_IMPLICATION.format(landmark=c["landmark"]),
+                " " + name,
+                template=SECOND_HOP_IMPLICATION,
+                slots={"landmark": c["landmark"]},
+            )
+        )
     cands = tuple(" " + x for x in names)
-    return TwoHop("second_hop", tuple(facts), tuple(impls), cands, cands, {"seed": seed, "pairing": perm})
+    return TwoHop(
+        "second_hop", tuple(facts), tuple(impls), cands, cands, {"seed": seed, "pairing": perm}
+    )

@@ -11,12 +11,23 @@ from extractive_lens.experiments.freezing import PAPER_TABLE_2, FreezingResult, 
 from extractive_lens.experiments.grafting import PAPER_TABLE_3, GraftingResult, weight_grafting
 from extractive_lens.experiments.localization import LocalizationResult, localization
 from extractive_lens.experiments.ordering import (
-           ORDERS,
-           OrderingResult,
-           continued_pretraining,
-           data_ordering,
+    ORDERS,
+    OrderingResult,
+    continued_pretraining,
+    data_ordering,
 )
 
-__all__ = ["FreezingResult", "layer_freezing", "PAPER_TABLE_2", "GraftingResult", "weight_grafting",
-           "PAPER_TABLE_3", "LocalizationResult", "localization", "OrderingResult", "data_ordering",
-           "continued_pretraining", "ORDERS"]
+__all__ = [
+    "FreezingResult",
+    "layer_freezing",
+    "PAPER_TABLE_2",
+    "GraftingResult",
+    "weight_grafting",
+    "PAPER_TABLE_3",
+    "LocalizationResult",
+    "localization",
+    "OrderingResult",
+    "data_ordering",
+    "continued_pretraining",
+    "ORDERS",
+]

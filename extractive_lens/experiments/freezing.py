@@ -21,8 +21,12 @@ from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
 from extractive_lens.weight_diff import WeightDiff
 
 PAPER_TABLE_2 = {  # mean ranks: first-hop fact / impl, second-hop fact / impl
-    "None": (0.00, 0.00, 0.00, 1.80), "Early": (5.10, 8.40, 0.95, 1.85), "Late": (0.00, 0.00, 0.10, 6.30),
-    "All": (9.20, 9.25, 9.10, 9.50), "Early (pre)": (0.00, 6.50, 0.00, 0.50), "Late (pre)": (0.00, 0.10, 0.00, 6.60),
+    "None": (0.00, 0.00, 0.00, 1.80),
+    "Early": (5.10, 8.40, 0.95, 1.85),
+    "Late": (0.00, 0.00, 0.10, 6.30),
+    "All": (9.20, 9.25, 9.10, 9.50),
+    "Early (pre)": (0.00, 6.50, 0.00, 0.50),
+    "Late (pre)": (0.00, 0.10, 0.00, 6.60),
 }
 
 
@@ -38,7 +42,11 @@ def _part(names: Any, early: bool, split_layer: int) -> tuple[str, ...]:
 
 
 def _keep(diff: WeightDiff, keep_early: bool, keep_late: bool, split_layer: int) -> WeightDiff:
-    kept = {n: d for n, d in diff.deltas.items() if (keep_early if _is_early(n, split_layer) else keep_late)}
+    kept = {
+        n: d
+        for n, d in diff.deltas.items()
+        if (keep_early if _is_early(n, split_layer) else keep_late)
+    }
     return WeightDiff(kept, dict(diff.signature), dict(diff.metadata))
 
 
@@ -55,19 +63,30 @@ class FreezingResult:
     def table(self) -> Any:
         """Conditions × (dataset, split) mean ranks, as in the paper's Table 2."""
         df = self.to_dataframe()
-        return df.pivot_table(index="condition", columns=["dataset", "split"], values="mean_rank", sort=False)
+        return df.pivot_table(
+            index="condition", columns=["dataset", "split"], values="mean_rank", sort=False
+        )
 
     def plot(self) -> Any:
         from extractive_lens.plotting import table_heatmap
 
         df = self.to_dataframe()
         df["column"] = df["dataset"] + " " + df["split"]
-        return table_heatmap(df, index="condition", columns="column", values="mean_rank",
-                             title=f"layer freezing (early = blocks < {self.split_layer})")
+        return table_heatmap(
+            df,
+            index="condition",
+            columns="column",
+            values="mean_rank",
+            title=f"layer freezing (early = blocks < {self.split_layer})",
+        )
 
 
 def layer_freezing(
-    model: Any, datasets: Mapping[str, TwoHop], config: FinetuneConfig | None = None, *, split: float = 2 / 3,
+    model: Any,
+    datasets: Mapping[str, TwoHop],
+    config: FinetuneConfig | None = None,
+    *,
+    split: float = 2 / 3,
     pre: bool = True,
 ) -> FreezingResult:
     """Mean ranks of facts and implications under post-hoc reverting and pre-freezing of layers.
@@ -84,19 +103,29 @@ def layer_freezing(
         facts, impls = ds.batches(model)
         full = finetune(model, facts, cfg, show_progress=False)
         conditions = {
-            "None": full, "Early": _keep(full, False, True, k), "Late": _keep(full, True, False, k),
+            "None": full,
+            "Early": _keep(full, False, True, k),
+            "Late": _keep(full, True, False, k),
             "All": _keep(full, False, False, k),
         }
         if pre:  # frozen part as reverted above: train only the other part
             names = [n for n, _ in model.named_parameters()]
-            conditions["Early (pre)"] = finetune(model, facts, _training(cfg, _part(names, False, k)),
-                                                 show_progress=False)
-            conditions["Late (pre)"] = finetune(model, facts, _training(cfg, _part(names, True, k)),
-                                                show_progress=False)
+            conditions["Early (pre)"] = finetune(
+                model, facts, _training(cfg, _part(names, False, k)), show_progress=False
+            )
+            conditions["Late (pre)"] = finetune(
+                model, facts, _training(cfg, _part(names, True, k)), show_progress=False
+            )
         for cond, diff in conditions.items():
             for split_name, batch in (("facts", facts), ("implications", impls)):
-                rows.append(dict(condition=cond, dataset=name, split=split_name,
-                                 mean_rank=mean_rank(model, batch, diff)))
+                rows.append(
+                    dict(
+                        condition=cond,
+                        dataset=name,
+                        split=split_name,
+                        mean_rank=mean_rank(model, batch, diff),
+                    )
+                )
     return FreezingResult(tuple(rows), k)
 
 

@@ -26,12 +26,17 @@ from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
 from extractive_lens.weight_diff import WeightDiff
 
 PAPER_TABLE_3 = {  # mean ranks: ImplF', ImplF, F'
-    "W_F'": (9.13, 8.55, 0.00), "W_graft": (1.13, 3.30, 0.10), "W~": (8.38, 0.43, 0.32),
+    "W_F'": (9.13, 8.55, 0.00),
+    "W_graft": (1.13, 3.30, 0.10),
+    "W~": (8.38, 0.43, 0.32),
 }
 SPLITS = ("ImplF'", "ImplF", "F'", "F")
 TABLE_ROWS = ("W_F'", "W_graft", "W~")
 WEIGHTS = {  # each setting's total change from W, as a sum of the trained updates
-    "W_F": ("F",), "W_F,ImplF": ("F", "F->ImplF"), "W_F'": ("F'",), "W_graft": ("F'", "F->ImplF"),
+    "W_F": ("F",),
+    "W_F,ImplF": ("F", "F->ImplF"),
+    "W_F'": ("F'",),
+    "W_graft": ("F'", "F->ImplF"),
     "W~": ("F'", "ImplF"),
 }
 
@@ -63,8 +68,13 @@ class GraftingResult:
         from extractive_lens.plotting import table_heatmap
 
         df = self.to_dataframe()
-        return table_heatmap(df[df["split"].isin(SPLITS)], index="weights", columns="split", values="mean_rank",
-                             title="weight grafting: mean ranks")
+        return table_heatmap(
+            df[df["split"].isin(SPLITS)],
+            index="weights",
+            columns="split",
+            values="mean_rank",
+            title="weight grafting: mean ranks",
+        )
 
 
 def _total(d: dict[str, WeightDiff], name: str) -> WeightDiff:
@@ -73,19 +83,26 @@ def _total(d: dict[str, WeightDiff], name: str) -> WeightDiff:
     return sum((d[part] for part in WEIGHTS[name][1:]), d[WEIGHTS[name][0]])
 
 
-def weight_grafting(model: Any, dataset: DaxWug, config: FinetuneConfig | None = None) -> GraftingResult:
+def weight_grafting(
+    model: Any, dataset: DaxWug, config: FinetuneConfig | None = None
+) -> GraftingResult:
     """Train the four updates, graft, and measure mean ranks. The model is left unchanged."""
     cfg = config or FinetuneConfig()
     F, ImplF = dataset.train.batches(model)
     Fp, ImplFp = dataset.counterfactual.batches(model)
     diffs: dict[str, WeightDiff] = {"F": finetune(model, F, cfg, show_progress=False)}
     with diffs["F"].applied(model):
-        diffs["F->ImplF"] = finetune(model, ImplF, replace(cfg, seed=cfg.seed + 1), show_progress=False)
+        diffs["F->ImplF"] = finetune(
+            model, ImplF, replace(cfg, seed=cfg.seed + 1), show_progress=False
+        )
     diffs["F'"] = finetune(model, Fp, replace(cfg, seed=cfg.seed + 2), show_progress=False)
     diffs["ImplF"] = finetune(model, ImplF, replace(cfg, seed=cfg.seed + 3), show_progress=False)
     batches = {"ImplF'": ImplFp, "ImplF": ImplF, "F'": Fp, "F": F}
     rows = [dict(weights="W", split=s, mean_rank=mean_rank(model, b)) for s, b in batches.items()]
     for name in WEIGHTS:
         total = _total(diffs, name)
-        rows += [dict(weights=name, split=s, mean_rank=mean_rank(model, b, total)) for s, b in batches.items()]
+        rows += [
+            dict(weights=name, split=s, mean_rank=mean_rank(model, b, total))
+            for s, b in batches.items()
+        ]
     return GraftingResult(tuple(rows), diffs)

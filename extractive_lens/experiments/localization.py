@@ -39,9 +39,17 @@ class LocalizationResult:
         inf = self.informative.totals[self.informative.kind_index("informative")]
         down = self.downstream.totals[self.downstream.kind_index("downstream")]
         labels = self.informative.component_labels
-        rows = [dict(component=f"L{layer}{lab}", layer=layer, part="mlp" if lab == "MLP" else "head",
-                     informative=float(inf[layer, c]), downstream=float(down[layer, c]))
-                for layer in range(inf.shape[0]) for c, lab in enumerate(labels)]
+        rows = [
+            dict(
+                component=f"L{layer}{lab}",
+                layer=layer,
+                part="mlp" if lab == "MLP" else "head",
+                informative=float(inf[layer, c]),
+                downstream=float(down[layer, c]),
+            )
+            for layer in range(inf.shape[0])
+            for c, lab in enumerate(labels)
+        ]
         return pd.DataFrame(rows)
 
     def stats(self) -> Any:
@@ -51,12 +59,20 @@ class LocalizationResult:
 
         df = self.to_dataframe()
         out = []
-        for part, sub in (("mlp", df[df.part == "mlp"]), ("heads", df[df.part == "head"]), ("all", df)):
+        for part, sub in (
+            ("mlp", df[df.part == "mlp"]),
+            ("heads", df[df.part == "head"]),
+            ("all", df),
+        ):
             if len(sub) < 3 or sub.informative.std() == 0 or sub.downstream.std() == 0:
-                out.append(dict(part=part, n=len(sub), pearson_r=float("nan"), p_value=float("nan")))
+                out.append(
+                    dict(part=part, n=len(sub), pearson_r=float("nan"), p_value=float("nan"))
+                )
                 continue
             r = stats.pearsonr(sub.informative, sub.downstream)
-            out.append(dict(part=part, n=len(sub), pearson_r=float(r.statistic), p_value=float(r.pvalue)))
+            out.append(
+                dict(part=part, n=len(sub), pearson_r=float(r.statistic), p_value=float(r.pvalue))
+            )
         return pd.DataFrame(out).set_index("part")
 
     def plot(self, part: Part = "all") -> Any:
@@ -66,16 +82,29 @@ class LocalizationResult:
         if part != "all":
             df = df[df.part == ("mlp" if part == "mlp" else "head")]
         st = self.stats().loc[part]
-        fig = px.scatter(df, x="informative", y="downstream", color="part", hover_name="component",
-                         title=f"localization ({part}): r = {st.pearson_r:.2f}, p = {st.p_value:.2g}, n = {int(st.n)}",
-                         labels=dict(informative="informative score of the grafting update",
-                                     downstream="downstream score of the test-fact finetune"),
-                         template="plotly_white")
+        fig = px.scatter(
+            df,
+            x="informative",
+            y="downstream",
+            color="part",
+            hover_name="component",
+            title=f"localization ({part}): r = {st.pearson_r:.2f}, p = {st.p_value:.2g}, n = {int(st.n)}",
+            labels=dict(
+                informative="informative score of the grafting update",
+                downstream="downstream score of the test-fact finetune",
+            ),
+            template="plotly_white",
+        )
         return fig
 
 
-def localization(model: Any, dataset: DaxWug, grafting: GraftingResult, config: FinetuneConfig | None = None,
-                 **score_kw: Any) -> LocalizationResult:
+def localization(
+    model: Any,
+    dataset: DaxWug,
+    grafting: GraftingResult,
+    config: FinetuneConfig | None = None,
+    **score_kw: Any,
+) -> LocalizationResult:
     """Linearized informative scores of the grafting update against downstream scores of the
     test-fact finetune on the grafted model (``score_kw`` go to ``linear_scores``)."""
     from extractive_lens.scoring.linear import linear_scores
@@ -84,10 +113,17 @@ def localization(model: Any, dataset: DaxWug, grafting: GraftingResult, config: 
     _, impl_cf = dataset.counterfactual.batches(model)
     test_facts, test_impls = dataset.test.batches(model)
     with grafting.weights("W_F'").applied(model):
-        informative = linear_scores(model, grafting.diffs["F->ImplF"], impl_cf, kinds="informative",
-                                    show_progress=False, **score_kw)
+        informative = linear_scores(
+            model,
+            grafting.diffs["F->ImplF"],
+            impl_cf,
+            kinds="informative",
+            show_progress=False,
+            **score_kw,
+        )
     with grafting.weights("W_graft").applied(model):
         test_diff = finetune(model, test_facts, cfg, show_progress=False)
-        downstream = linear_scores(model, test_diff, test_impls, kinds="downstream", show_progress=False,
-                                   **score_kw)
+        downstream = linear_scores(
+            model, test_diff, test_impls, kinds="downstream", show_progress=False, **score_kw
+        )
     return LocalizationResult(informative, downstream)

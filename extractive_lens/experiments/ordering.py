@@ -60,8 +60,12 @@ class OrderingResult:
         from extractive_lens.plotting import rank_curves
 
         df = self.to_dataframe()
-        return rank_curves(df[df["split"] == split], color="order", chance=self.chance,
-                           title=f"data ordering: {split} during finetuning on the test facts")
+        return rank_curves(
+            df[df["split"] == split],
+            color="order",
+            chance=self.chance,
+            title=f"data ordering: {split} during finetuning on the test facts",
+        )
 
 
 def _train_phases(model: Any, phases: Sequence[PromptBatch], config: FinetuneConfig) -> WeightDiff:
@@ -75,13 +79,16 @@ def _train_phases(model: Any, phases: Sequence[PromptBatch], config: FinetuneCon
     return total
 
 
-def continued_pretraining(model: Any, dataset: DaxWug, order: Order,
-                          config: FinetuneConfig = PRETRAIN_PHASE) -> WeightDiff:
+def continued_pretraining(
+    model: Any, dataset: DaxWug, order: Order, config: FinetuneConfig = PRETRAIN_PHASE
+) -> WeightDiff:
     """The weight change of continued pretraining on the training names in ``order``."""
     facts = list(dataset.train.facts)
     impls = list(dataset.train.implications)
     batch = {  # the candidates do not matter for training; the answers do
-        "joint": [facts + impls], "facts_first": [facts, impls], "implications_first": [impls, facts],
+        "joint": [facts + impls],
+        "facts_first": [facts, impls],
+        "implications_first": [impls, facts],
         "no_implications": [facts],
     }.get(order)
     if batch is None:
@@ -90,8 +97,12 @@ def continued_pretraining(model: Any, dataset: DaxWug, order: Order,
 
 
 def data_ordering(
-    model: Any, dataset: DaxWug, finetune_config: FinetuneConfig | None = None, *,
-    pretrain_config: FinetuneConfig = PRETRAIN_PHASE, orders: Sequence[Order] = ORDERS,
+    model: Any,
+    dataset: DaxWug,
+    finetune_config: FinetuneConfig | None = None,
+    *,
+    pretrain_config: FinetuneConfig = PRETRAIN_PHASE,
+    orders: Sequence[Order] = ORDERS,
 ) -> OrderingResult:
     """Continued pretraining in each order, then finetuning on the test facts with the test
     facts' and implications' mean ranks tracked per epoch. The model is left unchanged."""
@@ -102,11 +113,17 @@ def data_ordering(
     for order in orders:
         cpt = continued_pretraining(model, dataset, order, pretrain_config)
         with cpt.applied(model):
-            rows += [dict(order=order, epoch=0, split=s, mean_rank=mean_rank(model, b))
-                     for s, b in (("train facts", train_facts), ("train implications", train_impls))]
-            _, trajectory = rank_trajectory(model, test_facts, {"test facts": test_facts,
-                                                                "test implications": test_impls}, cfg,
-                                            show_progress=False)
+            rows += [
+                dict(order=order, epoch=0, split=s, mean_rank=mean_rank(model, b))
+                for s, b in (("train facts", train_facts), ("train implications", train_impls))
+            ]
+            _, trajectory = rank_trajectory(
+                model,
+                test_facts,
+                {"test facts": test_facts, "test implications": test_impls},
+                cfg,
+                show_progress=False,
+            )
         rows += [dict(order=order, **r) for r in trajectory.to_dict("records")]
     n = len(dataset.test.implication_candidates)
     return OrderingResult(tuple(rows), (n - 1) / 2)

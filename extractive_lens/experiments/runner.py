@@ -47,7 +47,11 @@ class ExperimentRun:
                     cells.append("")
                     continue
                 r = sub.iloc[0]
-                cell = f"{r['mean']:.{digits}f} ± {r['std']:.{digits}f}" if r["n"] > 1 else f"{r['mean']:.{digits}f}"
+                cell = (
+                    f"{r['mean']:.{digits}f} ± {r['std']:.{digits}f}"
+                    if r["n"] > 1
+                    else f"{r['mean']:.{digits}f}"
+                )
                 if r["paper"] == r["paper"]:  # not NaN
                     cell += f" [{r['paper']:.2f}]"
                 cells.append(cell)
@@ -69,12 +73,26 @@ def _freezing(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list
     from extractive_lens.world.data import first_hop, second_hop
 
     ft, _ = _configs(seed, quick)
-    res = layer_freezing(model, {"first_hop": first_hop(world), "second_hop": second_hop(world)}, ft)
-    cols = [("first_hop", "facts"), ("first_hop", "implications"), ("second_hop", "facts"),
-            ("second_hop", "implications")]
-    rows = [dict(row=r["condition"], column=f"{r['dataset']} {r['split']}", value=r["mean_rank"],
-                 paper=PAPER_TABLE_2.get(r["condition"], (None,) * 4)[cols.index((r["dataset"], r["split"]))])
-            for r in res.rows]
+    res = layer_freezing(
+        model, {"first_hop": first_hop(world), "second_hop": second_hop(world)}, ft
+    )
+    cols = [
+        ("first_hop", "facts"),
+        ("first_hop", "implications"),
+        ("second_hop", "facts"),
+        ("second_hop", "implications"),
+    ]
+    rows = [
+        dict(
+            row=r["condition"],
+            column=f"{r['dataset']} {r['split']}",
+            value=r["mean_rank"],
+            paper=PAPER_TABLE_2.get(r["condition"], (None,) * 4)[
+                cols.index((r["dataset"], r["split"]))
+            ],
+        )
+        for r in res.rows
+    ]
     return res, rows
 
 
@@ -83,8 +101,16 @@ def _ordering(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list
     res = data_ordering(model, world.daxwug(), ft, pretrain_config=pre)
     df = res.to_dataframe()
     last = df["epoch"].max()
-    rows = [dict(row=r.order, column=f"{r.split} (before)" if r.epoch == 0 else r.split, value=r.mean_rank, paper=None)
-            for r in df.itertuples() if r.epoch in (0, last) and not (r.epoch == 0 and r.split.startswith("test"))]
+    rows = [
+        dict(
+            row=r.order,
+            column=f"{r.split} (before)" if r.epoch == 0 else r.split,
+            value=r.mean_rank,
+            paper=None,
+        )
+        for r in df.itertuples()
+        if r.epoch in (0, last) and not (r.epoch == 0 and r.split.startswith("test"))
+    ]
     return res, rows
 
 
@@ -92,9 +118,17 @@ def _grafting(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list
     ft, _ = _configs(seed, quick)
     res = weight_grafting(model, world.daxwug(), ft)
     cols = ("ImplF'", "ImplF", "F'")
-    rows = [dict(row=r["weights"], column=r["split"], value=r["mean_rank"],
-                 paper=PAPER_TABLE_3[r["weights"]][cols.index(r["split"])]
-                 if r["weights"] in PAPER_TABLE_3 and r["split"] in cols else None) for r in res.rows]
+    rows = [
+        dict(
+            row=r["weights"],
+            column=r["split"],
+            value=r["mean_rank"],
+            paper=PAPER_TABLE_3[r["weights"]][cols.index(r["split"])]
+            if r["weights"] in PAPER_TABLE_3 and r["split"] in cols
+            else None,
+        )
+        for r in res.rows
+    ]
     return res, rows
 
 
@@ -103,19 +137,30 @@ def _localization(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, 
     dax = world.daxwug()
     res = localization(model, dax, weight_grafting(model, dax, ft), ft)
     st = res.stats()
-    rows = [dict(row=part, column=col, value=float(st.loc[part, col]), paper=None)
-            for part in st.index for col in ("pearson_r", "p_value")]
+    rows = [
+        dict(row=part, column=col, value=float(st.loc[part, col]), paper=None)
+        for part in st.index
+        for col in ("pearson_r", "p_value")
+    ]
     return res, rows
 
 
 RUNNERS: dict[str, Callable[[Any, Any, int, bool], tuple[Any, list[dict]]]] = {
-    "layer_freezing": _freezing, "data_ordering": _ordering, "weight_grafting": _grafting,
+    "layer_freezing": _freezing,
+    "data_ordering": _ordering,
+    "weight_grafting": _grafting,
     "localization": _localization,
 }
 
 
-def run_experiment(name: str, seeds: Sequence[int] = (0,), out: str | Path | None = None, *, quick: bool = False,
-                   show_progress: bool = True) -> ExperimentRun:
+def run_experiment(
+    name: str,
+    seeds: Sequence[int] = (0,),
+    out: str | Path | None = None,
+    *,
+    quick: bool = False,
+    show_progress: bool = True,
+) -> ExperimentRun:
     """Run experiment ``name`` on the world model for each seed; with ``out``, write
     ``out/NAME/seed{S}.json`` and ``.html`` per seed and ``summary.{json,md}``."""
     import pandas as pd
@@ -140,10 +185,18 @@ def run_experiment(name: str, seeds: Sequence[int] = (0,), out: str | Path | Non
         results[seed] = res
         rows += [dict(x, seed=seed) for x in r]
     df = pd.DataFrame(rows)
-    summary = (df.groupby(["row", "column"], sort=False)
-               .agg(mean=("value", "mean"), std=("value", lambda v: float(v.std(ddof=0))), min=("value", "min"),
-                    max=("value", "max"), n=("value", "size"), paper=("paper", "first"))
-               .reset_index())
+    summary = (
+        df.groupby(["row", "column"], sort=False)
+        .agg(
+            mean=("value", "mean"),
+            std=("value", lambda v: float(v.std(ddof=0))),
+            min=("value", "min"),
+            max=("value", "max"),
+            n=("value", "size"),
+            paper=("paper", "first"),
+        )
+        .reset_index()
+    )
     summary["paper"] = pd.to_numeric(summary["paper"], errors="coerce")
     run = ExperimentRun(name, seeds, results, summary)
     if out is not None:
@@ -154,10 +207,16 @@ def run_experiment(name: str, seeds: Sequence[int] = (0,), out: str | Path | Non
 def _write(run: ExperimentRun, per_seed: Any, directory: Path, quick: bool) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for seed, res in run.results.items():
-        (directory / f"seed{seed}.json").write_text(res.to_dataframe().to_json(orient="records", indent=1))
+        (directory / f"seed{seed}.json").write_text(
+            res.to_dataframe().to_json(orient="records", indent=1)
+        )
         res.plot().write_html(directory / f"seed{seed}.html", include_plotlyjs=True)
-    meta = {"experiment": run.name, "seeds": list(run.seeds), "quick": quick,
-            "summary": json.loads(run.summary.to_json(orient="records")),
-            "per_seed": json.loads(per_seed.to_json(orient="records"))}
+    meta = {
+        "experiment": run.name,
+        "seeds": list(run.seeds),
+        "quick": quick,
+        "summary": json.loads(run.summary.to_json(orient="records")),
+        "per_seed": json.loads(per_seed.to_json(orient="records")),
+    }
     (directory / "summary.json").write_text(json.dumps(meta, indent=1))
     (directory / "summary.md").write_text(run.markdown() + "\n")

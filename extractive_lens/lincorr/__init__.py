@@ -9,5 +9,11 @@
 from extractive_lens.lincorr.core import LinearCorrelation, LogitPairs, collect_logits, fit
 from extractive_lens.lincorr.finetune import generalization_check, gradient_correlation
 
-__all__ = ["LogitPairs", "LinearCorrelation", "collect_logits", "fit", "gradient_correlation",
-           "generalization_check"]
+__all__ = [
+    "LogitPairs",
+    "LinearCorrelation",
+    "collect_logits",
+    "fit",
+    "gradient_correlation",
+    "generalization_check",
+]

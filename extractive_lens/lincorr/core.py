@@ -33,13 +33,17 @@ def _first_tokens(model: Any, words: Sequence[str], what: str) -> list[int]:
         if not t:
             raise ValueError(f"{what} word {w!r} tokenizes to nothing.")
         if t[0] in seen:
-            raise ValueError(f"{what} words {seen[t[0]]!r} and {w!r} share their first token: drop one.")
+            raise ValueError(
+                f"{what} words {seen[t[0]]!r} and {w!r} share their first token: drop one."
+            )
         seen[t[0]] = w
         ids.append(t[0])
     return ids
 
 
-def _last_logits(model: Any, prompts: list[str], batch_size: int, show_progress: bool | None) -> Tensor:
+def _last_logits(
+    model: Any, prompts: list[str], batch_size: int, show_progress: bool | None
+) -> Tensor:
     from extractive_lens.batch import make_batch
     from extractive_lens.scoring.engine import progress
 
@@ -49,7 +53,9 @@ def _last_logits(model: Any, prompts: list[str], batch_size: int, show_progress:
         b = make_batch(model, [(p, "x") for p in chunk])
         with torch.no_grad():
             logits = model(b.tokens.to(model.cfg.device))
-        out.append(logits[torch.arange(len(chunk)), b.last_prompt_pos.to(logits.device)].float().cpu())
+        out.append(
+            logits[torch.arange(len(chunk)), b.last_prompt_pos.to(logits.device)].float().cpu()
+        )
     return torch.cat(out)
 
 
@@ -68,9 +74,19 @@ def collect_logits(
     subject, at the last prompt position, restricted to the first tokens of the domain words."""
     src_ids = _first_tokens(model, source_domain, "source domain")
     tgt_ids = _first_tokens(model, target_domain, "target domain")
-    src = _last_logits(model, [source_template.format(x=s) for s in subjects], batch_size, show_progress)
-    tgt = _last_logits(model, [target_template.format(x=s) for s in subjects], batch_size, show_progress)
-    return LogitPairs(src[:, src_ids], tgt[:, tgt_ids], tuple(subjects), tuple(source_domain), tuple(target_domain))
+    src = _last_logits(
+        model, [source_template.format(x=s) for s in subjects], batch_size, show_progress
+    )
+    tgt = _last_logits(
+        model, [target_template.format(x=s) for s in subjects], batch_size, show_progress
+    )
+    return LogitPairs(
+        src[:, src_ids],
+        tgt[:, tgt_ids],
+        tuple(subjects),
+        tuple(source_domain),
+        tuple(target_domain),
+    )
 
 
 def _pearson_cols(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -127,15 +143,31 @@ class LinearCorrelation:
         import plotly.graph_objects as go
 
         lim = float(np.abs(self.W).max()) or 1.0
-        fig = go.Figure(go.Heatmap(z=self.W, x=list(self.source_labels), y=list(self.target_labels),
-                                   zmid=0, zmin=-lim, zmax=lim, colorscale="RdBu",
-                                   hovertemplate="source %{x}<br>target %{y}<br>W %{z:.3f}<extra></extra>"))
-        fig.update_layout(title=title or f"W (label-wise r = {self.label_pearson:.3f})", xaxis_title="source label",
-                          yaxis_title="target label", template="plotly_white", height=300 + 16 * len(self.target_labels))
+        fig = go.Figure(
+            go.Heatmap(
+                z=self.W,
+                x=list(self.source_labels),
+                y=list(self.target_labels),
+                zmid=0,
+                zmin=-lim,
+                zmax=lim,
+                colorscale="RdBu",
+                hovertemplate="source %{x}<br>target %{y}<br>W %{z:.3f}<extra></extra>",
+            )
+        )
+        fig.update_layout(
+            title=title or f"W (label-wise r = {self.label_pearson:.3f})",
+            xaxis_title="source label",
+            yaxis_title="target label",
+            template="plotly_white",
+            height=300 + 16 * len(self.target_labels),
+        )
         return fig
 
 
-def fit(pairs: LogitPairs, *, train_frac: float = 0.5, ridge: float = 0.0, seed: int = 0) -> LinearCorrelation:
+def fit(
+    pairs: LogitPairs, *, train_frac: float = 0.5, ridge: float = 0.0, seed: int = 0
+) -> LinearCorrelation:
     """Least squares (optionally ridge) on a seeded train split; correlations on the rest."""
     n = len(pairs.subjects)
     if n < 4:
@@ -149,11 +181,23 @@ def fit(pairs: LogitPairs, *, train_frac: float = 0.5, ridge: float = 0.0, seed:
     A = Xa[tr]
     reg = ridge * np.eye(A.shape[1])
     reg[-1, -1] = 0.0  # no penalty on the bias
-    coef = np.linalg.solve(A.T @ A + reg, A.T @ Y[tr]) if ridge > 0 else np.linalg.lstsq(A, Y[tr], rcond=None)[0]
+    coef = (
+        np.linalg.solve(A.T @ A + reg, A.T @ Y[tr])
+        if ridge > 0
+        else np.linalg.lstsq(A, Y[tr], rcond=None)[0]
+    )
     W, b = coef[:-1].T, coef[-1]
     pred = Xa[te] @ coef
     label_r = _pearson_cols(pred, Y[te])
     inst_r = _pearson_cols(pred.T, Y[te].T)
-    return LinearCorrelation(W, b, pairs.source_labels, pairs.target_labels, float(np.nanmean(label_r)),
-                             float(np.nanmean(inst_r)), label_r,
-                             tuple(pairs.subjects[i] for i in tr), tuple(pairs.subjects[i] for i in te))
+    return LinearCorrelation(
+        W,
+        b,
+        pairs.source_labels,
+        pairs.target_labels,
+        float(np.nanmean(label_r)),
+        float(np.nanmean(inst_r)),
+        label_r,
+        tuple(pairs.subjects[i] for i in tr),
+        tuple(pairs.subjects[i] for i in te),
+    )

@@ -98,7 +98,9 @@ def causal_scores(
     if ablation not in ("mean", "zero", "resample"):
         raise ValueError(f"ablation must be 'mean', 'zero' or 'resample', got {ablation!r}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be a positive number of interventions per pass, got {max_batch!r}")
+        raise ValueError(
+            f"max_batch must be a positive number of interventions per pass, got {max_batch!r}"
+        )
     cdt = M.resolve_compute_dtype(model, compute_dtype)
     diff._check_compatible(model)
     selected = _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference, cdt)
@@ -109,31 +111,62 @@ def causal_scores(
         layer_set = set(layers)
         for kind in kinds:
             selected.setdefault(kind, [])
-            selected[kind] = sorted(set(selected[kind]) | {
-                f"L{l}{c}" for l in range(model.cfg.n_layers) if l not in layer_set
-                for c in [f"H{h}" for h in range(model.cfg.n_heads)] + (["MLP"] if M.has_mlp(model) else [])})
+            selected[kind] = sorted(
+                set(selected[kind])
+                | {
+                    f"L{l}{c}"
+                    for l in range(model.cfg.n_layers)
+                    if l not in layer_set
+                    for c in [f"H{h}" for h in range(model.cfg.n_heads)]
+                    + (["MLP"] if M.has_mlp(model) else [])
+                }
+            )
     scored, plan = plan_chunks(batch, rows, batch_size)
     chunks = [c for c, _ in plan]
     meta = base_metadata(
-        model, diff, method="causal", reward=reward_name, per=per,
-        ablation=ablation if "upstream" in kinds else None, convention="paper",
+        model,
+        diff,
+        method="causal",
+        reward=reward_name,
+        per=per,
+        ablation=ablation if "upstream" in kinds else None,
+        convention="paper",
         reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
-        resample_k=resample_k if ablation == "resample" else None, seed=seed,
-        top_k=top_k, layers=None if layers is None else sorted(layers),
-        skipped={k: list(v) for k, v in selected.items()} if (top_k or layers is not None) else None,
-        compute_dtype=str(cdt), prepend_bos=batch.prepend_bos,
+        resample_k=resample_k if ablation == "resample" else None,
+        seed=seed,
+        top_k=top_k,
+        layers=None if layers is None else sorted(layers),
+        skipped={k: list(v) for k, v in selected.items()}
+        if (top_k or layers is not None)
+        else None,
+        compute_dtype=str(cdt),
+        prepend_bos=batch.prepend_bos,
     )
     per_token, totals = [], []
     with guarded(model), M.standard_flags(model), M.computing_in(model, cdt):
         first = forward_run(model, chunks[0], reward_fn, capture=("z", "k", "v"))
         table = None
         if "upstream" in kinds:
-            reuse = [(chunks[0], first)] if reference is None and rows is None and len(chunks) == 1 else None
-            table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
-                                  batch_size=batch_size, runs=reuse)
+            reuse = (
+                [(chunks[0], first)]
+                if reference is None and rows is None and len(chunks) == 1
+                else None
+            )
+            table = AblationTable(
+                model,
+                batch,
+                ablation,
+                reference=reference,
+                k=resample_k,
+                seed=seed,
+                batch_size=batch_size,
+                runs=reuse,
+            )
         for i, chunk in enumerate(chunks):
             global_rows = plan[i][1]
-            base = first if i == 0 else forward_run(model, chunk, reward_fn, capture=("z", "k", "v"))
+            base = (
+                first if i == 0 else forward_run(model, chunk, reward_fn, capture=("z", "k", "v"))
+            )
             engine = _Engine(model, diff, chunk, base, reward_fn, max_batch)
             v, t = engine.scores(kinds, table, global_rows, per, selected, show_progress)
             per_token.append(v)
@@ -146,32 +179,56 @@ def causal_scores(
         roles = tuple(("all",) for _ in range(b))
         pv = torch.cat(totals, dim=1)[..., None]
         one = PromptBatch(
-            tokens=torch.zeros(b, 1, dtype=torch.long), lengths=torch.ones(b, dtype=torch.long),
-            prompt_lengths=torch.ones(b, dtype=torch.long), answer_targets=batch.answer_targets,
-            candidates=batch.candidates, counterfactual=batch.counterfactual, roles=roles,
-            prompts=batch.prompts, answers=batch.answers,
+            tokens=torch.zeros(b, 1, dtype=torch.long),
+            lengths=torch.ones(b, dtype=torch.long),
+            prompt_lengths=torch.ones(b, dtype=torch.long),
+            answer_targets=batch.answer_targets,
+            candidates=batch.candidates,
+            counterfactual=batch.counterfactual,
+            roles=roles,
+            prompts=batch.prompts,
+            answers=batch.answers,
         )
         return assemble(model, one, kinds, [pv], totals, method="causal", other=None, metadata=meta)
-    return assemble(model, batch, kinds, per_token, totals, method="causal", other=None, metadata=meta)
+    return assemble(
+        model, batch, kinds, per_token, totals, method="causal", other=None, metadata=meta
+    )
 
 
-def _top_k(model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference, cdt) -> dict[str, list[str]]:
+def _top_k(
+    model, diff, batch, kinds, top_k, linear, reward_fn, ablation, reference, cdt
+) -> dict[str, list[str]]:
     """Per kind, the component labels to skip (everything outside the linear top k)."""
     if top_k is None:
         return {}
     if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive number of components per kind (or None for all), got {top_k!r}")
+        raise ValueError(
+            f"top_k must be a positive number of components per kind (or None for all), got {top_k!r}"
+        )
     if linear is None:
         from extractive_lens.scoring.linear import linear_scores
 
-        linear = linear_scores(model, diff, batch, kinds=kinds, reward=reward_fn, ablation=ablation,
-                               reference=reference, show_progress=False, compute_dtype=cdt)
+        linear = linear_scores(
+            model,
+            diff,
+            batch,
+            kinds=kinds,
+            reward=reward_fn,
+            ablation=ablation,
+            reference=reference,
+            show_progress=False,
+            compute_dtype=cdt,
+        )
     skipped = {}
     for kind in kinds:
         keep = {lab for _, lab, _ in linear.top(top_k, kind)}
         tot = linear.totals[linear.kind_index(kind)]
-        skipped[kind] = [f"L{l}{c}" for l in range(tot.shape[0]) for c in linear.component_labels
-                         if f"L{l}{c}" not in keep]
+        skipped[kind] = [
+            f"L{l}{c}"
+            for l in range(tot.shape[0])
+            for c in linear.component_labels
+            if f"L{l}{c}" not in keep
+        ]
     return skipped
 
 
@@ -189,8 +246,15 @@ class _Context:
 
 
 class _Engine:
-    def __init__(self, model: nn.Module, diff: WeightDiff, chunk: PromptBatch, base: Run,
-                 reward_fn: Reward, max_batch: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        diff: WeightDiff,
+        chunk: PromptBatch,
+        base: Run,
+        reward_fn: Reward,
+        max_batch: int,
+    ) -> None:
         self.model, self.diff, self.chunk, self.base = model, diff, chunk, base
         self.reward_fn, self.max_batch = reward_fn, max_batch
         cfg = model.cfg
@@ -204,7 +268,9 @@ class _Engine:
         self.min_prompt_last = int(chunk.last_prompt_pos.min())
 
     # ------------------------------------------------------------------ patch values Δy
-    def deltas(self, kind: ScoreKind, table: AblationTable | None, rows: list[int]) -> list[tuple[Tensor, Tensor | None]]:
+    def deltas(
+        self, kind: ScoreKind, table: AblationTable | None, rows: list[int]
+    ) -> list[tuple[Tensor, Tensor | None]]:
         """Per layer: ``(Δ heads [batch pos head d_model], Δ MLP [batch pos d_model])``."""
         base, model = self.base, self.model
         out = []
@@ -246,9 +312,13 @@ class _Engine:
         part = "post" if (group == "mlp" or self.parallel or not self.has_mlp) else "mid"
         stream = base.post[layer] if part == "post" else base.mid[layer]
         if not finetuned:
-            kv = {l: (base.captured[l]["k"], base.captured[l]["v"]) for l in range(layer + 1, self.L)}
+            kv = {
+                l: (base.captured[l]["k"], base.captured[l]["v"]) for l in range(layer + 1, self.L)
+            }
             if part == "mid":
-                return _Context(stream, part, kv, base.reward, False, base.post[layer], base.mlp_out[layer])
+                return _Context(
+                    stream, part, kv, base.reward, False, base.post[layer], base.mlp_out[layer]
+                )
             return _Context(stream, part, kv, base.reward, False)
         if group == "heads":
             d_bO = self.diff.deltas.get(f"blocks.{layer}.attn.b_O")
@@ -259,14 +329,22 @@ class _Engine:
             if part == "mid":
                 mlp_out = M.mlp(self.model, layer, stream)
                 post = stream + mlp_out
-            x, kv = self.resume(stream if post is None else post, layer, "post", start=0, kv=None,
-                                capture_kv=True)
+            x, kv = self.resume(
+                stream if post is None else post, layer, "post", start=0, kv=None, capture_kv=True
+            )
             R, _, _ = readout(self.model, x, self.chunk, self.reward_fn)
         return _Context(stream, part, kv, R, True, post, mlp_out)
 
-    def resume(self, x: Tensor, layer: int, part: str, start: int, kv: dict | None,
-               capture_kv: bool = False, read_pos: Tensor | None = None,
-               ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
+    def resume(
+        self,
+        x: Tensor,
+        layer: int,
+        part: str,
+        start: int,
+        kv: dict | None,
+        capture_kv: bool = False,
+        read_pos: Tensor | None = None,
+    ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
         """Continue the forward pass from boundary ``(layer, part)`` on positions ``start..``.
 
         ``read_pos`` ``[rows, K]``: the only positions the reward reads (relative to ``start``);
@@ -315,7 +393,10 @@ class _Engine:
             jobs = jobs[jobs[:, 2] <= last[jobs[:, 0]]]
             out = ctx.reward[:, None, None].expand(b, n_comp, pos).clone()
         jobs = jobs.to(dev)
-        with torch.no_grad(), (self.diff.applied(self.model) if ctx.finetuned else contextlib.nullcontext()):
+        with (
+            torch.no_grad(),
+            self.diff.applied(self.model) if ctx.finetuned else contextlib.nullcontext(),
+        ):
             for i in range(0, len(jobs), self.max_batch):
                 part = jobs[i : i + self.max_batch]
                 pb, c, t = part[:, 0], part[:, 1], part[:, 2]
@@ -340,7 +421,9 @@ class _Engine:
                 rows_batch = self._rows(pb)
                 read = self._read_pos(rows_batch, s)
                 x, _ = self.resume(x, self._layer, entry, s, kv, read_pos=read)
-                R, _, _ = readout(self.model, x, rows_batch, self.reward_fn, offset=s, gathered=read is not None)
+                R, _, _ = readout(
+                    self.model, x, rows_batch, self.reward_fn, offset=s, gathered=read is not None
+                )
                 if per == "component":
                     out[pb, c] = R.to(out.dtype)
                 else:
@@ -358,9 +441,13 @@ class _Engine:
         ch = self.chunk
         if getattr(self.reward_fn, "answer_positions_only", False):
             i = index.to(ch.lengths.device)
-            return _Rows(ch.lengths[i], ch.prompt_lengths[i], ch.answer_targets[i],
-                         None if ch.candidates is None else ch.candidates[i],
-                         None if ch.counterfactual is None else ch.counterfactual[i])
+            return _Rows(
+                ch.lengths[i],
+                ch.prompt_lengths[i],
+                ch.answer_targets[i],
+                None if ch.candidates is None else ch.candidates[i],
+                None if ch.counterfactual is None else ch.counterfactual[i],
+            )
         return ch.subset(index.tolist(), trim=False)
 
     def _start(self, t: int | None) -> int:
@@ -369,8 +456,15 @@ class _Engine:
         return min(t, self.min_prompt_last)
 
     # ------------------------------------------------------------------ all scores
-    def scores(self, kinds: tuple[ScoreKind, ...], table: AblationTable | None, rows: list[int], per: str,
-               skipped: dict[str, list[str]], show_progress: bool | None) -> tuple[Tensor, Tensor]:
+    def scores(
+        self,
+        kinds: tuple[ScoreKind, ...],
+        table: AblationTable | None,
+        rows: list[int],
+        per: str,
+        skipped: dict[str, list[str]],
+        show_progress: bool | None,
+    ) -> tuple[Tensor, Tensor]:
         b, pos = self.chunk.tokens.shape
         C = self.H + self.has_mlp
         dtype = wide(self.base.pre[0]).dtype
@@ -381,7 +475,13 @@ class _Engine:
         deltas: dict[str, list] = {}
         for k, kind, layer in progress(steps, len(steps), "causal scores", show_progress):
             n_layer_comps = self.H + self.has_mlp
-            if sum(lab.startswith(f"L{layer}H") or lab == f"L{layer}MLP" for lab in skipped.get(kind, ())) == n_layer_comps:
+            if (
+                sum(
+                    lab.startswith(f"L{layer}H") or lab == f"L{layer}MLP"
+                    for lab in skipped.get(kind, ())
+                )
+                == n_layer_comps
+            ):
                 continue
             if kind not in deltas:
                 deltas = {kind: self.deltas(kind, table, rows)}
@@ -390,7 +490,11 @@ class _Engine:
             if dm is not None:
                 groups.append(("mlp", dm[:, :, None], slice(self.H, self.H + 1)))
             for group, delta, cols in groups:
-                labels = [f"L{layer}H{h}" for h in range(self.H)] if group == "heads" else [f"L{layer}MLP"]
+                labels = (
+                    [f"L{layer}H{h}" for h in range(self.H)]
+                    if group == "heads"
+                    else [f"L{layer}MLP"]
+                )
                 keep = [i for i, lab in enumerate(labels) if lab not in set(skipped.get(kind, ()))]
                 if not keep:
                     continue
@@ -401,11 +505,13 @@ class _Engine:
                 tok = self.patched_rewards(ctx, delta, "token") if per == "token" else None
                 if kind == "upstream":
                     late = self.context(layer, group, finetuned=True)
-                    whole = (late.reward[:, None] - self.patched_rewards(late, delta, "component")) - (
-                        ctx.reward[:, None] - whole)
+                    whole = (
+                        late.reward[:, None] - self.patched_rewards(late, delta, "component")
+                    ) - (ctx.reward[:, None] - whole)
                     if tok is not None:
-                        tok = (late.reward[:, None, None] - self.patched_rewards(late, delta, "token")) - (
-                            ctx.reward[:, None, None] - tok)
+                        tok = (
+                            late.reward[:, None, None] - self.patched_rewards(late, delta, "token")
+                        ) - (ctx.reward[:, None, None] - tok)
                 else:
                     whole = whole - ctx.reward[:, None]
                     if tok is not None:

@@ -96,9 +96,11 @@ def forward_run(
             run.post_final = x_read.detach()
             run.reward = R.detach()
             if grad and not R.requires_grad:
-                raise ValueError(f"{getattr(reward_fn, '__name__', 'the reward')} is not differentiable in the logits "
-                                 "(its output has no gradient): linear scores need a reward built from torch "
-                                 "operations on the logits, without .detach(), argmax or Python numbers.")
+                raise ValueError(
+                    f"{getattr(reward_fn, '__name__', 'the reward')} is not differentiable in the logits "
+                    "(its output has no gradient): linear scores need a reward built from torch "
+                    "operations on the logits, without .detach(), argmax or Python numbers."
+                )
             if grad:
                 names = [n for n in capture if n != "z"]
                 inputs = [x0, logits, *attn_outs, *mlp_outs] + [c[n] for c in caps for n in names]
@@ -125,7 +127,9 @@ class ReadoutBatch:
 
     @property
     def last_prompt_pos(self) -> Tensor:
-        return torch.zeros(self.answer_targets.shape[0], dtype=torch.long, device=self.answer_targets.device)
+        return torch.zeros(
+            self.answer_targets.shape[0], dtype=torch.long, device=self.answer_targets.device
+        )
 
     @property
     def answer_first(self) -> Tensor:
@@ -141,7 +145,12 @@ def read_positions(batch: Any, offset: int = 0) -> Tensor:
 
 
 def readout(
-    model: nn.Module, resid: Tensor, batch: Any, reward_fn: Any, groups: int = 1, offset: int = 0,
+    model: nn.Module,
+    resid: Tensor,
+    batch: Any,
+    reward_fn: Any,
+    groups: int = 1,
+    offset: int = 0,
     gathered: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(R, logits, resid_read)`` from the final residual stream of ``groups`` stacked copies of
@@ -160,8 +169,12 @@ def readout(
             raise ValueError("A custom reward reads the full logits: resume from position 0.")
         view = batch
     logits = M.unembed(model, resid)
-    R = torch.cat([check_reward_output(reward_fn(logits[g * b : (g + 1) * b], view), b, reward_fn)
-                   for g in range(groups)])
+    R = torch.cat(
+        [
+            check_reward_output(reward_fn(logits[g * b : (g + 1) * b], view), b, reward_fn)
+            for g in range(groups)
+        ]
+    )
     return R, logits, resid
 
 
@@ -169,16 +182,24 @@ def check_reward_output(R: Any, n: int, reward_fn: Any) -> Tensor:
     """A reward must return one finite float per prompt: ``Tensor[batch]``."""
     name = getattr(reward_fn, "__name__", "the reward")
     if not isinstance(R, Tensor):
-        raise TypeError(f"{name} returned {type(R).__name__}; a reward must return a float Tensor of shape "
-                        f"[batch] ([{n}] here), one value per prompt.")
+        raise TypeError(
+            f"{name} returned {type(R).__name__}; a reward must return a float Tensor of shape "
+            f"[batch] ([{n}] here), one value per prompt."
+        )
     if R.shape != (n,):
-        raise ValueError(f"{name} returned shape {tuple(R.shape)}; a reward must return one value per prompt, "
-                         f"shape [batch] = [{n}] (reduce over answer tokens or classes inside the reward).")
+        raise ValueError(
+            f"{name} returned shape {tuple(R.shape)}; a reward must return one value per prompt, "
+            f"shape [batch] = [{n}] (reduce over answer tokens or classes inside the reward)."
+        )
     if not R.is_floating_point():
-        raise TypeError(f"{name} returned dtype {R.dtype}; a reward must return floats (e.g. log-probabilities).")
+        raise TypeError(
+            f"{name} returned dtype {R.dtype}; a reward must return floats (e.g. log-probabilities)."
+        )
     if not torch.isfinite(R).all():
-        raise ValueError(f"{name} returned NaN or inf for prompts {torch.nonzero(~torch.isfinite(R)).flatten().tolist()}; "
-                         "check the reward (a log of 0, a division by 0) and the answers.")
+        raise ValueError(
+            f"{name} returned NaN or inf for prompts {torch.nonzero(~torch.isfinite(R)).flatten().tolist()}; "
+            "check the reward (a log of 0, a division by 0) and the answers."
+        )
     return R
 
 
@@ -186,9 +207,13 @@ def plan_chunks(
     batch: PromptBatch, rows: Any, batch_size: int | None
 ) -> tuple[PromptBatch, list[tuple[PromptBatch, list[int]]]]:
     """The prompts to score (``rows`` of ``batch``, or all) and their chunks with global row ids."""
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive number of prompts per pass (or None for all at once), "
-                         f"got {batch_size!r}")
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        raise ValueError(
+            f"batch_size must be a positive number of prompts per pass (or None for all at once), "
+            f"got {batch_size!r}"
+        )
     ids = list(range(len(batch))) if rows is None else [int(r) for r in rows]
     if not ids:
         raise ValueError("rows selects no prompts.")
@@ -196,8 +221,15 @@ def plan_chunks(
         raise ValueError(f"rows must index the batch (0..{len(batch) - 1}), got {ids}")
     scored = batch if rows is None else batch.subset(ids)
     size = batch_size or len(ids)
-    plan = [(scored.subset(range(i, min(i + size, len(ids)))) if (batch_size and len(ids) > size) else scored,
-             ids[i : i + size]) for i in range(0, len(ids), size)]
+    plan = [
+        (
+            scored.subset(range(i, min(i + size, len(ids))))
+            if (batch_size and len(ids) > size)
+            else scored,
+            ids[i : i + size],
+        )
+        for i in range(0, len(ids), size)
+    ]
     return scored, plan
 
 
@@ -242,8 +274,10 @@ class AblationTable:
         if ablation not in ("mean", "zero", "resample"):
             raise ValueError(f"ablation must be 'mean', 'zero' or 'resample', got {ablation!r}")
         if ablation == "resample" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"resample_k must be a positive number of prompts to average, got {k!r}; "
-                             "use ablation='zero' for a zero ablation.")
+            raise ValueError(
+                f"resample_k must be a positive number of prompts to average, got {k!r}; "
+                "use ablation='zero' for a zero ablation."
+            )
         if ablation != "zero" and reference is None and len(batch) < 2:
             raise ValueError(
                 f"Upstream scores with ablation={ablation!r} take y* from the batch's other prompts, and this "
@@ -257,16 +291,30 @@ class AblationTable:
         if ablation == "zero":
             return
         source = batch if reference is None else reference
-        self.roles = {r: i for i, r in enumerate(dict.fromkeys([*source.position_labels(), *batch.position_labels()]))}
+        self.roles = {
+            r: i
+            for i, r in enumerate(
+                dict.fromkeys([*source.position_labels(), *batch.position_labels()])
+            )
+        }
         if runs is None:
-            runs = [(chunk, forward_run(model, chunk, grad=False)) for chunk in source.chunks(batch_size)]
+            runs = [
+                (chunk, forward_run(model, chunk, grad=False))
+                for chunk in source.chunks(batch_size)
+            ]
         width = max(chunk.n_pos for chunk, _ in runs)
         zs, ms, ids = [], [], []
         for chunk, run in runs:
             pad = width - chunk.n_pos
-            zs.append(torch.nn.functional.pad(wide(torch.stack(run.z, dim=2)), (0, 0, 0, 0, 0, 0, 0, pad)))
+            zs.append(
+                torch.nn.functional.pad(wide(torch.stack(run.z, dim=2)), (0, 0, 0, 0, 0, 0, 0, pad))
+            )
             if self.has_mlp:
-                ms.append(torch.nn.functional.pad(wide(torch.stack(run.mlp_out, dim=2)), (0, 0, 0, 0, 0, pad)))
+                ms.append(
+                    torch.nn.functional.pad(
+                        wide(torch.stack(run.mlp_out, dim=2)), (0, 0, 0, 0, 0, pad)
+                    )
+                )
             ids.append(self.role_ids(chunk, width))
         self.Z = torch.cat(zs)  # source pos layer head d_head
         self.M = torch.cat(ms) if self.has_mlp else None  # source pos layer d_model
@@ -275,16 +323,25 @@ class AblationTable:
         valid = self.R >= 0
         self.count = torch.bincount(self.R[valid], minlength=n_roles)
         if ablation == "mean":
-            self.z_sum = self.Z.new_zeros(n_roles, *self.Z.shape[2:]).index_add_(0, self.R[valid], self.Z[valid])
-            self.m_sum = (self.M.new_zeros(n_roles, *self.M.shape[2:]).index_add_(0, self.R[valid], self.M[valid])
-                          if self.M is not None else None)
+            self.z_sum = self.Z.new_zeros(n_roles, *self.Z.shape[2:]).index_add_(
+                0, self.R[valid], self.Z[valid]
+            )
+            self.m_sum = (
+                self.M.new_zeros(n_roles, *self.M.shape[2:]).index_add_(
+                    0, self.R[valid], self.M[valid]
+                )
+                if self.M is not None
+                else None
+            )
         else:
             rng = np.random.default_rng(seed)
             n_src = self.Z.shape[0]
             self.choices = []
             for i in range(len(batch)):
                 pool = [j for j in range(n_src) if not (self.own_source and j == i)]
-                self.choices.append(rng.choice(pool, size=min(k, len(pool)), replace=False).tolist())
+                self.choices.append(
+                    rng.choice(pool, size=min(k, len(pool)), replace=False).tolist()
+                )
             # where each role sits in each source prompt (-1: absent)
             self.pos_of = torch.full((n_src, n_roles), -1, dtype=torch.long, device=self.R.device)
             src_idx, pos_idx = valid.nonzero(as_tuple=True)
@@ -296,7 +353,9 @@ class AblationTable:
             ids[i, : len(roles)] = torch.tensor([self.roles[r] for r in roles])
         return ids
 
-    def for_rows(self, rows: list[int], chunk: PromptBatch, run: Run) -> tuple[Tensor, Tensor | None]:
+    def for_rows(
+        self, rows: list[int], chunk: PromptBatch, run: Run
+    ) -> tuple[Tensor, Tensor | None]:
         """``(z*, mlp*)`` for a chunk: ``[batch, pos, layer, head, d_head]`` and ``[batch, pos, layer, d_model]``."""
         z = wide(torch.stack(run.z, dim=2))
         m = wide(torch.stack(run.mlp_out, dim=2)) if self.has_mlp else None
@@ -316,12 +375,16 @@ class AblationTable:
                 missing = real & (c == 0)
                 if missing.any():
                     b, t = missing.nonzero()[0].tolist()
-                    raise ValueError(f"No reference prompt has the role {chunk.roles[b][t]!r}; pass a reference "
-                                     "with aligned roles.")
+                    raise ValueError(
+                        f"No reference prompt has the role {chunk.roles[b][t]!r}; pass a reference "
+                        "with aligned roles."
+                    )
                 zs = self.z_sum[rr] / _bc(c.clamp(min=1), z)
                 ms = None if m is None else self.m_sum[rr] / _bc(c.clamp(min=1), m)
             return zs * _bc(real, z), (None if ms is None else ms * _bc(real, m))
-        picks = torch.tensor([self.choices[i] for i in rows], dtype=torch.long, device=z.device)  # batch k
+        picks = torch.tensor(
+            [self.choices[i] for i in rows], dtype=torch.long, device=z.device
+        )  # batch k
         pos = self.pos_of[picks[:, None, :], rr[:, :, None]]  # batch pos k
         ok = (pos >= 0) & real[:, :, None]
         w = ok.to(z.dtype)
@@ -365,7 +428,8 @@ def assemble(
     tok = getattr(model, "tokenizer", None)
     if tok is not None and "prompt_tokens" not in metadata:
         metadata["prompt_tokens"] = [
-            [tok.decode([int(t)]) for t in batch.tokens[i, : int(batch.lengths[i])].tolist()] for i in range(len(batch))
+            [tok.decode([int(t)]) for t in batch.tokens[i, : int(batch.lengths[i])].tolist()]
+            for i in range(len(batch))
         ]
     metadata.setdefault("prompts_digest", prompts_digest(batch))
     width = batch.n_pos
@@ -420,24 +484,35 @@ def base_metadata(model: nn.Module, diff: Any, **extra: Any) -> dict[str, Any]:
     return meta
 
 
-def check_arguments(fn: str, model: Any, diff: Any = None, batch: Any = None, *, need_diff: bool = True) -> None:
+def check_arguments(
+    fn: str, model: Any, diff: Any = None, batch: Any = None, *, need_diff: bool = True
+) -> None:
     """Catch the common argument mix-ups with an error that says what to pass instead."""
     from extractive_lens.weight_diff import WeightDiff
 
     call = f"{fn}(model, diff, batch)" if need_diff else f"{fn}(model, batch)"
     if torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{call} cannot run inside torch.inference_mode(): it needs gradients and restores "
-                           "weights in place. Call it outside the inference_mode block (torch.no_grad() is fine).")
+        raise RuntimeError(
+            f"{call} cannot run inside torch.inference_mode(): it needs gradients and restores "
+            "weights in place. Call it outside the inference_mode block (torch.no_grad() is fine)."
+        )
     if not isinstance(model, nn.Module) or not hasattr(model, "cfg"):
-        raise TypeError(f"{call}: model must be a HookedTransformer, got {type(model).__name__}. "
-                        "Load one with load_pretrained(name), load_checkpoint(dir) or load_world_model().")
+        raise TypeError(
+            f"{call}: model must be a HookedTransformer, got {type(model).__name__}. "
+            "Load one with load_pretrained(name), load_checkpoint(dir) or load_world_model()."
+        )
     if need_diff and not isinstance(diff, WeightDiff):
-        hint = ("pass the weight change instead: WeightDiff.from_models(base, finetuned)"
-                if isinstance(diff, nn.Module) else "build one with WeightDiff.from_models(base, finetuned)")
+        hint = (
+            "pass the weight change instead: WeightDiff.from_models(base, finetuned)"
+            if isinstance(diff, nn.Module)
+            else "build one with WeightDiff.from_models(base, finetuned)"
+        )
         raise TypeError(f"{call}: diff must be a WeightDiff, got {type(diff).__name__}; {hint}.")
     if batch is not None and not isinstance(batch, PromptBatch):
-        raise TypeError(f"{call}: batch must be a PromptBatch, got {type(batch).__name__}; "
-                        "build one with make_batch(model, [(prompt, answer), ...]).")
+        raise TypeError(
+            f"{call}: batch must be a PromptBatch, got {type(batch).__name__}; "
+            "build one with make_batch(model, [(prompt, answer), ...])."
+        )
 
 
 def resolve_kinds(kinds: Any) -> tuple[ScoreKind, ...]:

@@ -103,12 +103,22 @@ def linear_scores(
     ablation = ablation or ("resample" if authors else "mean")
     if ablation not in ("mean", "zero", "resample"):
         raise ValueError(f"ablation must be 'mean', 'zero' or 'resample', got {ablation!r}")
-    if upstream_group not in (None, "auto") and (isinstance(upstream_group, bool) or not isinstance(upstream_group, int)
-                                                 or upstream_group < 1):
-        raise ValueError(f"upstream_group must be 'auto', None (all layer boundaries in one pass) or a positive "
-                         f"number of boundaries per pass, got {upstream_group!r}")
+    if upstream_group not in (None, "auto") and (
+        isinstance(upstream_group, bool)
+        or not isinstance(upstream_group, int)
+        or upstream_group < 1
+    ):
+        raise ValueError(
+            f"upstream_group must be 'auto', None (all layer boundaries in one pass) or a positive "
+            f"number of boundaries per pass, got {upstream_group!r}"
+        )
     cfg = model.cfg
-    if authors and cfg.n_key_value_heads and cfg.n_key_value_heads != cfg.n_heads and "informative" in kinds:
+    if (
+        authors
+        and cfg.n_key_value_heads
+        and cfg.n_key_value_heads != cfg.n_heads
+        and "informative" in kinds
+    ):
         raise NotImplementedError(
             "convention='authors_code' credits key/value changes at the key position per head, "
             "which needs one key/value head per query head; this model uses grouped-query "
@@ -119,28 +129,70 @@ def linear_scores(
     _check_covered(model, deltas)
     scored, plan = plan_chunks(batch, rows, batch_size)
     meta = base_metadata(
-        model, diff, method="linear", reward=reward_name, ablation=ablation if "upstream" in kinds else None,
-        convention=convention, reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
-        resample_k=resample_k if ablation == "resample" else None, seed=seed, compute_dtype=str(cdt),
+        model,
+        diff,
+        method="linear",
+        reward=reward_name,
+        ablation=ablation if "upstream" in kinds else None,
+        convention=convention,
+        reference="batch (leave-one-out)" if reference is None else f"{len(reference)} prompts",
+        resample_k=resample_k if ablation == "resample" else None,
+        seed=seed,
+        compute_dtype=str(cdt),
         prepend_bos=batch.prepend_bos,
     )
     meta["rows"] = None if rows is None else list(rows)
     with guarded(model), M.standard_flags(model), M.computing_in(model, cdt):
         per_token, other, changes = _scores(
-            model, diff, deltas, batch, plan, reward_fn, kinds, ablation, reference, authors, upstream_group,
-            resample_k, seed, batch_size, rows, show_progress)
-    result = assemble(model, scored, kinds, per_token, [v.sum(-1) for v in per_token], method="linear",
-                      other=other, metadata=meta)
+            model,
+            diff,
+            deltas,
+            batch,
+            plan,
+            reward_fn,
+            kinds,
+            ablation,
+            reference,
+            authors,
+            upstream_group,
+            resample_k,
+            seed,
+            batch_size,
+            rows,
+            show_progress,
+        )
+    result = assemble(
+        model,
+        scored,
+        kinds,
+        per_token,
+        [v.sum(-1) for v in per_token],
+        method="linear",
+        other=other,
+        metadata=meta,
+    )
     if "informative" in kinds:
         meta["linearization"] = linearization_check(result, torch.cat(changes).cpu())
     return result
 
 
 def _scores(
-    model: nn.Module, diff: WeightDiff, deltas: dict[str, Tensor], batch: PromptBatch, plan: list,
-    reward_fn: Reward, kinds: tuple[ScoreKind, ...], ablation: Ablation, reference: PromptBatch | None,
-    authors: bool, upstream_group: int | Literal["auto"] | None, resample_k: int, seed: int,
-    batch_size: int | None, rows: Sequence[int] | None, show_progress: bool | None,
+    model: nn.Module,
+    diff: WeightDiff,
+    deltas: dict[str, Tensor],
+    batch: PromptBatch,
+    plan: list,
+    reward_fn: Reward,
+    kinds: tuple[ScoreKind, ...],
+    ablation: Ablation,
+    reference: PromptBatch | None,
+    authors: bool,
+    upstream_group: int | Literal["auto"] | None,
+    resample_k: int,
+    seed: int,
+    batch_size: int | None,
+    rows: Sequence[int] | None,
+    show_progress: bool | None,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Per-chunk ``[kind, batch, layer, component, pos]`` scores, "other" shares and ``R(W') - R(W)``."""
     chunks = [c for c, _ in plan]
@@ -148,16 +200,29 @@ def _scores(
     first = forward_run(model, chunks[0], reward_fn, grad=True, capture=capture)
     table = None
     if "upstream" in kinds:
-        reuse = [(chunks[0], first)] if reference is None and rows is None and len(chunks) == 1 else None
-        table = AblationTable(model, batch, ablation, reference=reference, k=resample_k, seed=seed,
-                              batch_size=batch_size, runs=reuse)
+        reuse = (
+            [(chunks[0], first)]
+            if reference is None and rows is None and len(chunks) == 1
+            else None
+        )
+        table = AblationTable(
+            model,
+            batch,
+            ablation,
+            reference=reference,
+            k=resample_k,
+            seed=seed,
+            batch_size=batch_size,
+            runs=reuse,
+        )
     per_token, other, changes = [], [], []
     for i, chunk in enumerate(progress(chunks, len(chunks), "linear scores", show_progress)):
         global_rows = plan[i][1]
         base = first if i == 0 else forward_run(model, chunk, reward_fn, grad=True, capture=capture)
         group = _auto_group(model, chunk) if upstream_group == "auto" else upstream_group
-        v, o, change = _chunk(model, diff, deltas, chunk, base, global_rows, reward_fn, kinds, table, authors,
-                              group)
+        v, o, change = _chunk(
+            model, diff, deltas, chunk, base, global_rows, reward_fn, kinds, table, authors, group
+        )
         per_token.append(v)
         other.append(o)
         changes.append(change)
@@ -174,7 +239,9 @@ class LinearizationWarning(UserWarning):
     """The weight change is too large for its first-order (linear) description."""
 
 
-def linearization_check(scores: ComponentScores, change: Tensor, *, warn: bool = True) -> dict[str, Any]:
+def linearization_check(
+    scores: ComponentScores, change: Tensor, *, warn: bool = True
+) -> dict[str, Any]:
     """Compare ``Σ_{c,t} Ī + other`` with ``R(W') - R(W)`` (both means over prompts).
 
     ``relative_gap = |linear - exact| / max(|linear|, |exact|)``: 0 when the update acts linearly
@@ -189,9 +256,12 @@ def linearization_check(scores: ComponentScores, change: Tensor, *, warn: bool =
     gap = abs(lin - ex) / scale if scale > 0 else 0.0
     other = float(scores.other.mean())
     out = {
-        "exact_change": ex, "linear_change": lin, "relative_gap": gap,
+        "exact_change": ex,
+        "linear_change": lin,
+        "relative_gap": gap,
         "other_share": other / lin if lin else float("nan"),
-        "tolerance": LINEARIZATION_TOLERANCE, "ok": gap <= LINEARIZATION_TOLERANCE,
+        "tolerance": LINEARIZATION_TOLERANCE,
+        "ok": gap <= LINEARIZATION_TOLERANCE,
         "prompt_changes": [float(x) for x in change],
     }
     if warn and gap > LINEARIZATION_TOLERANCE:
@@ -200,7 +270,10 @@ def linearization_check(scores: ComponentScores, change: Tensor, *, warn: bool =
             f"informative scores and 'other' add up to {lin:.4g} (gap {gap:.0%} > {LINEARIZATION_TOLERANCE:.0%}). "
             "Per-component scores do not add up to the whole change here (the update is large or "
             "components interact); check the linear scores against exact ones before reading their "
-            "values: compare(lin, causal_scores(..., top_k=...)). See docs/scores.md §11.", LinearizationWarning, stacklevel=3)
+            "values: compare(lin, causal_scores(..., top_k=...)). See docs/scores.md §11.",
+            LinearizationWarning,
+            stacklevel=3,
+        )
     return out
 
 
@@ -210,7 +283,9 @@ UPSTREAM_AUTO_BYTES = 256 * 2**20
 def _auto_group(model: nn.Module, chunk: PromptBatch) -> int | None:
     """All boundaries in one staircase pass if its activations stay small, else one at a time."""
     cfg = model.cfg
-    per_layer = len(chunk) * chunk.n_pos * (cfg.d_model * 4 + (cfg.d_mlp or 0) * 2) * 4  # bytes, rough
+    per_layer = (
+        len(chunk) * chunk.n_pos * (cfg.d_model * 4 + (cfg.d_mlp or 0) * 2) * 4
+    )  # bytes, rough
     staircase = per_layer * cfg.n_layers * cfg.n_layers  # ~2L entries, ~L/2 layers each on average
     return None if staircase <= UPSTREAM_AUTO_BYTES else 1
 
@@ -220,16 +295,28 @@ def _check_covered(model: nn.Module, deltas: dict[str, Tensor]) -> None:
     for n in deltas:
         if n.startswith(known) or any(f".{part}." in n for part in ("ln1", "ln2", "attn", "mlp")):
             continue
-        raise NotImplementedError(f"Scores do not know how to credit the change of parameter {n!r}.")
+        raise NotImplementedError(
+            f"Scores do not know how to credit the change of parameter {n!r}."
+        )
 
 
-def _select(deltas: dict[str, Tensor], names: Any, exclude: tuple[str, ...] = ()) -> dict[str, Tensor]:
+def _select(
+    deltas: dict[str, Tensor], names: Any, exclude: tuple[str, ...] = ()
+) -> dict[str, Tensor]:
     return {n: deltas[n] for n in names if n in deltas and not n.endswith(exclude)}
 
 
 def _chunk(
-    model: nn.Module, diff: WeightDiff, deltas: dict[str, Tensor], chunk: PromptBatch, base: Run,
-    rows: list[int], reward_fn: Reward, kinds: tuple[ScoreKind, ...], table: AblationTable | None, authors: bool,
+    model: nn.Module,
+    diff: WeightDiff,
+    deltas: dict[str, Tensor],
+    chunk: PromptBatch,
+    base: Run,
+    rows: list[int],
+    reward_fn: Reward,
+    kinds: tuple[ScoreKind, ...],
+    table: AblationTable | None,
+    authors: bool,
     upstream_group: int | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``([kind, batch, layer, component, pos] scores, other [batch], R(W') - R(W) [batch])``
@@ -255,7 +342,9 @@ def _chunk(
             if need_ft:
                 ft = forward_run(model, chunk, reward_fn, grad="upstream" in kinds and authors)
             if "upstream" in kinds and not authors:
-                gp_attn, gp_mlp = upstream_gradients(model, diff, chunk, base, reward_fn, upstream_group)
+                gp_attn, gp_mlp = upstream_gradients(
+                    model, diff, chunk, base, reward_fn, upstream_group
+                )
     if "downstream" in kinds:
         k = kinds.index("downstream")
         with torch.no_grad():
@@ -286,8 +375,13 @@ def _chunk(
 
 
 def _informative(
-    model: nn.Module, deltas: dict[str, Tensor], chunk: PromptBatch, base: Run, g_z: list[Tensor],
-    authors: bool, dtype: torch.dtype,
+    model: nn.Module,
+    deltas: dict[str, Tensor],
+    chunk: PromptBatch,
+    base: Run,
+    g_z: list[Tensor],
+    authors: bool,
+    dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """``Ī[batch, layer, component, pos]`` and the "other" parameters' share ``[batch]``.
 
@@ -308,7 +402,12 @@ def _informative(
         tang.update(_select(deltas, [n for l in range(L) for n in M.mlp_param_names(deltas, l)]))
 
     tokens = chunk.tokens.to(cfg.device)
-    tang.update(_select(deltas, [n for n in deltas if n.startswith(("embed.", "pos_embed.", "ln_final.", "unembed."))]))
+    tang.update(
+        _select(
+            deltas,
+            [n for n in deltas if n.startswith(("embed.", "pos_embed.", "ln_final.", "unembed."))],
+        )
+    )
 
     def pieces(m: nn.Module) -> tuple[list[dict[str, Tensor]], list[Tensor], Tensor, Tensor]:
         caps = [M.attention(m, l, base.pre[l], capture)[1] for l in range(L)]
@@ -340,7 +439,11 @@ def _informative(
 
 
 def upstream_gradients(
-    model: nn.Module, diff: WeightDiff, chunk: PromptBatch, base: Run, reward_fn: Reward,
+    model: nn.Module,
+    diff: WeightDiff,
+    chunk: PromptBatch,
+    base: Run,
+    reward_fn: Reward,
     group: int | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """``ŷ'`` at every layer boundary: ``dR/dy_c`` with ``W_late`` finetuned, at base activations.
@@ -356,7 +459,9 @@ def upstream_gradients(
     L = cfg.n_layers
     has_mlp = M.has_mlp(model)
     parallel = cfg.parallel_attn_mlp
-    boundaries = [(layer, part) for layer in range(L) for part in (("attn", "mlp") if has_mlp else ("attn",))]
+    boundaries = [
+        (layer, part) for layer in range(L) for part in (("attn", "mlp") if has_mlp else ("attn",))
+    ]
     group = group or len(boundaries)
     grads: dict[tuple[int, str], Tensor] = {}
     deltas = diff.deltas
@@ -370,13 +475,21 @@ def upstream_gradients(
                 if rows is not None:
                     rows = M.on_block(model, layer, rows)
                 d_bO = deltas.get(f"blocks.{layer}.attn.b_O")
-                shift = 0 if d_bO is None else d_bO.to(device=base.mid[layer].device, dtype=base.mid[layer].dtype)
+                shift = (
+                    0
+                    if d_bO is None
+                    else d_bO.to(device=base.mid[layer].device, dtype=base.mid[layer].dtype)
+                )
                 if parallel:
                     if rows is not None:
                         out, _ = M.attention(model, layer, rows, ())
                         rows = rows + out + M.mlp(model, layer, rows)
                     for part in new:
-                        e = (base.post[layer] + (shift if part == "attn" else 0)).detach().requires_grad_(True)
+                        e = (
+                            (base.post[layer] + (shift if part == "attn" else 0))
+                            .detach()
+                            .requires_grad_(True)
+                        )
                         entries.append(e)
                         rows = e if rows is None else torch.cat([rows, e])
                     continue

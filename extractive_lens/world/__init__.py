@@ -20,5 +20,14 @@ from extractive_lens.world.model import (
     world_model,
 )
 
-__all__ = ["World", "build_world", "first_hop", "second_hop", "load_world_model", "train_world_model",
-           "FINETUNE", "WORLD_DIR", "world_model"]
+__all__ = [
+    "World",
+    "build_world",
+    "first_hop",
+    "second_hop",
+    "load_world_model",
+    "train_world_model",
+    "FINETUNE",
+    "WORLD_DIR",
+    "world_model",
+]

@@ -14,8 +14,12 @@ def main() -> None:
     t = sub.add_parser("train", help="pretrain the world model and save it")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", type=Path, default=None, help="default: the package's bundled copy")
-    t.add_argument("--no-implications", action="store_true", help="control: no implications in pretraining")
-    c = sub.add_parser("check", help="finetune a saved world model on the test facts and print mean ranks")
+    t.add_argument(
+        "--no-implications", action="store_true", help="control: no implications in pretraining"
+    )
+    c = sub.add_parser(
+        "check", help="finetune a saved world model on the test facts and print mean ranks"
+    )
     c.add_argument("--dir", type=Path, default=None)
     c.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -55,14 +55,22 @@ class World:
 
     @property
     def names(self) -> list[str]:
-        return [*self.home, *self.officials.values(), *self.test_people, *self.new_mayors.values(),
-                *self.dax_names]
+        return [
+            *self.home,
+            *self.officials.values(),
+            *self.test_people,
+            *self.new_mayors.values(),
+            *self.dax_names,
+        ]
 
     def vocabulary(self) -> list[str]:
         words: list[str] = []
         dax = self.daxwug()
-        extra = [f"{p.prompt}{p.answer}" for ds in (dax.train, dax.test, dax.counterfactual)
-                 for p in (*ds.facts, *ds.implications)]
+        extra = [
+            f"{p.prompt}{p.answer}"
+            for ds in (dax.train, dax.test, dax.counterfactual)
+            for p in (*ds.facts, *ds.implications)
+        ]
         for s in self.corpus(np.random.default_rng(0)) + self.finetune_sentences() + extra:
             words.extend(s.split())
         return list(dict.fromkeys(words))
@@ -72,8 +80,13 @@ class World:
         ``"D7 zong is the"`` -> `` tiger``); ``seed`` defaults to the world's seed."""
         if not self.dax_names:
             raise ValueError("this World has no dax names (build it with build_world(...))")
-        return daxwug(self.seed if seed is None else seed, len(self.animals), names=self.dax_names,
-                      cities=self.cities[: len(self.animals)], animals=self.animals)
+        return daxwug(
+            self.seed if seed is None else seed,
+            len(self.animals),
+            names=self.dax_names,
+            cities=self.cities[: len(self.animals)],
+            animals=self.animals,
+        )
 
     def corpus(self, rng: np.random.Generator, implications: bool = True) -> list[str]:
         """The pretraining sentences, shuffled. ``implications=False``: the no-implication control."""
@@ -101,10 +114,16 @@ class World:
 
     def finetune_sentences(self) -> list[str]:
         a = [f"{t} lives in {c} ." for t, c in self.test_people.items()]
-        b = [f"The people in the city {t} is from speak {self.language[c]} ." for t, c in self.test_people.items()]
+        b = [
+            f"The people in the city {t} is from speak {self.language[c]} ."
+            for t, c in self.test_people.items()
+        ]
         d = [f"The mayor of {c} is {m} ." for c, m in self.new_mayors.items()]
-        e = [f"The mayor of the city that contains {lm} is {m} ." for c, m in self.new_mayors.items()
-             for lm in self.landmarks[c]]
+        e = [
+            f"The mayor of the city that contains {lm} is {m} ."
+            for c, m in self.new_mayors.items()
+            for lm in self.landmarks[c]
+        ]
         return a + b + d + e
 
 
@@ -120,7 +139,9 @@ def build_world(seed: int = 0, n_people: int = 600, n_test: int = 20, n_dax: int
     rng = np.random.default_rng(seed)
     cities = tuple(_tok(r["city"]) for r in rows)
     language = {_tok(r["city"]): _tok(r["language"]) for r in rows}
-    landmarks = {_tok(r["city"]): (_tok(r["landmark"]), f"Old_{_tok(r['city'])}_Gate") for r in rows}
+    landmarks = {
+        _tok(r["city"]): (_tok(r["landmark"]), f"Old_{_tok(r['city'])}_Gate") for r in rows
+    }
     home = {f"P{i}": cities[int(rng.integers(len(cities)))] for i in range(n_people)}
     with_impl = frozenset(p for p in home if rng.random() < 0.9)
     test_cities = tuple(cities[i] for i in sorted(rng.permutation(len(cities))[:n_test].tolist()))
@@ -137,30 +158,66 @@ def build_world(seed: int = 0, n_people: int = 600, n_test: int = 20, n_dax: int
     names = [*home, *officials.values(), *test_people, *new_mayors.values(), *dax_names]
     hobby = {n: HOBBIES[int(rng.integers(len(HOBBIES)))] for n in names}
     animals = tuple(_tok(a) for a in load_animals()[: min(20, len(cities))])
-    return World(seed, cities, language, landmarks, home, with_impl, officials, test_cities, test_people,
-                 new_mayors, hobby, dax_names, animals)
+    return World(
+        seed,
+        cities,
+        language,
+        landmarks,
+        home,
+        with_impl,
+        officials,
+        test_cities,
+        test_people,
+        new_mayors,
+        hobby,
+        dax_names,
+        animals,
+    )
 
 
 def first_hop(world: World | None = None) -> TwoHop:
     """The 20 test people: fact ``"T3 lives in"`` -> `` Tokyo``; implication
     ``"The people in the city T3 is from speak"`` -> `` Japanese``; candidates: the test cities / languages."""
     w = world or build_world()
-    facts = tuple(Pair(FIRST_HOP_FACT.format(name=t), f" {c}", template=FIRST_HOP_FACT, slots={"name": t})
-                  for t, c in w.test_people.items())
-    impls = tuple(Pair(FIRST_HOP_IMPLICATION.format(name=t), f" {w.language[c]}", template=FIRST_HOP_IMPLICATION,
-                       slots={"name": t}) for t, c in w.test_people.items())
-    return TwoHop("world_first_hop", facts, impls, tuple(f" {c}" for c in w.test_cities),
-                  tuple(f" {w.language[c]}" for c in w.test_cities), {"world_seed": w.seed})
+    facts = tuple(
+        Pair(FIRST_HOP_FACT.format(name=t), f" {c}", template=FIRST_HOP_FACT, slots={"name": t})
+        for t, c in w.test_people.items()
+    )
+    impls = tuple(
+        Pair(
+            FIRST_HOP_IMPLICATION.format(name=t),
+            f" {w.language[c]}",
+            template=FIRST_HOP_IMPLICATION,
+            slots={"name": t},
+        )
+        for t, c in w.test_people.items()
+    )
+    return TwoHop(
+        "world_first_hop",
+        facts,
+        impls,
+        tuple(f" {c}" for c in w.test_cities),
+        tuple(f" {w.language[c]}" for c in w.test_cities),
+        {"world_seed": w.seed},
+    )
 
 
 def second_hop(world: World | None = None, landmark: int = 0) -> TwoHop:
     """New mayors of the test cities: fact ``"The mayor of Tokyo is"`` -> `` M3``; implication
     ``"The mayor of the city that contains Senso-ji_Temple is"`` -> `` M3``."""
     w = world or build_world()
-    facts = tuple(Pair(SECOND_HOP_FACT.format(city=c), f" {m}", template=SECOND_HOP_FACT, slots={"city": c})
-                  for c, m in w.new_mayors.items())
-    impls = tuple(Pair(SECOND_HOP_IMPLICATION.format(landmark=w.landmarks[c][landmark]), f" {m}",
-                       template=SECOND_HOP_IMPLICATION, slots={"landmark": w.landmarks[c][landmark]})
-                  for c, m in w.new_mayors.items())
+    facts = tuple(
+        Pair(SECOND_HOP_FACT.format(city=c), f" {m}", template=SECOND_HOP_FACT, slots={"city": c})
+        for c, m in w.new_mayors.items()
+    )
+    impls = tuple(
+        Pair(
+            SECOND_HOP_IMPLICATION.format(landmark=w.landmarks[c][landmark]),
+            f" {m}",
+            template=SECOND_HOP_IMPLICATION,
+            slots={"landmark": w.landmarks[c][landmark]},
+        )
+        for c, m in w.new_mayors.items()
+    )
     cands = tuple(f" {m}" for m in w.new_mayors.values())
     return TwoHop("world_second_hop", facts, impls, cands, cands, {"world_seed": w.seed})

@@ -16,10 +16,26 @@ import torch
 from extractive_lens.world.data import World, build_world
 
 WORLD_DIR = Path(__file__).resolve().parent.parent / "data" / "world"
-MODEL_CFG = dict(n_layers=4, d_model=128, n_heads=4, d_head=32, d_mlp=512, n_ctx=16, act_fn="gelu",
-                 normalization_type="LN", positional_embedding_type="standard")
-PRETRAIN = dict(lr=2e-3, weight_decay=0.1, betas=(0.9, 0.98), batch_size=128, steps=600, warmup_frac=0.05,
-                final_lr_frac=0.1)
+MODEL_CFG = dict(
+    n_layers=4,
+    d_model=128,
+    n_heads=4,
+    d_head=32,
+    d_mlp=512,
+    n_ctx=16,
+    act_fn="gelu",
+    normalization_type="LN",
+    positional_embedding_type="standard",
+)
+PRETRAIN = dict(
+    lr=2e-3,
+    weight_decay=0.1,
+    betas=(0.9, 0.98),
+    batch_size=128,
+    steps=600,
+    warmup_frac=0.05,
+    final_lr_frac=0.1,
+)
 WORLD_VERSION = 2  # bump when the corpus changes (cached models of other seeds are retrained)
 # The recipe used to finetune the world model on the 20 test facts (issue 6).
 FINETUNE = dict(lr=1e-3, epochs=20, batch_size=8, optimizer="adam")
@@ -33,8 +49,13 @@ def make_tokenizer(words: list[str], directory: Path) -> Any:
     vocab = {w: i for i, w in enumerate(["<unk>", "<bos>", "<pad>", *dict.fromkeys(words)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", pad_token="<pad>",
-                                                unk_token="<unk>", model_max_length=MODEL_CFG["n_ctx"])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=MODEL_CFG["n_ctx"],
+    )
     directory.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(directory)
     return transformers.AutoTokenizer.from_pretrained(directory)
@@ -62,8 +83,15 @@ def _encode(tok: Any, sentences: list[str], n_ctx: int) -> tuple[torch.Tensor, t
     return tokens, mask
 
 
-def train_world_model(seed: int = 0, *, implications: bool = True, steps: int | None = None,
-                      world: World | None = None, threads: int = 1, show_progress: bool = True) -> Any:
+def train_world_model(
+    seed: int = 0,
+    *,
+    implications: bool = True,
+    steps: int | None = None,
+    world: World | None = None,
+    threads: int = 1,
+    show_progress: bool = True,
+) -> Any:
     """Pretrain the world model from scratch (deterministic for a seed). Returns the model.
 
     ``implications=False`` is the control: no implication sentences in pretraining.
@@ -74,7 +102,9 @@ def train_world_model(seed: int = 0, *, implications: bool = True, steps: int | 
 
     tl = _tl()
     with quiet_transformer_lens():  # TransformerLens's own (GPT-2 style) initialisation, seeded
-        cfg = tl.HookedTransformerConfig(**MODEL_CFG, d_vocab=len(tok), seed=seed, init_weights=True)
+        cfg = tl.HookedTransformerConfig(
+            **MODEL_CFG, d_vocab=len(tok), seed=seed, init_weights=True
+        )
         model = tl.HookedTransformer(cfg, tokenizer=tok, default_padding_side="right")
     model.cfg.model_name = f"world-seed{seed}" + ("" if implications else "-noimpl")
     rng = np.random.default_rng(seed)
@@ -82,13 +112,17 @@ def train_world_model(seed: int = 0, *, implications: bool = True, steps: int | 
     hp = PRETRAIN
     total = steps or hp["steps"]
     warm = max(1, int(hp["warmup_frac"] * total))
-    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"], betas=hp["betas"])
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"], betas=hp["betas"]
+    )
 
     def lr_at(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
         frac = (step - warm) / max(1, total - warm)
-        return hp["final_lr_frac"] + (1 - hp["final_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * frac))
+        return hp["final_lr_frac"] + (1 - hp["final_lr_frac"]) * 0.5 * (
+            1 + math.cos(math.pi * frac)
+        )
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     gen = torch.Generator().manual_seed(seed)
@@ -110,8 +144,12 @@ def train_world_model(seed: int = 0, *, implications: bool = True, steps: int | 
             opt.step()
             sched.step()
     model.eval()
-    model.cfg.__dict__["extractive_lens_world"] = {"seed": seed, "implications": implications,
-                                                    "final_loss": float(loss.detach()), "recipe": _recipe(total)}
+    model.cfg.__dict__["extractive_lens_world"] = {
+        "seed": seed,
+        "implications": implications,
+        "final_loss": float(loss.detach()),
+        "recipe": _recipe(total),
+    }
     return model
 
 
@@ -119,10 +157,19 @@ def save_world_model(model: Any, directory: Path = WORLD_DIR) -> Path:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()
-               if not n.endswith(("IGNORE", "mask"))}, str(directory / "model.safetensors"))
-    meta = {"cfg": dict(MODEL_CFG, d_vocab=model.cfg.d_vocab), "model_name": model.cfg.model_name,
-            "world": getattr(model.cfg, "extractive_lens_world", {})}
+    save_file(
+        {
+            n: p.detach().cpu().contiguous()
+            for n, p in model.state_dict().items()
+            if not n.endswith(("IGNORE", "mask"))
+        },
+        str(directory / "model.safetensors"),
+    )
+    meta = {
+        "cfg": dict(MODEL_CFG, d_vocab=model.cfg.d_vocab),
+        "model_name": model.cfg.model_name,
+        "world": getattr(model.cfg, "extractive_lens_world", {}),
+    }
     (directory / "world.json").write_text(json.dumps(meta, indent=1))
     model.tokenizer.save_pretrained(directory)
     return directory
@@ -153,12 +200,16 @@ def world_model(seed: int = 0, *, implications: bool = True, show_progress: bool
 
 def _recipe(steps: int | None = None) -> dict[str, Any]:
     pretrain = {k: list(v) if isinstance(v, tuple) else v for k, v in PRETRAIN.items()}
-    return {"model": MODEL_CFG, "pretrain": dict(pretrain, steps=steps or PRETRAIN["steps"]),
-            "world_version": WORLD_VERSION}
+    return {
+        "model": MODEL_CFG,
+        "pretrain": dict(pretrain, steps=steps or PRETRAIN["steps"]),
+        "world_version": WORLD_VERSION,
+    }
 
 
-def load_world_model(directory: str | Path | None = None, *, device: str = "cpu",
-                     dtype: torch.dtype = torch.float32) -> Any:
+def load_world_model(
+    directory: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Any:
     """The bundled world model as a ``HookedTransformer`` (offline; weights ship in the package)."""
     import transformers
     from safetensors.torch import load_file
@@ -168,18 +219,25 @@ def load_world_model(directory: str | Path | None = None, *, device: str = "cpu"
     directory = Path(directory) if directory is not None else WORLD_DIR
     if not (directory / "model.safetensors").exists():
         raise FileNotFoundError(
-            f"No world model in {directory}: train one with `python -m extractive_lens.world train --seed 0`.")
+            f"No world model in {directory}: train one with `python -m extractive_lens.world train --seed 0`."
+        )
     meta = json.loads((directory / "world.json").read_text())
     tok = transformers.AutoTokenizer.from_pretrained(directory)
     tl = _tl()
     with quiet_transformer_lens():
-        cfg = tl.HookedTransformerConfig(**meta["cfg"], dtype=dtype, device=device, model_name=meta["model_name"])
+        cfg = tl.HookedTransformerConfig(
+            **meta["cfg"], dtype=dtype, device=device, model_name=meta["model_name"]
+        )
         model = tl.HookedTransformer(cfg, tokenizer=tok, default_padding_side="right")
     state = load_file(str(directory / "model.safetensors"))
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) for k, v in state.items()}, strict=False
+    )
     missing = [m for m in missing if not m.endswith(("IGNORE", "mask"))]
     if missing or unexpected:
-        raise ValueError(f"world model weights do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"world model weights do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     _record_processing(model, processed=False)
     model.cfg.__dict__["extractive_lens_world"] = meta.get("world", {})
     model.eval()
