@@ -27,8 +27,8 @@ demo: $(STAMP)
 	$(BIN)/extractive-lens demo --out report.html
 
 lint: $(STAMP)
-	$(BIN)/ruff check extractive_lens tests benchmarks
-	$(BIN)/ruff format --check extractive_lens tests benchmarks
+	$(BIN)/ruff check extractive_lens tests benchmarks docs scripts
+	$(BIN)/ruff format --check extractive_lens tests benchmarks docs scripts
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_linear.py

@@ -403,11 +403,11 @@ def version() -> None:
     import torch
 
     import extractive_lens
-    from extractive_lens.model import _tl
+    from extractive_lens.backend.loading import version as tl_version
 
     _echo(
         f"extractive_lens {extractive_lens.__version__}, torch {torch.__version__}, "
-        f"transformer_lens {getattr(_tl(), '__version__', '?')}"
+        f"transformer_lens {tl_version()}"
     )
 
 

@@ -231,7 +231,7 @@ def compare(
             + ". Recompute one with the other's settings (e.g. linear_scores(..., reward=..., ablation=...)), "
             "or pass check_settings=False to compare them anyway."
         )
-    per_token = exact.position_labels != ("all",) and linear.position_labels != ("all",)
+    per_token = exact.per == "token" and linear.per == "token"
     level = level or ("token" if per_token else "component")
     if level == "token":
         if linear.position_labels != exact.position_labels:

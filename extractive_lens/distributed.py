@@ -20,7 +20,7 @@ import torch
 
 from extractive_lens.batch import PromptBatch
 from extractive_lens.results import ComponentScores, aggregate_by_role
-from extractive_lens.scoring.engine import prompts_digest
+from extractive_lens.scoring.assemble import prompts_digest
 
 
 def shard_rows(n: int, rank: int, world: int) -> list[int]:
@@ -134,7 +134,7 @@ def distributed_scores(
     template = part if part is not None else fn(model, diff, batch.subset([0]), **kwargs)
     roles = (
         batch.roles
-        if template.position_labels != ("all",)
+        if template.per == "token"
         else tuple(("all",) for _ in range(len(batch)))
     )
     meta = {
@@ -179,4 +179,5 @@ def _rebuild(
         method=template.method,
         other=other,
         metadata=meta,
+        per=template.per,
     )

@@ -19,11 +19,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from extractive_lens import model as M
+from extractive_lens import backend as M
 from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, state_change
 from extractive_lens.rewards import answer_logprob
-from extractive_lens.scoring.engine import check_arguments
+from extractive_lens.scoring.options import check_arguments
 from extractive_lens.types import Component, parse_components
 from extractive_lens.weight_diff import WeightDiff
 
@@ -82,7 +82,7 @@ def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Te
     masks: dict[str, torch.Tensor | None] = {}
     for s in M.parameter_slices(model):
         p = params[s.name]
-        layer = int(s.name.split(".")[1]) if s.name.startswith("blocks.") else None
+        layer = M.layer_of(s.name)
         ok = (
             (layers is None or layer in layers)
             and (comps is None or bool(set(s.owners) & set(comps)))

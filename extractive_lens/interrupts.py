@@ -238,6 +238,8 @@ def _snapshot(model: Any) -> dict[str, Any]:
     import torch
     import torch.autograd.forward_ad as fwAD
 
+    from extractive_lens.backend.hooked import VIEW_FLAGS
+
     modules = list(model.modules())
     return dict(
         grad=torch.is_grad_enabled(),
@@ -249,7 +251,7 @@ def _snapshot(model: Any) -> dict[str, Any]:
         dtype=getattr(getattr(model, "cfg", None), "dtype", None),
         cfg_flags={
             f: getattr(model.cfg, f)
-            for f in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+            for f in VIEW_FLAGS
             if hasattr(getattr(model, "cfg", None), f)
         },
         hooks=[

@@ -245,17 +245,13 @@ def attention_view(
     import torch
     from circuitsvis.attention import attention_patterns
 
-    from extractive_lens import model as M
+    from extractive_lens import backend as B
 
     n = int(batch.lengths[prompt])
     tokens = batch.tokens[prompt : prompt + 1, :n].to(model.cfg.device)
     with torch.no_grad():
-        x = M.embed(model, tokens)
-        for layer_i in range(layer):
-            out, _ = M.attention(model, layer_i, x, ())
-            mid = x + out
-            x = mid + (M.mlp(model, layer_i, M.mlp_input(model, x, mid)) if M.has_mlp(model) else 0)
-        _, cap = M.attention(model, layer, x, ("pattern",))
+        x = B.run_blocks(model, B.embed(model, tokens), stop=layer)
+        _, cap = B.attention(model, layer, x, ("pattern",))
     pattern = cap["pattern"][0]
     if heads is not None:
         pattern = pattern[heads]
@@ -307,7 +303,7 @@ def report(
     if token_views is None:  # the top informative component's per-token scores on prompt 0
         s0 = results[0]
         kind = "informative" if "informative" in s0.kinds else s0.kinds[0]
-        if s0.position_labels != ("all",):
+        if s0.per == "token":
             _, lab, _ = s0.top(1, kind)[0]
             token_views = [(f"{s0.method} {kind} of {lab}, prompt 0", token_view(s0, kind, lab))]
     parts = []

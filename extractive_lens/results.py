@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float
@@ -50,6 +50,8 @@ class ComponentScores:
         kinds, component_labels, position_labels: axis labels.
         prompt_roles: each prompt's role per real position.
         method: ``"linear"`` or ``"causal"``.
+        per: ``"token"`` (a score per position) or ``"component"`` (exact whole-component
+            patches only: the position axis has one entry, ``"all"``, holding the totals).
         other: ``[batch]`` informative score of parameters no component owns (linear only).
         metadata: model, reward, ablation, convention, diff norms, versions.
     """
@@ -65,6 +67,26 @@ class ComponentScores:
     method: Method
     other: Float[Tensor, " batch"] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    per: Literal["token", "component"] = "token"
+
+    @classmethod
+    def whole_components(
+        cls, prompt_totals: Float[Tensor, "kind batch layer component"], *, prompts: int,
+        token_roles: Any = None, **labels: Any,
+    ) -> ComponentScores:  # fmt: skip
+        """Scores of whole components only (``per="component"``): the position axis has the
+        single entry ``"all"`` and holds the totals."""
+        del token_roles  # the roles of the scored tokens do not label a whole-component score
+        return cls(
+            values=prompt_totals.mean(1)[..., None],
+            totals=prompt_totals.mean(1),
+            prompt_values=prompt_totals[..., None],
+            prompt_totals=prompt_totals,
+            position_labels=("all",),
+            prompt_roles=tuple(("all",) for _ in range(prompts)),
+            per="component",
+            **labels,
+        )
 
     def __post_init__(self) -> None:
         from extractive_lens.types import SCORE_KINDS
@@ -99,6 +121,10 @@ class ComponentScores:
             raise ValueError(f"totals shape {tuple(self.totals.shape)} != {(k, n_layer, n_comp)}")
         if self.prompt_values.shape[:4] != (k, len(self.prompt_roles), n_layer, n_comp):
             raise ValueError("prompt_values does not match kinds / prompts / layers / components")
+        if self.per not in ("token", "component"):
+            raise ValueError(f"per must be 'token' or 'component', got {self.per!r}")
+        if self.per == "component" and self.position_labels != ("all",):
+            raise ValueError("Whole-component scores have one position entry, labelled 'all'.")
         if self.method not in ("linear", "causal"):
             raise ValueError(f"method must be 'linear' or 'causal', got {self.method!r}")
         if self.prompt_totals.shape != self.prompt_values.shape[:4]:
@@ -235,6 +261,7 @@ class ComponentScores:
             "position_labels": list(self.position_labels),
             "prompt_roles": [list(r) for r in self.prompt_roles],
             "method": self.method,
+            "per": self.per,
             "metadata": jsonable(self.metadata),
         }
         (path / "scores.json").write_text(json.dumps(info, indent=1))
@@ -259,6 +286,7 @@ class ComponentScores:
                 component_labels=tuple(info["component_labels"]),
                 position_labels=tuple(info["position_labels"]),
                 method=info["method"],
+                per=info.get("per", "component" if info["position_labels"] == ["all"] else "token"),
                 prompt_roles=tuple(tuple(r) for r in info["prompt_roles"]),
                 metadata=info["metadata"],
             )

@@ -82,16 +82,18 @@ def logit_diff(
     return a - b
 
 
-# The built-in rewards read logits only at positions last_prompt_pos .. last_prompt_pos + K - 1
-# (K answer tokens), so the scoring engines unembed just those positions.
-for _fn in (answer_logprob, logit_margin, logit_diff):
-    _fn.answer_positions_only = True  # type: ignore[attr-defined]
-
 REWARDS: dict[str, Reward] = {
     "answer_logprob": answer_logprob,
     "logit_margin": logit_margin,
     "logit_diff": logit_diff,
 }
+
+
+def reads_answer_positions_only(reward_fn: Reward) -> bool:
+    """Whether ``reward_fn`` reads logits only at the answer positions ``last_prompt_pos ..
+    last_prompt_pos + K - 1`` (the built-in rewards): then the scoring engines unembed just those
+    positions and resume patched runs from the patched position on."""
+    return reward_fn in REWARDS.values()
 
 
 def resolve_reward(

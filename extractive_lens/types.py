@@ -51,17 +51,15 @@ class Component:
     def hook_name(self) -> str:
         """The TransformerLens hook holding this component's output.
 
-        A head's is ``blocks.{layer}.attn.hook_z`` at index ``[:, :, head]`` (its write into the
-        residual stream is that times ``W_O[head]``); an MLP's is ``blocks.{layer}.hook_mlp_out``.
+        A head's is its layer's ``hook_z`` at index ``[:, :, head]`` (its write into the residual
+        stream is that times ``W_O[head]``); an MLP's is its layer's ``hook_mlp_out``.
 
         >>> Component(3, 1).hook_name, Component(3).hook_name
         ('blocks.3.attn.hook_z', 'blocks.3.hook_mlp_out')
         """
-        return (
-            f"blocks.{self.layer}.hook_mlp_out"
-            if self.head is None
-            else f"blocks.{self.layer}.attn.hook_z"
-        )
+        from extractive_lens.backend.names import hook_name
+
+        return hook_name(self)
 
     @property
     def short_label(self) -> str:

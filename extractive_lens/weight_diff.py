@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 from jaxtyping import Float
-from torch import Tensor, nn
+from torch import Tensor
 
-from extractive_lens import model as _model
+from extractive_lens import backend as B
+from extractive_lens.backend import ScorableModel
 from extractive_lens.interrupts import finish_stale, state_change
 from extractive_lens.types import Component, component_axis_labels, parse_components
 
@@ -80,8 +81,8 @@ class WeightDiff:
     @classmethod
     def from_models(
         cls,
-        base: nn.Module,
-        finetuned: nn.Module,
+        base: ScorableModel,
+        finetuned: ScorableModel,
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
@@ -93,7 +94,7 @@ class WeightDiff:
                 ``"cpu"`` for large models; ``applied`` moves each tensor when it is used.
             dtype: Δ's dtype (default: ``delta_dtype_for(base.cfg.dtype)``).
         """
-        sig_b, sig_f = _model.signature(base), _model.signature(finetuned)
+        sig_b, sig_f = B.signature(base), B.signature(finetuned)
         diffs = {k: (sig_b[k], sig_f[k]) for k in sig_b if sig_b[k] != sig_f.get(k)}
         if diffs:
             detail = ", ".join(f"{k}: base={a!r} finetuned={b!r}" for k, (a, b) in diffs.items())
@@ -101,8 +102,8 @@ class WeightDiff:
                 f"The base and finetuned models differ in architecture or loading ({detail}). "
                 "Load both with the same config, dtype and weight processing."
             )
-        ft = dict(finetuned.named_parameters())
-        base_params = dict(base.named_parameters())
+        ft = B.parameters(finetuned)
+        base_params = B.parameters(base)
         missing = sorted(set(base_params) ^ set(ft))
         if missing:
             raise ValueError(f"Parameter names differ between base and finetuned: {missing[:5]}")
@@ -153,27 +154,27 @@ class WeightDiff:
         return cls(deltas, sig, dict(metadata or {}))
 
     @classmethod
-    def zeros_like(cls, model: nn.Module) -> WeightDiff:
+    def zeros_like(cls, model: ScorableModel) -> WeightDiff:
         """A zero update for ``model`` (useful as a control and as a sum's start)."""
         ddt = delta_dtype_for(model.cfg.dtype)
         return cls(
             {
                 n: torch.zeros(p.shape, dtype=ddt, device=p.device)
-                for n, p in model.named_parameters()
+                for n, p in B.parameters(model).items()
             },
-            _model.signature(model),
+            B.signature(model),
         )
 
     # ------------------------------------------------------------------ applying
     @contextlib.contextmanager
     def applied(
         self,
-        model: nn.Module,
+        model: ScorableModel,
         components: Iterable[str | Component] | None = None,
         scale: float = 1.0,
         *,
         layers: Iterable[int] | None = None,
-    ) -> Iterator[nn.Module]:
+    ) -> Iterator[ScorableModel]:
         """Set the chosen weights to ``W + scale·Δ`` inside the block, restoring them exactly after.
 
         Args:
@@ -188,8 +189,8 @@ class WeightDiff:
             if components is None and layers is None
             else self.restricted(components, layers=layers)
         )
-        self._check_compatible(model)
-        params = dict(model.named_parameters())
+        self.check_compatible(model)
+        params = B.parameters(model)
         saved: dict[str, Tensor] = {}
 
         def restore() -> None:
@@ -210,9 +211,10 @@ class WeightDiff:
         with state_change(change, restore):  # interrupts wait while weights change or are restored
             yield model
 
-    def _check_compatible(self, model: nn.Module) -> None:
-        params = dict(model.named_parameters())
-        sig = _model.signature(model)
+    def check_compatible(self, model: ScorableModel) -> None:
+        """Raise a clear error unless this Δ fits ``model`` (architecture, names, shapes)."""
+        params = B.parameters(model)
+        sig = B.signature(model)
         for key, value in self.signature.items():
             if key in ("processed",) or key not in sig:
                 continue
@@ -296,7 +298,7 @@ class WeightDiff:
         components: Iterable[str | Component] | None = None,
         *,
         layers: Iterable[int] | None = None,
-        model: nn.Module | None = None,
+        model: ScorableModel | None = None,
     ) -> WeightDiff:
         """Δ with everything outside the selection set to zero (parameters outside are dropped).
 
@@ -311,7 +313,7 @@ class WeightDiff:
         slices = self.slices()
         keep: dict[str, Tensor] = {}
         for s in slices:
-            if layer_set is not None and _layer_of(s.name) not in layer_set:
+            if layer_set is not None and B.layer_of(s.name) not in layer_set:
                 continue
             if comps is not None and not set(s.owners) & set(comps):
                 continue
@@ -331,10 +333,10 @@ class WeightDiff:
         }
         return WeightDiff(keep, dict(self.signature), meta)
 
-    def slices(self) -> list[_model.ParamSlice]:
+    def slices(self) -> list[B.ParamSlice]:
         """The ownership partition (docs/scores.md §2) of the parameters Δ covers."""
         sig = self.signature
-        return _model.slices_for_names(
+        return B.slices_for_names(
             list(self.deltas), int(sig["n_heads"]), sig.get("n_key_value_heads")
         )
 
@@ -449,8 +451,3 @@ class WeightDiff:
             f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
             f"model={self.signature.get('original_architecture') or self.metadata.get('base')})"
         )
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if parts[0] == "blocks" else None

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from extractive_lens import make_batch
-from extractive_lens.scoring.engine import AblationTable, forward_run
+from extractive_lens.scoring.ablation import AblationTable
+from extractive_lens.scoring.runs import forward_run
 from tests.conftest import make_pair
 
 

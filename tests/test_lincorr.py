@@ -53,10 +53,10 @@ def test_scrambled_control_is_near_zero():
 
 @pytest.fixture(scope="module")
 def world():
-    from extractive_lens.world import build_world, load_world_model
+    from extractive_lens.world import build_world, load_world_model, world_info
 
     m = load_world_model()
-    return m, build_world(m.cfg.extractive_lens_world["seed"])
+    return m, build_world(world_info(m)["seed"])
 
 
 def test_world_city_to_language_is_linear_and_precise(world):

@@ -166,8 +166,11 @@ def test_jvp_matches_finite_difference(pair64):
     diff = WeightDiff.from_models(base, ft)
     tokens = torch.randint(0, base.cfg.d_vocab, (2, 6), generator=torch.Generator().manual_seed(1))
     x = M.embed(base, tokens).detach()
-    tang = {n: d for n, d in diff.deltas.items() if n in M.head_params(base, 1)}
-    out, out_dot, cap, cap_dot = M.attention_jvp(base, 1, x, tang)
+    def role(n):
+        return M.param_role(n)
+
+    tang = {n: d for n, d in diff.deltas.items() if role(n).layer == 1 and role(n).part.startswith("attn")}
+    (out, cap), (out_dot, cap_dot) = M.jvp(base, lambda m, x: M.attention(m, 1, x), (x,), tang)
     z, z_dot = cap["z"], cap_dot["z"]
     eps = 1e-6
     with diff.applied(base, scale=eps, layers=[1]):
@@ -175,8 +178,8 @@ def test_jvp_matches_finite_difference(pair64):
         z2 = cap2["z"]
     assert torch.allclose((z2 - z) / eps, z_dot, atol=1e-4)
     assert torch.allclose((out2 - out) / eps, out_dot, atol=1e-4)
-    mtang = {n: d for n, d in diff.deltas.items() if n in M.mlp_params(base, 0)}
-    y, y_dot = M.mlp_jvp(base, 0, x, mtang)
+    mtang = {n: d for n, d in diff.deltas.items() if role(n).layer == 0 and role(n).part == "mlp"}
+    y, y_dot = M.jvp(base, lambda m, x: M.mlp(m, 0, x), (x,), mtang)
     with diff.applied(base, scale=eps, layers=[0]):
         y2 = M.mlp(base, 0, x)
     assert torch.allclose((y2 - y) / eps, y_dot, atol=1e-4)

@@ -7,7 +7,7 @@ import torch
 
 from extractive_lens import make_batch, mean_rank
 from extractive_lens.batch import Pair
-from extractive_lens.world import build_world, first_hop, load_world_model, second_hop
+from extractive_lens.world import build_world, first_hop, load_world_model, second_hop, world_info
 from extractive_lens.world.check import finetune_check
 
 
@@ -21,7 +21,7 @@ def test_loads_offline_and_tokenizes(world_model):
     assert m.to_str_tokens("T3 lives in") == ["<bos>", "T3", "lives", "in"]
     assert m.cfg.n_layers == 4 and m.cfg.d_model == 128 and m.cfg.n_ctx == 16
     assert m.tokenizer.name_or_path
-    w = build_world(m.cfg.extractive_lens_world["seed"])
+    w = build_world(world_info(m)["seed"])
     # it learned its world: city -> language, pretraining facts
     with torch.no_grad():
         for c in w.cities[:5]:
@@ -32,7 +32,7 @@ def test_loads_offline_and_tokenizes(world_model):
 def test_pretraining_two_hop_generalises_within_pretraining(world_model):
     """People whose implication was held out of pretraining still get it (latent two-hop)."""
     m = world_model
-    w = build_world(m.cfg.extractive_lens_world["seed"])
+    w = build_world(world_info(m)["seed"])
     held = [p for p in w.home if p not in w.with_implication][:40]
     cands = [f" {w.language[c]}" for c in w.cities]
     batch = make_batch(
@@ -87,7 +87,7 @@ def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkey
     )  # a short recipe: this checks the caching, not the model
     a = wm.world_model(5, show_progress=False)
     assert (tmp_path / "world-seed5" / "model.safetensors").exists()
-    assert a.cfg.extractive_lens_world["seed"] == 5
+    assert world_info(a)["seed"] == 5
 
     def no_training(*args, **kw):
         raise AssertionError("should have loaded the cached model")
@@ -103,4 +103,4 @@ def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkey
     with pytest.raises(AssertionError, match="cached"):
         wm.world_model(5, show_progress=False)
     bundled = wm.world_model(0)  # the shipped seed never trains
-    assert bundled.cfg.extractive_lens_world["seed"] == 0
+    assert world_info(bundled)["seed"] == 0

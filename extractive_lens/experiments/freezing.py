@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from extractive_lens.backend.names import param_role
 from extractive_lens.datasets.core import TwoHop
 from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
 from extractive_lens.weight_diff import WeightDiff
@@ -31,9 +32,8 @@ PAPER_TABLE_2 = {  # mean ranks: first-hop fact / impl, second-hop fact / impl
 
 
 def _is_early(name: str, split_layer: int) -> bool:
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) < split_layer
-    return name.startswith(("embed.", "pos_embed."))
+    role = param_role(name)
+    return role.layer < split_layer if role.layer is not None else role.part == "embed"
 
 
 def _part(names: Any, early: bool, split_layer: int) -> tuple[str, ...]:

@@ -45,7 +45,7 @@ def _last_logits(
     model: Any, prompts: list[str], batch_size: int, show_progress: bool | None
 ) -> Tensor:
     from extractive_lens.batch import make_batch
-    from extractive_lens.scoring.engine import progress
+    from extractive_lens.scoring.assemble import progress
 
     out = []
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]

@@ -17,6 +17,7 @@ from extractive_lens.world.model import (
     WORLD_DIR,
     load_world_model,
     train_world_model,
+    world_info,
     world_model,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "train_world_model",
     "FINETUNE",
     "WORLD_DIR",
+    "world_info",
     "world_model",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from extractive_lens.world.data import build_world, first_hop, second_hop
-from extractive_lens.world.model import FINETUNE
+from extractive_lens.world.model import FINETUNE, world_info
 
 
 def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> dict[str, float]:
@@ -14,7 +14,7 @@ def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> 
     from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
 
     ws = (
-        (model.cfg.__dict__.get("extractive_lens_world") or {}).get("seed", 0)
+        world_info(model).get("seed", 0)
         if world_seed is None
         else world_seed
     )

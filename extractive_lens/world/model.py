@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from extractive_lens.backend import notes
 from extractive_lens.world.data import World, build_world
 
 WORLD_DIR = Path(__file__).resolve().parent.parent / "data" / "world"
@@ -98,14 +99,11 @@ def train_world_model(
     """
     w = world or build_world(seed)
     tok = make_tokenizer(w.vocabulary(), Path(tempfile.mkdtemp(prefix="el-world-tok-")))
-    from extractive_lens.model import _tl, quiet_transformer_lens
+    from extractive_lens.backend.loading import build
 
-    tl = _tl()
-    with quiet_transformer_lens():  # TransformerLens's own (GPT-2 style) initialisation, seeded
-        cfg = tl.HookedTransformerConfig(
-            **MODEL_CFG, d_vocab=len(tok), seed=seed, init_weights=True
-        )
-        model = tl.HookedTransformer(cfg, tokenizer=tok, default_padding_side="right")
+    # TransformerLens's own (GPT-2 style) initialisation, seeded
+    cfg = dict(MODEL_CFG, d_vocab=len(tok), seed=seed, init_weights=True)
+    model = build(cfg, tok, default_padding_side="right")
     model.cfg.model_name = f"world-seed{seed}" + ("" if implications else "-noimpl")
     rng = np.random.default_rng(seed)
     tokens, mask = _encode(tok, w.corpus(rng, implications=implications), MODEL_CFG["n_ctx"])
@@ -144,7 +142,7 @@ def train_world_model(
             opt.step()
             sched.step()
     model.eval()
-    model.cfg.__dict__["extractive_lens_world"] = {
+    notes(model)["world"] = {
         "seed": seed,
         "implications": implications,
         "final_loss": float(loss.detach()),
@@ -168,11 +166,16 @@ def save_world_model(model: Any, directory: Path = WORLD_DIR) -> Path:
     meta = {
         "cfg": dict(MODEL_CFG, d_vocab=model.cfg.d_vocab),
         "model_name": model.cfg.model_name,
-        "world": getattr(model.cfg, "extractive_lens_world", {}),
+        "world": world_info(model),
     }
     (directory / "world.json").write_text(json.dumps(meta, indent=1))
     model.tokenizer.save_pretrained(directory)
     return directory
+
+
+def world_info(model: Any) -> dict[str, Any]:
+    """The world a model was trained on (``seed``, ``implications``): ``{}`` for other models."""
+    return dict(notes(model).get("world") or {})
 
 
 def cache_dir() -> Path:
@@ -214,7 +217,7 @@ def load_world_model(
     import transformers
     from safetensors.torch import load_file
 
-    from extractive_lens.model import _record_processing, _tl, quiet_transformer_lens
+    from extractive_lens.backend.loading import build
 
     directory = Path(directory) if directory is not None else WORLD_DIR
     if not (directory / "model.safetensors").exists():
@@ -223,12 +226,8 @@ def load_world_model(
         )
     meta = json.loads((directory / "world.json").read_text())
     tok = transformers.AutoTokenizer.from_pretrained(directory)
-    tl = _tl()
-    with quiet_transformer_lens():
-        cfg = tl.HookedTransformerConfig(
-            **meta["cfg"], dtype=dtype, device=device, model_name=meta["model_name"]
-        )
-        model = tl.HookedTransformer(cfg, tokenizer=tok, default_padding_side="right")
+    cfg = dict(meta["cfg"], dtype=dtype, device=device, model_name=meta["model_name"])
+    model = build(cfg, tok, notes_={"world": meta.get("world", {})}, default_padding_side="right")
     state = load_file(str(directory / "model.safetensors"))
     missing, unexpected = model.load_state_dict(
         {k: v.to(dtype) for k, v in state.items()}, strict=False
@@ -238,7 +237,5 @@ def load_world_model(
         raise ValueError(
             f"world model weights do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
-    _record_processing(model, processed=False)
-    model.cfg.__dict__["extractive_lens_world"] = meta.get("world", {})
     model.eval()
     return model

@@ -1,0 +1,386 @@
+"""Loading models as ``HookedTransformer``s: hub names, local Hugging Face checkpoints, tiny
+seeded models for tests, and models built from a configuration dict (the bundled world model).
+
+>>> base = tiny_model({"n_layers": 2}, seed=0)          # a seeded HookedTransformer
+>>> ft = load_checkpoint("runs/finetuned")              # doctest: +SKIP  (a local HF checkpoint)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from extractive_lens.backend.hooked import notes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformer_lens import HookedTransformer
+
+NO_PROCESSING = dict(
+    fold_ln=False,
+    center_writing_weights=False,
+    center_unembed=False,
+    fold_value_biases=False,
+    refactor_factored_attn_matrices=False,
+)
+
+
+@contextlib.contextmanager
+def quiet_transformer_lens() -> Iterator[None]:
+    """Silence TransformerLens 3.x's deprecation warnings inside our own calls only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*HookedTransformer.*")
+        yield
+
+
+def _tl():
+    with quiet_transformer_lens():
+        import transformer_lens
+
+    return transformer_lens
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading models
+# ---------------------------------------------------------------------------------------------
+
+TINY_DEFAULTS: dict[str, Any] = dict(
+    n_layers=2,
+    d_model=32,
+    n_heads=4,
+    d_head=8,
+    d_mlp=64,
+    d_vocab=50,
+    n_ctx=32,
+    act_fn="gelu",
+    normalization_type="LN",
+    positional_embedding_type="standard",
+    dtype=torch.float32,
+)
+
+
+def tiny_model(
+    cfg_overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+    *,
+    tokenizer: Any = None,
+    init_scale: float = 1.0,
+    device: str | torch.device = "cpu",
+) -> HookedTransformer:
+    """A small, seeded, randomly initialised ``HookedTransformer`` for tests and examples.
+
+    >>> m = tiny_model({"n_layers": 3, "dtype": torch.float64}, seed=1)
+    >>> m.cfg.n_layers
+    3
+
+    Biases and LayerNorm parameters are randomised too (TransformerLens initialises them to
+    zero / one), so that every parameter matters in tests. ``init_scale`` scales the random
+    weights for models that should be far from linear.
+    """
+    tl = _tl()
+    cfg_dict = dict(TINY_DEFAULTS)
+    cfg_dict.update(cfg_overrides or {})
+    cfg_dict.setdefault("seed", seed)
+    cfg_dict["seed"] = seed
+    cfg_dict["device"] = str(device)
+    with quiet_transformer_lens():
+        cfg = tl.HookedTransformerConfig(**cfg_dict)
+        model = tl.HookedTransformer(cfg, tokenizer=tokenizer)
+    gen = torch.Generator().manual_seed(seed + 12345)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            if re.search(r"\.(ln\w*|q_norm|k_norm)\.w$", name) or name.endswith("ln_final.w"):
+                p.copy_((1.0 + 0.1 * noise).to(p.dtype))
+            elif re.search(r"\.b(_\w+)?$", name) or name.endswith("b_U"):
+                p.copy_((0.05 * noise).to(p.dtype))
+            else:
+                fan_in = p.shape[-2] if p.ndim >= 2 else p.shape[-1]
+                p.copy_((init_scale * noise / fan_in**0.5).to(p.dtype))
+    model.eval()
+    return model
+
+
+def load_pretrained(
+    name: str, *, process_weights: bool = False, **kwargs: Any
+) -> HookedTransformer:
+    """Load a hub model by name (needs network access to the model hub).
+
+    Unprocessed weights by default (docs/scores.md §1: folding and centering are not linear in the
+    weights); ``process_weights=True`` opts in and is recorded in ``model.cfg`` metadata so that
+    scores can say so. Base and finetuned models must be loaded the same way.
+    """
+    tl = _tl()
+    with quiet_transformer_lens():
+        if process_weights:
+            model = tl.HookedTransformer.from_pretrained(name, **kwargs)
+        else:
+            model = tl.HookedTransformer.from_pretrained_no_processing(name, **kwargs)
+    _record_processing(model, processed=process_weights)
+    model.eval()
+    return model
+
+
+def _record_processing(model: HookedTransformer, processed: bool) -> None:
+    notes(model)["processed"] = bool(processed)
+
+
+def build(
+    cfg: dict[str, Any], tokenizer: Any = None, *, notes_: dict[str, Any] | None = None, **kwargs: Any
+) -> HookedTransformer:
+    """A ``HookedTransformer`` from a configuration dict (TransformerLens's own initialisation,
+    seeded by ``cfg["seed"]`` when given), unprocessed, with ``notes_`` recorded on it."""
+    tl = _tl()
+    with quiet_transformer_lens():
+        model = tl.HookedTransformer(tl.HookedTransformerConfig(**cfg), tokenizer=tokenizer, **kwargs)
+    _record_processing(model, processed=False)
+    notes(model).update(notes_ or {})
+    return model
+
+
+def version() -> str:
+    """The installed TransformerLens version."""
+    return str(getattr(_tl(), "__version__", "unknown"))
+
+
+def _common(hf: Any, **extra: Any) -> dict[str, Any]:
+    n_heads = hf.num_attention_heads
+    d_head = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+    cfg = dict(
+        d_model=hf.hidden_size,
+        d_head=d_head,
+        n_heads=n_heads,
+        d_mlp=hf.intermediate_size,
+        n_layers=hf.num_hidden_layers,
+        n_ctx=hf.max_position_embeddings,
+        d_vocab=hf.vocab_size,
+        act_fn=getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None),
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=d_head,
+        rotary_base=_rope_theta(hf),
+    )
+    n_kv = getattr(hf, "num_key_value_heads", None)
+    if n_kv is not None and n_kv != n_heads:
+        cfg["n_key_value_heads"] = n_kv
+    cfg.update(extra)
+    return cfg
+
+
+def _rope_theta(hf: Any) -> float:
+    theta = getattr(hf, "rope_theta", None)
+    params = getattr(hf, "rope_parameters", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta if theta is not None else 10000.0)
+
+
+def _cfg_gpt2(hf: Any) -> dict[str, Any]:
+    return dict(
+        d_model=hf.n_embd,
+        d_head=hf.n_embd // hf.n_head,
+        n_heads=hf.n_head,
+        d_mlp=hf.n_inner or 4 * hf.n_embd,
+        n_layers=hf.n_layer,
+        n_ctx=hf.n_positions,
+        eps=hf.layer_norm_epsilon,
+        d_vocab=hf.vocab_size,
+        act_fn=hf.activation_function,
+        use_attn_scale=getattr(hf, "scale_attn_weights", True),
+        scale_attn_by_inverse_layer_idx=getattr(hf, "scale_attn_by_inverse_layer_idx", False),
+        normalization_type="LN",
+        positional_embedding_type="standard",
+    )
+
+
+def _cfg_neox(hf: Any) -> dict[str, Any]:
+    d_head = hf.hidden_size // hf.num_attention_heads
+    pct = getattr(hf, "rotary_pct", None)
+    if pct is None:
+        pct = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return dict(
+        d_model=hf.hidden_size,
+        d_head=d_head,
+        n_heads=hf.num_attention_heads,
+        d_mlp=hf.intermediate_size,
+        n_layers=hf.num_hidden_layers,
+        n_ctx=hf.max_position_embeddings,
+        eps=hf.layer_norm_eps,
+        d_vocab=hf.vocab_size,
+        act_fn=hf.hidden_act,
+        parallel_attn_mlp=getattr(hf, "use_parallel_residual", True),
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=round(pct * d_head),
+        rotary_base=_rope_theta(hf),
+        normalization_type="LN",
+        default_prepend_bos=False,
+    )
+
+
+def _cfg_llama(hf: Any) -> dict[str, Any]:
+    return _common(
+        hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True
+    )
+
+
+def _cfg_mistral(hf: Any) -> dict[str, Any]:
+    cfg = _common(hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True)
+    cfg["n_key_value_heads"] = hf.num_key_value_heads
+    if getattr(hf, "sliding_window", None):
+        cfg.update(
+            use_local_attn=True,
+            window_size=hf.sliding_window,
+            attn_types=["local"] * hf.num_hidden_layers,
+        )
+    return cfg
+
+
+def _cfg_qwen2(hf: Any) -> dict[str, Any]:
+    cfg = _common(
+        hf,
+        eps=hf.rms_norm_eps,
+        normalization_type="RMS",
+        final_rms=True,
+        gated_mlp=True,
+        default_prepend_bos=False,
+    )
+    cfg["n_key_value_heads"] = hf.num_key_value_heads
+    return cfg
+
+
+def _cfg_gemma2(hf: Any) -> dict[str, Any]:
+    cfg = _common(
+        hf,
+        eps=hf.rms_norm_eps,
+        normalization_type="RMS",
+        final_rms=True,
+        gated_mlp=True,
+        act_fn=getattr(hf, "hidden_activation", None) or "gelu_pytorch_tanh",
+        use_attn_scale=True,
+        attn_scale=float(hf.query_pre_attn_scalar) ** 0.5,
+        attn_scores_soft_cap=hf.attn_logit_softcapping or -1.0,
+        output_logits_soft_cap=hf.final_logit_softcapping or -1.0,
+        use_normalization_before_and_after=True,
+    )
+    cfg["n_key_value_heads"] = hf.num_key_value_heads
+    if getattr(hf, "sliding_window", None):
+        cfg.update(
+            use_local_attn=True,
+            window_size=hf.sliding_window,
+            attn_types=["local", "global"] * (hf.num_hidden_layers // 2)
+            + ["local"] * (hf.num_hidden_layers % 2),
+        )
+    return cfg
+
+
+def _cfg_olmo(hf: Any) -> dict[str, Any]:
+    cfg = _common(hf, eps=1e-5, normalization_type="LN", gated_mlp=True)
+    if getattr(hf, "clip_qkv", None):
+        cfg["clip_qkv"] = hf.clip_qkv
+    return cfg
+
+
+# architecture -> (config builder, name of the TransformerLens weight-conversion function)
+ARCHITECTURES: dict[str, tuple[Any, str]] = {
+    "GPT2LMHeadModel": (_cfg_gpt2, "convert_gpt2_weights"),
+    "GPTNeoXForCausalLM": (_cfg_neox, "convert_neox_weights"),
+    "LlamaForCausalLM": (_cfg_llama, "convert_llama_weights"),
+    "MistralForCausalLM": (_cfg_mistral, "convert_mistral_weights"),
+    "Qwen2ForCausalLM": (_cfg_qwen2, "convert_qwen2_weights"),
+    "Gemma2ForCausalLM": (_cfg_gemma2, "convert_gemma_weights"),
+    "OlmoForCausalLM": (_cfg_olmo, "convert_olmo_weights"),
+}
+
+
+def hf_config_to_tl(
+    hf_config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Any:
+    """A ``HookedTransformerConfig`` built offline from a Hugging Face config object."""
+    tl = _tl()
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported architecture {arch!r} in the checkpoint's config.json. Supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}. For other models, build a HookedTransformer "
+            "yourself (e.g. HookedTransformer.from_pretrained_no_processing) and pass it in."
+        )
+    builder, _ = ARCHITECTURES[arch]
+    cfg_dict = builder(hf_config)
+    cfg_dict.update(
+        original_architecture=arch,
+        dtype=dtype,
+        device=device,
+        init_weights=False,
+        tokenizer_prepends_bos=True,
+    )
+    cfg_dict.setdefault("model_name", getattr(hf_config, "_name_or_path", "") or arch)
+    with quiet_transformer_lens():
+        return tl.HookedTransformerConfig(**cfg_dict)
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tokenizer: Any = None,
+) -> HookedTransformer:
+    """Load a local Hugging Face checkpoint directory as an unprocessed ``HookedTransformer``.
+
+    >>> ft = load_checkpoint("runs/llama-finetuned", dtype=torch.bfloat16)  # doctest: +SKIP
+
+    Works offline: the config is built from ``config.json`` and the weights are converted by
+    TransformerLens's own conversion functions. Supported families: GPT-2, GPT-NeoX / Pythia,
+    Llama, Mistral, Qwen2, Gemma 2 and OLMo.
+    """
+    import transformers
+
+    tl = _tl()
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{path} has no config.json: pass a Hugging Face checkpoint directory "
+            "(save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir))."
+        )
+    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    cfg = hf_config_to_tl(hf_config, dtype=dtype, device=str(device))
+    cfg.model_name = path.name
+    if tokenizer is None and any(path.glob("tokenizer*")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer is not None:  # before TransformerLens gives a BOS-less tokenizer its EOS as BOS
+        cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype
+    )
+    _, conv_name = ARCHITECTURES[cfg.original_architecture]
+    from transformer_lens.pretrained import weight_conversions
+
+    with quiet_transformer_lens(), torch.no_grad():
+        state_dict = getattr(weight_conversions, conv_name)(hf_model, cfg)
+    with quiet_transformer_lens():
+        model = tl.HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
+        model.load_and_process_state_dict(
+            {k: v.to(dtype) for k, v in state_dict.items()}, **NO_PROCESSING
+        )
+    model.to(device)
+    _record_processing(model, processed=False)
+    del hf_model
+    model.eval()
+    return model
+
+
+def tokenizer_prepends_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer(text)`` (special tokens on, as Hugging Face runs it) starts with a BOS."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = list(tokenizer("a")["input_ids"])
+    return len(ids) > len(tokenizer("a", add_special_tokens=False)["input_ids"]) and ids[0] == bos
