@@ -12,29 +12,14 @@ for a model-free smoke test.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from extractive_lens.backend.loading import word_tokenizer  # noqa: F401  (notebooks import it from here)
+
 CITIES = ["Tokyo", "Paris", "Berlin", "Cairo", "Moscow", "Mumbai", "Bangkok", "Lima"]
-
-
-def word_tokenizer(words: list[str]) -> Any:
-    """A whitespace word-level ``PreTrainedTokenizerFast``, saved and reloaded (sets name_or_path)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {w: i for i, w in enumerate(["<unk>", "<bos>", "<pad>", *dict.fromkeys(words)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", pad_token="<pad>", unk_token="<unk>"
-    )
-    d = tempfile.mkdtemp(prefix="el-tok-")
-    fast.save_pretrained(d)
-    return transformers.AutoTokenizer.from_pretrained(d)
 
 
 def score_and_compare(

@@ -132,11 +132,7 @@ def distributed_scores(
     order = [r for g in parts for r in g[0]]
     assert order == list(range(len(batch))), "shards must cover the batch in order"
     template = part if part is not None else fn(model, diff, batch.subset([0]), **kwargs)
-    roles = (
-        batch.roles
-        if template.per == "token"
-        else tuple(("all",) for _ in range(len(batch)))
-    )
+    roles = batch.roles if template.per == "token" else tuple(("all",) for _ in range(len(batch)))
     meta = {
         **template.metadata,
         "rows": None,

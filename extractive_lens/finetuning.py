@@ -25,7 +25,7 @@ from extractive_lens.interrupts import guarded, state_change
 from extractive_lens.rewards import answer_logprob
 from extractive_lens.scoring.options import check_arguments
 from extractive_lens.types import Component, parse_components
-from extractive_lens.weight_diff import WeightDiff
+from extractive_lens.weight_diff import WeightDiff, weights_set
 
 
 @dataclass(frozen=True)
@@ -201,17 +201,11 @@ def _train(
             _reset_frozen(params, masks, snapshot)
         if callback is not None:  # the callback sees the original model and the diff so far
             diff = _diff(model, params, snapshot, cfg)
-            training = {n: p.detach().clone() for n, p in params.items()}
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(snapshot[name])
             model.eval()
             try:
-                callback(epoch, diff)
+                with weights_set(model, snapshot):
+                    callback(epoch, diff)
             finally:
-                with torch.no_grad():
-                    for name, p in params.items():
-                        p.copy_(training[name])
                 model.train()
     return _diff(model, params, snapshot, cfg)
 

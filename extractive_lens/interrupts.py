@@ -250,9 +250,7 @@ def _snapshot(model: Any) -> dict[str, Any]:
         flags=[(p, p.requires_grad) for p in model.parameters()],
         dtype=getattr(getattr(model, "cfg", None), "dtype", None),
         cfg_flags={
-            f: getattr(model.cfg, f)
-            for f in VIEW_FLAGS
-            if hasattr(getattr(model, "cfg", None), f)
+            f: getattr(model.cfg, f) for f in VIEW_FLAGS if hasattr(getattr(model, "cfg", None), f)
         },
         hooks=[
             (

@@ -59,4 +59,5 @@ from extractive_lens.backend.loading import (  # noqa: F401
     load_pretrained,
     tiny_model,
     tokenizer_prepends_bos,
+    word_tokenizer,
 )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,24 +191,16 @@ class WeightDiff:
         )
         self.check_compatible(model)
         params = B.parameters(model)
-        saved: dict[str, Tensor] = {}
 
-        def restore() -> None:
-            with torch.no_grad():
-                for name, original in saved.items():
-                    params[name].copy_(original)
+        def new_values() -> dict[str, Tensor]:
+            out = {}
+            for name, d in diff.deltas.items():
+                p = params[name].detach()
+                d = d.to(p.device)
+                out[name] = (p.to(d.dtype) + (d if scale == 1.0 else scale * d)).to(p.dtype)
+            return out
 
-        def change() -> None:
-            with torch.no_grad():
-                for name, d in diff.deltas.items():
-                    p = params[name]
-                    saved[name] = p.detach().clone()
-                    d = d.to(p.device)
-                    new = saved[name].to(d.dtype) + (d if scale == 1.0 else scale * d)
-                    p.copy_(new.to(p.dtype))
-
-        finish_stale()
-        with state_change(change, restore):  # interrupts wait while weights change or are restored
+        with weights_set(model, new_values):
             yield model
 
     def check_compatible(self, model: ScorableModel) -> None:
@@ -451,3 +443,31 @@ class WeightDiff:
             f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
             f"model={self.signature.get('original_architecture') or self.metadata.get('base')})"
         )
+
+
+@contextlib.contextmanager
+def weights_set(
+    model: ScorableModel, values: dict[str, Tensor] | Callable[[], dict[str, Tensor]]
+) -> Iterator[ScorableModel]:
+    """Inside the block the named parameters hold ``values`` (or what ``values()`` returns, computed
+    once interrupts are deferred); on exit they are restored bit for bit from saved copies,
+    whatever happened (exceptions, KeyboardInterrupt, SIGTERM: see ``interrupts``)."""
+    params = B.parameters(model)
+    saved: dict[str, Tensor] = {}
+
+    def change() -> None:
+        with torch.no_grad():
+            new = values() if callable(values) else values
+            for name, value in new.items():
+                p = params[name]
+                saved[name] = p.detach().clone()
+                p.copy_(value.to(device=p.device, dtype=p.dtype))
+
+    def restore() -> None:
+        with torch.no_grad():
+            for name, original in saved.items():
+                params[name].copy_(original)
+
+    finish_stale()
+    with state_change(change, restore):  # interrupts wait while weights change or are restored
+        yield model

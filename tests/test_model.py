@@ -166,10 +166,15 @@ def test_jvp_matches_finite_difference(pair64):
     diff = WeightDiff.from_models(base, ft)
     tokens = torch.randint(0, base.cfg.d_vocab, (2, 6), generator=torch.Generator().manual_seed(1))
     x = M.embed(base, tokens).detach()
+
     def role(n):
         return M.param_role(n)
 
-    tang = {n: d for n, d in diff.deltas.items() if role(n).layer == 1 and role(n).part.startswith("attn")}
+    tang = {
+        n: d
+        for n, d in diff.deltas.items()
+        if role(n).layer == 1 and role(n).part.startswith("attn")
+    }
     (out, cap), (out_dot, cap_dot) = M.jvp(base, lambda m, x: M.attention(m, 1, x), (x,), tang)
     z, z_dot = cap["z"], cap_dot["z"]
     eps = 1e-6

@@ -132,7 +132,6 @@ def _upcast_buffer(module: nn.Module, name: str, buf: Tensor, dtype: torch.dtype
     return tables[(leaf, dtype, buf.shape[0])]
 
 
-
 def check_scorable(model: nn.Module) -> None:
     """Raise a clear error for block variants whose head outputs do not add into the stream."""
     cfg = model.cfg
@@ -288,5 +287,3 @@ def unembed(
 
 def W_O(model: nn.Module, layer: int) -> Float[Tensor, "head d_head d_model"]:
     return model.blocks[layer].attn.W_O
-
-

@@ -133,13 +133,19 @@ def _record_processing(model: HookedTransformer, processed: bool) -> None:
 
 
 def build(
-    cfg: dict[str, Any], tokenizer: Any = None, *, notes_: dict[str, Any] | None = None, **kwargs: Any
+    cfg: dict[str, Any],
+    tokenizer: Any = None,
+    *,
+    notes_: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> HookedTransformer:
     """A ``HookedTransformer`` from a configuration dict (TransformerLens's own initialisation,
     seeded by ``cfg["seed"]`` when given), unprocessed, with ``notes_`` recorded on it."""
     tl = _tl()
     with quiet_transformer_lens():
-        model = tl.HookedTransformer(tl.HookedTransformerConfig(**cfg), tokenizer=tokenizer, **kwargs)
+        model = tl.HookedTransformer(
+            tl.HookedTransformerConfig(**cfg), tokenizer=tokenizer, **kwargs
+        )
     _record_processing(model, processed=False)
     notes(model).update(notes_ or {})
     return model
@@ -384,3 +390,27 @@ def tokenizer_prepends_bos(tokenizer: Any) -> bool:
         return False
     ids = list(tokenizer("a")["input_ids"])
     return len(ids) > len(tokenizer("a", add_special_tokens=False)["input_ids"]) and ids[0] == bos
+
+
+def word_tokenizer(
+    words: list[str], directory: str | Path | None = None, *, model_max_length: int | None = None
+) -> Any:
+    """A whitespace word-level ``PreTrainedTokenizerFast`` over ``words`` (plus ``<unk>``,
+    ``<bos>``, ``<pad>``), saved to ``directory`` (a temporary one by default) and reloaded: a
+    tokenizer handed to TransformerLens needs ``name_or_path``, which only a reload sets."""
+    import tempfile
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<bos>", "<pad>", *dict.fromkeys(words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", pad_token="<pad>", unk_token="<unk>", **extra
+    )
+    path = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="el-tok-"))
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)

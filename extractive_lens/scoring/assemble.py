@@ -70,9 +70,7 @@ def assemble(
             pt.cpu(), prompts=len(batch), token_roles=batch.roles, **labels
         )
     width = batch.n_pos
-    pv = torch.cat(
-        [torch.nn.functional.pad(v, (0, width - v.shape[-1])) for v in per_token], dim=1
-    )
+    pv = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[-1])) for v in per_token], dim=1)
     position_labels = batch.position_labels()
     return ComponentScores(
         values=aggregate_by_role(pv, batch.roles, position_labels).cpu(),

@@ -205,7 +205,9 @@ class CausalChunk:
         part = "post" if (group == "mlp" or self.parallel or not self.has_mlp) else "mid"
         stream = base.post[layer] if part == "post" else base.mid[layer]
         if not finetuned:
-            kv = {l: (base.captured[l]["k"], base.captured[l]["v"]) for l in range(layer + 1, self.L)}
+            kv = {
+                l: (base.captured[l]["k"], base.captured[l]["v"]) for l in range(layer + 1, self.L)
+            }
             if part == "mid":
                 return _Context(layer, stream, part, kv, base.reward, False, base.post[layer],  # type: ignore[arg-type]
                                 base.mlp_out[layer])  # fmt: skip
@@ -303,9 +305,13 @@ class CausalChunk:
         tots = torch.zeros(len(kinds), b, self.L, C, dtype=dtype, device=dev)
         steps = [(k, kind, layer) for k, kind in enumerate(kinds) for layer in range(self.L)]
         deltas: dict[str, list] = {}
-        for k, kind, layer in progress(steps, len(steps), "causal scores", self.options.show_progress):
+        for k, kind, layer in progress(
+            steps, len(steps), "causal scores", self.options.show_progress
+        ):
             skip = set(skipped.get(kind, ()))
-            labels = [f"L{layer}H{h}" for h in range(self.H)] + ([f"L{layer}MLP"] if self.has_mlp else [])
+            labels = [f"L{layer}H{h}" for h in range(self.H)] + (
+                [f"L{layer}MLP"] if self.has_mlp else []
+            )
             if all(lab in skip for lab in labels):
                 continue
             if kind not in deltas:

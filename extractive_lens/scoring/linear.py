@@ -157,7 +157,9 @@ class LinearChunk:
         cfg = self.model.cfg
         b, pos = self.batch.tokens.shape
         C = cfg.n_heads + B.has_mlp(self.model)
-        return torch.zeros(b, cfg.n_layers, C, pos, dtype=self.dtype, device=self.base.pre[0].device)
+        return torch.zeros(
+            b, cfg.n_layers, C, pos, dtype=self.dtype, device=self.base.pre[0].device
+        )
 
 
 def _scores(

@@ -13,11 +13,7 @@ def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> 
     return the mean ranks of facts and implications before and after (chance 9.5)."""
     from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
 
-    ws = (
-        world_info(model).get("seed", 0)
-        if world_seed is None
-        else world_seed
-    )
+    ws = world_info(model).get("seed", 0) if world_seed is None else world_seed
     w = build_world(ws)
     out = {}
     for name, ds in (("first_hop", first_hop(w)), ("second_hop", second_hop(w))):

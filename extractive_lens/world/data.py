@@ -23,14 +23,17 @@ import numpy as np
 from extractive_lens.batch import Pair
 from extractive_lens.datasets.core import TwoHop
 from extractive_lens.datasets.daxwug import DaxWug, daxwug
-from extractive_lens.datasets.twohop import load_animals, load_cities
+from extractive_lens.datasets.twohop import (
+    FIRST_HOP_FACT,
+    FIRST_HOP_IMPLICATION,
+    SECOND_HOP_FACT,
+    SECOND_HOP_IMPLICATION,
+    load_animals,
+    load_cities,
+)
 
 ROLES = ("mayor", "sheriff", "judge", "librarian", "baker")
 HOBBIES = ("chess", "tennis", "jazz", "painting", "hiking", "poetry")
-FIRST_HOP_FACT = "{name} lives in"
-FIRST_HOP_IMPLICATION = "The people in the city {name} is from speak"
-SECOND_HOP_FACT = "The mayor of {city} is"
-SECOND_HOP_IMPLICATION = "The mayor of the city that contains {landmark} is"
 
 
 def _tok(s: str) -> str:

@@ -43,23 +43,10 @@ FINETUNE = dict(lr=1e-3, epochs=20, batch_size=8, optimizer="adam")
 
 
 def make_tokenizer(words: list[str], directory: Path) -> Any:
-    """A word-level tokenizer (whitespace split), saved to ``directory`` and reloaded."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """The world's word-level tokenizer, saved to ``directory`` and reloaded."""
+    from extractive_lens.backend.loading import word_tokenizer
 
-    vocab = {w: i for i, w in enumerate(["<unk>", "<bos>", "<pad>", *dict.fromkeys(words)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<bos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        model_max_length=MODEL_CFG["n_ctx"],
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(directory)
-    return transformers.AutoTokenizer.from_pretrained(directory)
+    return word_tokenizer(words, directory, model_max_length=MODEL_CFG["n_ctx"])
 
 
 @contextlib.contextmanager

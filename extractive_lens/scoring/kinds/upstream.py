@@ -127,4 +127,3 @@ def patch_values(chunk: CausalChunk) -> list[tuple[Tensor, Tensor | None]]:
 def exact(effects: dict[str, Any]) -> Any:
     """``[R_late(W) - R_late(patched)] - [R(W) - R(patched)]``, effects being patched - unpatched."""
     return effects["base"] - effects["finetuned_late"]
-
