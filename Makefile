@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast demo lint bench clean
+.PHONY: setup test test-fast doctest demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,13 @@ demo: $(STAMP)
 	$(BIN)/extractive-lens demo --out report.html
 
 lint: $(STAMP)
-	$(BIN)/ruff check extractive_lens tests benchmarks docs scripts
-	$(BIN)/ruff format --check extractive_lens tests benchmarks docs scripts
+	$(BIN)/ruff check extractive_lens tests benchmarks docs scripts conftest.py
+	$(BIN)/ruff format --check extractive_lens tests benchmarks docs scripts conftest.py
+	$(BIN)/mypy
+
+# The docstring examples, run on the bundled world model (conftest.py builds their names).
+doctest: $(STAMP)
+	$(BIN)/python -m pytest -q --doctest-modules extractive_lens -p no:cacheprovider
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_linear.py

@@ -1,9 +1,13 @@
 """extractive_lens: where does a finetuned fact live, and how does the model use it?
 
 >>> import extractive_lens as el
->>> base = el.tiny_model(seed=0)                                  # doctest: +SKIP
->>> diff = el.WeightDiff.from_models(base, finetuned)             # doctest: +SKIP
->>> scores = el.linear_scores(base, diff, el.make_batch(base, [("T3 lives in", " Tokyo")]))  # doctest: +SKIP
+>>> base = el.load_world_model()                                  # the bundled model, offline
+>>> diff = el.WeightDiff.from_models(base, finetuned)             # Δ = W' - W
+>>> batch = el.make_batch(base, [("The people in the city T3 is from speak", " Japanese"),
+...                              ("The people in the city T4 is from speak", " French")])
+>>> scores = el.linear_scores(base, diff, batch)                  # every head and MLP, every token
+>>> scores.kinds
+('informative', 'upstream', 'downstream')
 
 Imports are lazy: ``import extractive_lens`` does not import torch or TransformerLens.
 """
@@ -32,6 +36,7 @@ _EXPORTS = {
     "compare": "extractive_lens.comparison",
     "ScoreComparison": "extractive_lens.comparison",
     "ComponentScores": "extractive_lens.results",
+    "load_world_model": "extractive_lens.world",
     "FinetuneConfig": "extractive_lens.finetuning",
     "finetune": "extractive_lens.finetuning",
     "mean_rank": "extractive_lens.finetuning",

@@ -1,8 +1,8 @@
 """Prompt batches: (prompt, answer) pairs as padded tokens that know every position's role.
 
->>> batch = make_batch(model, [("John Doe lives in", " Tokyo"), ("Ann Lee lives in", " Paris")])  # doctest: +SKIP
->>> batch.roles[0]                                                                              # doctest: +SKIP
-('<bos>', 'John', ' Doe', ' lives', ' in')
+>>> batch = make_batch(model, [("T3 lives in", " Tokyo"), ("T4 lives in", " Paris")])
+>>> batch.roles[0]
+('<bos>', 'mid[-1]', 'lives', 'in')
 
 Rows are right-padded, so a causal model never attends to padding: padded positions are
 excluded from every score and from the reward. The answer is teacher-forced: the model reads
@@ -209,7 +209,7 @@ def _token_str(model: Any, token: int) -> str:
 
 def _template_roles(model: Any, pair: Pair, ids: list[int], offsets: Any) -> list[str]:
     """Role of each prompt token from a template with ``{slot}`` fields."""
-    template, slots = pair.template, dict(pair.slots or {})
+    template, slots = pair.template or "", dict(pair.slots or {})
     pieces: list[tuple[str, str | None]] = []  # (text, slot name or None)
     pos = 0
     for m in re.finditer(r"\{(\w+)\}", template or ""):
@@ -378,7 +378,7 @@ def make_batch(
     if any(c is not None for c in cfs):
         if any(c is None for c in cfs):
             raise ValueError("Give a counterfactual answer for every prompt or for none.")
-        cf = torch.tensor([_first_token(model, c, p) for c, p in zip(cfs, items)])
+        cf = torch.tensor([_first_token(model, c, p) for c, p in zip(cfs, items)])  # type: ignore[arg-type]
         _check_ids(model, cf.tolist(), "counterfactual answers")
 
     batch = PromptBatch(

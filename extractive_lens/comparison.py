@@ -1,9 +1,10 @@
 """Linearized against exact scores, side by side.
 
->>> cmp = compare(linear_scores(base, diff, batch), causal_scores(base, diff, batch))  # doctest: +SKIP
->>> cmp.summary                      # doctest: +SKIP   one row per kind and part
->>> cmp.worst("informative", 5)      # doctest: +SKIP   largest |linear - exact| cells
->>> cmp.verdicts["upstream"]         # doctest: +SKIP   in plain words: trust the linear score?
+>>> cmp = compare(linear, exact)     # linear_scores(...) and causal_scores(...) of the same batch
+>>> table = cmp.summary              # one row per kind and part
+>>> cells = cmp.worst("informative", 5)   # largest |linear - exact| cells
+>>> sorted(cmp.verdicts)             # in plain words, per kind: trust the linear score?
+['downstream', 'informative', 'upstream']
 
 How to read the numbers and verdicts: ``docs/scores.md``, "When to trust a linear score".
 """

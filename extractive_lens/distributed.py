@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 8 -m extractive_lens.cli score --base DIR --finetuned DIR --data F --distributed
 
->>> scores = distributed_scores("linear", model, diff, batch)   # doctest: +SKIP  (in every process)
+>>> scores = distributed_scores("linear", model, diff, batch)  # in every process  # doctest: +SKIP
 
 Each process holds one model replica. Prompts are sharded deterministically in contiguous
 blocks; every process scores its block (``y*`` still comes from the whole dataset) and the

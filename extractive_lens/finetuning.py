@@ -1,8 +1,8 @@
 """Finetuning that returns a ``WeightDiff`` and leaves the model exactly as it was.
 
->>> diff = finetune(model, batch, FinetuneConfig(lr=1e-3, epochs=20, batch_size=8))   # doctest: +SKIP
->>> with diff.applied(model):                                                         # doctest: +SKIP
-...     ...   # the finetuned model
+>>> diff = finetune(model, batch, FinetuneConfig(lr=1e-3, epochs=2, batch_size=4))
+>>> with diff.applied(model):   # the finetuned model inside, the original again after
+...     logits = model(batch.tokens)
 
 The loss is the negative answer log-probability (answer tokens only). Training runs in place on
 the model's own parameters (one model in memory); the original tensors are restored in

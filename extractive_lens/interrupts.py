@@ -162,7 +162,7 @@ def caller_frame() -> FrameType | None:
     import inspect
     import sys
 
-    f = sys._getframe(2)
+    f: FrameType | None = sys._getframe(2)
     while f is not None and (
         f.f_code.co_filename in (contextlib.__file__, __file__)
         or f.f_code.co_flags & inspect.CO_GENERATOR

@@ -1,9 +1,11 @@
 """Loading models, and the model API the rest of the package calls (``extractive_lens.backend``).
 
 >>> base = tiny_model({"n_layers": 2}, seed=0)          # a seeded HookedTransformer
->>> ft = load_checkpoint("runs/finetuned")              # doctest: +SKIP  (a local HF checkpoint)
->>> x = embed(base, base.to_tokens("hello"))            # the pieces of a forward pass
+>>> ft = load_checkpoint("runs/finetuned")  # a local HF checkpoint  # doctest: +SKIP
+>>> x = embed(base, torch.tensor([[1, 2, 3]]))          # the pieces of a forward pass
 >>> out, captured = attention(base, 0, x, capture=("z", "pattern"))
+>>> captured["pattern"].shape                           # batch head query_pos key_pos
+torch.Size([1, 4, 3, 3])
 
 Everything here is re-exported from ``extractive_lens.backend`` (the one package that knows
 TransformerLens): ``parameter_slices`` (which component owns which parameter, docs/scores.md §2),

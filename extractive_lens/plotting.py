@@ -1,9 +1,10 @@
 """Pure figure builders: data in, ``plotly.graph_objects.Figure`` out (never ``.show()``).
 
->>> heatmap(scores, "informative", part="mlp")          # doctest: +SKIP
->>> overview(scores)                                     # doctest: +SKIP  the paper's grid
->>> comparison_plot(compare(linear, exact))              # doctest: +SKIP
->>> report(scores, comparison, path="report.html")      # doctest: +SKIP  one self-contained file
+>>> from extractive_lens import compare
+>>> fig = heatmap(scores, "informative", part="mlp")     # a plotly Figure: restyle it freely
+>>> fig = overview(scores)                               # the paper's grid
+>>> fig = comparison_plot(compare(linear, exact))
+>>> report(scores, comparison, path="report.html")  # one self-contained file  # doctest: +SKIP
 
 Every figure is an ordinary plotly figure: restyle it with ``fig.update_layout(...)``.
 """

@@ -1,8 +1,11 @@
 """``ComponentScores``: score tensors with their labels, per role and per prompt.
 
->>> scores.values.shape               # doctest: +SKIP   (kind, layer, component, pos)
->>> scores.top(5, "informative")      # doctest: +SKIP   the five largest |scores|
->>> scores.to_dataframe()             # doctest: +SKIP   tidy, one row per prompt/kind/layer/component/pos
+>>> scores.values.shape               # kind, layer, component (4 heads + MLP), position role
+torch.Size([3, 4, 5, 10])
+>>> len(scores.top(5, "informative")) # the five largest |scores|: (kind, label, value)
+5
+>>> scores.to_dataframe().columns.tolist()   # tidy, one row per prompt/kind/layer/component/pos
+['prompt', 'kind', 'layer', 'component', 'pos', 'role', 'token', 'score']
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ class ComponentScores:
         and labels them ``L3H2@lives``.
         """
         kinds = self.kinds if kind is None else (kind,)
-        rows = []
+        rows: list[tuple[str, str, float]] = []
         for kd in kinds:
             ki = self.kind_index(kd)
             if per_token:
@@ -210,7 +213,7 @@ class ComponentScores:
         """
         import pandas as pd
 
-        recs = []
+        recs: list[tuple[Any, ...]] = []
         if per_prompt:
             pv = self.prompt_values.detach().cpu()
             tokens = self.metadata.get("prompt_tokens")
@@ -281,7 +284,7 @@ class ComponentScores:
         try:
             t = load_file(str(path / "scores.safetensors"))
             info = json.loads((path / "scores.json").read_text())
-            fields = dict(
+            fields: dict[str, Any] = dict(
                 kinds=tuple(info["kinds"]),
                 component_labels=tuple(info["component_labels"]),
                 position_labels=tuple(info["position_labels"]),
@@ -290,7 +293,9 @@ class ComponentScores:
                 prompt_roles=tuple(tuple(r) for r in info["prompt_roles"]),
                 metadata=info["metadata"],
             )
-            tensors = {k: t[k] for k in ("values", "totals", "prompt_values", "prompt_totals")}
+            tensors: dict[str, Any] = {
+                k: t[k] for k in ("values", "totals", "prompt_values", "prompt_totals")
+            }
         except Exception as e:  # KeyError, JSON errors, safetensors' own error for a damaged file
             raise ValueError(
                 f"{path} is not a complete ComponentScores directory ({type(e).__name__}: {e})."

@@ -1,6 +1,8 @@
 """Rewards ``R(prompt, answer)``: one scalar per prompt (docs/scores.md §3). Positive = the answer is favoured.
 
->>> R = answer_logprob(logits, batch)   # doctest: +SKIP   Float[Tensor, "batch"]
+>>> R = answer_logprob(model(batch.tokens), batch)   # Float[Tensor, "batch"]
+>>> R.shape
+torch.Size([4])
 
 Any callable ``(logits, batch) -> Float[Tensor, "batch"]`` can be used instead; it must read
 only real positions of each row (``batch.lengths``) for scores to be padding-independent.

@@ -1,11 +1,11 @@
 """``WeightDiff``: the finetuning update ``Δ = W' - W``, keyed by TransformerLens parameter names.
 
->>> diff = WeightDiff.from_models(base, finetuned)            # doctest: +SKIP
->>> with diff.applied(base):                                  # doctest: +SKIP
-...     logits = base(tokens)          # the finetuned model's logits
->>> with diff.applied(base, components=["L3H2", "L5MLP"]):    # doctest: +SKIP
-...     ...                            # only those components finetuned
->>> graft = diff_a + (diff_b - diff_c) * 0.5                  # doctest: +SKIP
+>>> diff = WeightDiff.from_models(base, finetuned)
+>>> with diff.applied(base):
+...     logits = base(batch.tokens)    # the finetuned model's logits
+>>> with diff.applied(base, components=["L3H2", "L2MLP"]):
+...     logits = base(batch.tokens)    # only those components finetuned
+>>> graft = diff + (diff - diff) * 0.5
 
 Δ is held in float64 for float32/float64 models and in float32 for 16-bit models, so that
 ``W + Δ`` rounds back to ``W'`` exactly. ``applied`` copies the original tensors and restores
@@ -242,12 +242,13 @@ class WeightDiff:
                 f"({detail}): combine updates of the same base model only."
             )
         names = set(self.deltas) | set(other.deltas)
-        out = {}
+        out: dict[str, Tensor] = {}
         for n in names:
             a, b = self.deltas.get(n), other.deltas.get(n)
             if a is not None and b is not None and a.shape != b.shape:
                 raise ValueError(f"{n}: shapes {tuple(a.shape)} and {tuple(b.shape)} differ.")
             if a is None:
+                assert b is not None
                 out[n] = sign * b
             elif b is None:
                 out[n] = a.clone()

@@ -98,7 +98,7 @@ def run_blocks(
             )
             mid = x + out
         if parallel and has_mlp:
-            if x is not None:
+            if x is not None and mid is not None:
                 m_in = x
                 m_out = B.mlp(model, l, x)
                 x = mid + m_out

@@ -30,7 +30,7 @@ _DTYPES = {
 }
 
 
-def resolve_compute_dtype(model: nn.Module, compute_dtype: torch.dtype | str | None) -> torch.dtype:
+def resolve_compute_dtype(model: Any, compute_dtype: torch.dtype | str | None) -> torch.dtype:
     """The dtype scores are computed in: ``compute_dtype``, or by default float32 for 16-bit
     models and the model's own dtype otherwise.
 
@@ -58,7 +58,7 @@ def resolve_compute_dtype(model: nn.Module, compute_dtype: torch.dtype | str | N
 
 
 @contextlib.contextmanager
-def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+def computing_in(model: Any, dtype: torch.dtype) -> Iterator[None]:
     """Run the forward pieces below (``embed``, ``attention``, ``mlp``, ``unembed``) in ``dtype``
     whatever the dtype the weights are stored in.
 
@@ -88,7 +88,7 @@ def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
 
 
 def upcast_call(
-    module: nn.Module, prefixes: tuple[str, ...], fn: Any, *args: Any, upcast_buffer: Any = None
+    module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any, upcast_buffer: Any = None
 ) -> Any:
     """``fn(module, *args)`` with the parameters under ``prefixes`` (``""``: all) in the compute
     dtype (see ``computing_in``); plain ``fn(module, *args)`` when there is nothing to upcast."""
@@ -137,7 +137,7 @@ def _weights_not_saved(sources: dict[int, Tensor], dtype: torch.dtype) -> tuple[
     return pack, unpack
 
 
-def _plain_upcast(module: nn.Module, name: str, buf: Tensor, dtype: torch.dtype) -> Tensor:
+def _plain_upcast(module: Any, name: str, buf: Tensor, dtype: torch.dtype) -> Tensor:
     return buf.to(dtype)
 
 
@@ -147,7 +147,7 @@ def compute_dtype() -> torch.dtype | None:
 
 
 @contextlib.contextmanager
-def frozen_parameters(model: nn.Module) -> Iterator[None]:
+def frozen_parameters(model: Any) -> Iterator[None]:
     """Turn off ``requires_grad`` on every parameter (no weight gradients), restored on exit."""
     from extractive_lens.interrupts import state_change
 
@@ -168,7 +168,7 @@ def frozen_parameters(model: nn.Module) -> Iterator[None]:
 class _Call(nn.Module):
     """``fn(model, *args)`` as a module, so ``functional_call`` can substitute ``model``'s weights."""
 
-    def __init__(self, model: nn.Module, fn: Any) -> None:
+    def __init__(self, model: Any, fn: Any) -> None:
         super().__init__()
         self.model = model
         self.fn = fn
@@ -177,9 +177,7 @@ class _Call(nn.Module):
         return self.fn(self.model, *args)
 
 
-def jvp(
-    model: nn.Module, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]
-) -> tuple[Any, Any]:
+def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:
     """Forward-mode derivative of ``fn(model, *args)`` along a weight direction.
 
     ``tangents`` maps full parameter names (``blocks.3.attn.W_Q``) to directions; parameters

@@ -35,7 +35,7 @@ def handles(model: Any) -> bool:
     return "HookedTransformer" in cls_names
 
 
-def _piece(module: nn.Module, prefixes: tuple[str, ...], fn: Any, *args: Any) -> Any:
+def _piece(module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any) -> Any:
     return upcast_call(module, prefixes, fn, *args, upcast_buffer=_upcast_buffer)
 
 
@@ -44,33 +44,33 @@ def _piece(module: nn.Module, prefixes: tuple[str, ...], fn: Any, *args: Any) ->
 # ---------------------------------------------------------------------------------------------
 
 
-def notes(model: nn.Module) -> dict[str, Any]:
+def notes(model: Any) -> dict[str, Any]:
     """extractive_lens's own notes on a model (how its weights were processed, the world it was
     trained on): kept on the model object, copied with it, never in its config or state dict."""
     return model.__dict__.setdefault("extractive_lens_notes", {})
 
 
-def weights_processed(model: nn.Module) -> bool:
+def weights_processed(model: Any) -> bool:
     """Whether the model's weights were folded / centred (recorded at load; default False)."""
     return bool(notes(model).get("processed", False))
 
 
-def has_mlp(model: nn.Module) -> bool:
+def has_mlp(model: Any) -> bool:
     return not model.cfg.attn_only
 
 
-def parallel(model: nn.Module) -> bool:
+def parallel(model: Any) -> bool:
     """Whether attention and MLP both read the block's input (GPT-J / NeoX style)."""
     return bool(model.cfg.parallel_attn_mlp)
 
 
-def parameter_slices(model: nn.Module) -> list[ParamSlice]:
+def parameter_slices(model: Any) -> list[ParamSlice]:
     """The ownership partition of every parameter element of ``model`` (docs/scores.md §2)."""
     names = [n for n, _ in model.named_parameters()]
     return slices_for_names(names, model.cfg.n_heads, model.cfg.n_key_value_heads)
 
 
-def parameters(model: nn.Module) -> dict[str, Tensor]:
+def parameters(model: Any) -> dict[str, Tensor]:
     """The model's parameters by their TransformerLens names (``WeightDiff`` keys)."""
     return dict(model.named_parameters())
 
@@ -82,7 +82,7 @@ SIGNATURE_KEYS = (
 )  # fmt: skip
 
 
-def signature(model: nn.Module) -> dict[str, Any]:
+def signature(model: Any) -> dict[str, Any]:
     """The configuration fields a base and a finetuned model must share."""
     cfg = model.cfg
     sig = {k: getattr(cfg, k, None) for k in SIGNATURE_KEYS}
@@ -91,7 +91,7 @@ def signature(model: nn.Module) -> dict[str, Any]:
     return json.loads(json.dumps(sig, default=str))
 
 
-def describe(model: nn.Module) -> dict[str, Any]:
+def describe(model: Any) -> dict[str, Any]:
     """What a result records about the model it was computed on."""
     import transformer_lens
 
@@ -114,7 +114,7 @@ _ROTARY_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, torch.dtype,
 )  # per attention module (weakly held: a new model never inherits a collected one's tables)
 
 
-def _upcast_buffer(module: nn.Module, name: str, buf: Tensor, dtype: torch.dtype) -> Tensor:
+def _upcast_buffer(module: Any, name: str, buf: Tensor, dtype: torch.dtype) -> Tensor:
     """A float buffer in ``dtype``; rotary tables are recomputed at that precision rather than
     upcast from their rounded 16-bit values."""
     leaf = name.rsplit(".", 1)[-1]
@@ -132,7 +132,7 @@ def _upcast_buffer(module: nn.Module, name: str, buf: Tensor, dtype: torch.dtype
     return tables[(leaf, dtype, buf.shape[0])]
 
 
-def check_scorable(model: nn.Module) -> None:
+def check_scorable(model: Any) -> None:
     """Raise a clear error for block variants whose head outputs do not add into the stream."""
     cfg = model.cfg
     problems = []
@@ -158,7 +158,7 @@ what the model computes: scoring turns them off while it runs (``standard_flags`
 
 
 @contextlib.contextmanager
-def standard_flags(model: nn.Module) -> Iterator[None]:
+def standard_flags(model: Any) -> Iterator[None]:
     """Run with ``VIEW_FLAGS`` off (the forward pieces pass one ``[batch, pos, d_model]`` input to
     attention); the user's settings are restored on exit, interrupts or not."""
     from extractive_lens.interrupts import state_change
@@ -181,7 +181,7 @@ def standard_flags(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def on_block(model: nn.Module, layer: int, x: Tensor) -> Tensor:
+def on_block(model: Any, layer: int, x: Tensor) -> Tensor:
     """``x`` on the device of block ``layer`` (models split over devices with ``n_devices``)."""
     if getattr(model.cfg, "n_devices", 1) <= 1:
         return x
@@ -193,17 +193,17 @@ def on_block(model: nn.Module, layer: int, x: Tensor) -> Tensor:
     return x.to(dev)
 
 
-def on_final(model: nn.Module, x: Tensor) -> Tensor:
+def on_final(model: Any, x: Tensor) -> Tensor:
     """``x`` on the device of the unembedding."""
     if getattr(model.cfg, "n_devices", 1) <= 1:
         return x
     return x.to(model.unembed.W_U.device)
 
 
-def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+def embed(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
     """The residual stream entering layer 0 (token embedding plus absolute positions)."""
 
-    def run(m: nn.Module, tokens: Tensor) -> Tensor:
+    def run(m: Any, tokens: Tensor) -> Tensor:
         x = m.hook_embed(m.embed(tokens))
         if m.cfg.positional_embedding_type == "standard":
             x = x + m.hook_pos_embed(m.pos_embed(tokens))
@@ -213,7 +213,7 @@ def embed(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "
 
 
 def attention(
-    model: nn.Module,
+    model: Any,
     layer: int,
     resid_pre: Float[Tensor, "batch pos d_model"],
     capture: tuple[str, ...] = ("z",),
@@ -237,7 +237,7 @@ def attention(
 
         entry = TransformerLensKeyValueCacheEntry(past_kv[0], past_kv[1], frozen=True)
 
-    def run(b: nn.Module, x: Tensor) -> Tensor:
+    def run(b: Any, x: Tensor) -> Tensor:
         x = b.ln1(x)
         return b.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
 
@@ -257,7 +257,7 @@ def attention(
 
 
 def mlp(
-    model: nn.Module, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]
+    model: Any, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]
 ) -> Float[Tensor, "batch pos d_model"]:
     """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
     return _piece(
@@ -269,11 +269,11 @@ def mlp(
 
 
 def unembed(
-    model: nn.Module, resid: Float[Tensor, "batch pos d_model"]
+    model: Any, resid: Float[Tensor, "batch pos d_model"]
 ) -> Float[Tensor, "batch pos d_vocab"]:
     """Final norm, unembedding and logit soft-capping."""
 
-    def run(m: nn.Module, x: Tensor) -> Tensor:
+    def run(m: Any, x: Tensor) -> Tensor:
         if m.cfg.normalization_type is not None:
             x = m.ln_final(x)
         return m.unembed(x)
@@ -285,5 +285,5 @@ def unembed(
     return logits
 
 
-def W_O(model: nn.Module, layer: int) -> Float[Tensor, "head d_head d_model"]:
+def W_O(model: Any, layer: int) -> Float[Tensor, "head d_head d_model"]:
     return model.blocks[layer].attn.W_O

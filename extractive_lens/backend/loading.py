@@ -2,7 +2,7 @@
 seeded models for tests, and models built from a configuration dict (the bundled world model).
 
 >>> base = tiny_model({"n_layers": 2}, seed=0)          # a seeded HookedTransformer
->>> ft = load_checkpoint("runs/finetuned")              # doctest: +SKIP  (a local HF checkpoint)
+>>> ft = load_checkpoint("runs/finetuned")  # a local HF checkpoint  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Datasets: two-hop facts and implications (docs/scores.md §8), and user files of (prompt, answer) pairs.
 
 >>> ds = first_hop()                      # 20 names x 20 cities, seeded pairing
->>> facts, impls = ds.batches(model)      # doctest: +SKIP   PromptBatch with roles and candidates
+>>> facts, impls = ds.batches(model)  # PromptBatches with roles and candidates  # doctest: +SKIP
 
 Each dataset keeps its ``Pair`` objects (template + slots, so every token has a role) and its
 candidate answers; ``batches(model)`` tokenizes them for a model's tokenizer.

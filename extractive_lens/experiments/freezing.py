@@ -1,8 +1,8 @@
 """Layer freezing (docs/scores.md §8; paper Table 2): which layers must change for facts and implications?
 
 >>> res = layer_freezing(model, {"first_hop": first_hop(), "second_hop": second_hop()}, cfg)  # doctest: +SKIP
->>> res.table()          # rows: None / Early / Late / All / Early (pre) / Late (pre)
->>> res.plot()           # annotated heat map
+>>> res.table()          # rows: None / Early / Late / All / Early (pre) / Late (pre)  # doctest: +SKIP
+>>> res.plot()           # annotated heat map  # doctest: +SKIP
 
 "post": finetune everything, then revert the early (or late) part of the update to W.
 "pre": finetune with the early (or late) part frozen. Early = blocks ``[0, round(split·L))``

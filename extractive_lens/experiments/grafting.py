@@ -2,7 +2,7 @@
 reusable mechanism (an extractive structure) or a memorised list?
 
 >>> res = weight_grafting(model, build_world().daxwug())   # doctest: +SKIP
->>> res.table()     # rows W_F', W_graft, W~ ; columns ImplF', ImplF, F' (the paper's layout)
+>>> res.table()     # rows W_F', W_graft, W~ ; columns ImplF', ImplF, F' (the paper's layout)  # doctest: +SKIP
 
 With F the training names' facts, ImplF their implications and F' / ImplF' the counterfactual
 copies (same names, re-drawn cities):

@@ -3,8 +3,8 @@ ones that turn newly finetuned facts into implications?
 
 >>> graft = weight_grafting(model, dax)                 # doctest: +SKIP
 >>> loc = localization(model, dax, graft)               # doctest: +SKIP
->>> loc.stats()   # Pearson r and p-value, per MLP and per head
->>> loc.plot()    # scatter: informative (graft update) against downstream (test-fact finetune)
+>>> loc.stats()   # Pearson r and p-value, per MLP and per head  # doctest: +SKIP
+>>> loc.plot()    # scatter: informative (graft update) against downstream (test-fact finetune)  # doctest: +SKIP
 
 - informative scores of the grafting update ``Δ_{F→ImplF}`` on ``W_F'`` (linearized, docs/scores.md §5),
   read on the counterfactual implications ImplF', the prompts that update makes ``W_graft`` answer;

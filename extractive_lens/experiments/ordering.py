@@ -3,8 +3,8 @@ pretraining decide whether finetuned facts generalize out of context?
 
 >>> dax = build_world().daxwug()                                     # doctest: +SKIP
 >>> res = data_ordering(model, dax)                                 # doctest: +SKIP
->>> res.final()     # test-implication mean rank after finetuning, per order
->>> res.plot()      # test-implication mean rank per finetuning epoch, one line per order
+>>> res.final()     # test-implication mean rank after finetuning, per order  # doctest: +SKIP
+>>> res.plot()      # test-implication mean rank per finetuning epoch, one line per order  # doctest: +SKIP
 
 For each order, the model is first trained on the training names' facts and implications
 (``"D7 dax is"`` -> city, ``"D7 zong is the"`` -> that city's animal):

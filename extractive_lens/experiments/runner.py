@@ -1,8 +1,8 @@
 """Run a paper experiment on the world model over several seeds and summarise it beside the paper.
 
 >>> run = run_experiment("weight_grafting", seeds=(0, 1, 2), out="results/")   # doctest: +SKIP
->>> run.summary            # mean, std, min, max over seeds, and the paper's number
->>> print(run.markdown())  # the README table
+>>> run.summary            # mean, std, min, max over seeds, and the paper's number  # doctest: +SKIP
+>>> print(run.markdown())  # the README table  # doctest: +SKIP
 
 Seed ``s`` means: the world model pretrained with seed ``s`` (seed 0 ships; others are trained
 once and cached, see ``world_model``), its world's datasets, and finetuning seeded with ``s``.

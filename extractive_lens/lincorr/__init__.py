@@ -2,7 +2,7 @@
 
 >>> pairs = collect_logits(model, "{x} lives in", "The people in the city {x} is from speak",
 ...                        subjects, cities, languages)                  # doctest: +SKIP
->>> lc = fit(pairs)                      # target ≈ W · source + b on half the subjects
+>>> lc = fit(pairs)                      # target ≈ W · source + b on half the subjects  # doctest: +SKIP
 >>> lc.label_pearson, lc.precision(known)                              # doctest: +SKIP
 """
 

@@ -84,7 +84,7 @@ class AblationTable:
                 )
             ids.append(self.role_ids(chunk, width))
         self.Z = torch.cat(zs)  # source pos layer head d_head
-        self.M = torch.cat(ms) if self.has_mlp else None  # source pos layer d_model
+        self.M: Any = torch.cat(ms) if self.has_mlp else None  # source pos layer d_model
         self.R = torch.cat(ids).to(self.Z.device)  # source pos (-1: padding)
         n_roles = len(self.roles)
         valid = self.R >= 0
@@ -93,7 +93,7 @@ class AblationTable:
             self.z_sum = self.Z.new_zeros(n_roles, *self.Z.shape[2:]).index_add_(
                 0, self.R[valid], self.Z[valid]
             )
-            self.m_sum = (
+            self.m_sum: Any = (
                 self.M.new_zeros(n_roles, *self.M.shape[2:]).index_add_(
                     0, self.R[valid], self.M[valid]
                 )
@@ -148,7 +148,7 @@ class AblationTable:
                     )
                 zs = self.z_sum[rr] / _bc(c.clamp(min=1), z)
                 ms = None if m is None else self.m_sum[rr] / _bc(c.clamp(min=1), m)
-            return zs * _bc(real, z), (None if ms is None else ms * _bc(real, m))
+            return zs * _bc(real, z), (None if ms is None else ms * _bc(real, m))  # type: ignore[arg-type]
         picks = torch.tensor(
             [self.choices[i] for i in rows], dtype=torch.long, device=z.device
         )  # batch k
@@ -163,7 +163,7 @@ class AblationTable:
         if m is not None:
             mv = self.M[picks[:, None, :], pos.clamp(min=0)]
             ms = _where(n > 0, (mv * _bc(w, mv)).sum(2) / _bc(n.clamp(min=1), m), m)
-        return zs * _bc(real, z), (None if ms is None else ms * _bc(real, m))
+        return zs * _bc(real, z), (None if ms is None else ms * _bc(real, m))  # type: ignore[arg-type]
 
 
 def _bc(x: Tensor, like: Tensor) -> Tensor:

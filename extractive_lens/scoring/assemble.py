@@ -58,7 +58,7 @@ def assemble(
         ]
     metadata.setdefault("prompts_digest", prompts_digest(batch))
     pt = torch.cat(totals, dim=1)
-    labels = {
+    labels: dict[str, Any] = {
         "component_labels": component_axis_labels(model.cfg.n_heads, B.has_mlp(model)),
         "kinds": kinds,
         "method": method,

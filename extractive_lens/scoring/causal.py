@@ -1,8 +1,10 @@
 """Exact causal informative / upstream / downstream scores by activation patching (docs/scores.md §4).
 
->>> exact = causal_scores(base, diff, batch)                       # doctest: +SKIP  per token
->>> exact = causal_scores(base, diff, batch, per="component")      # doctest: +SKIP  whole components
->>> exact = causal_scores(base, diff, batch, top_k=5)              # doctest: +SKIP  AtP*-style
+>>> exact = causal_scores(base, diff, batch)                       # per token
+>>> exact = causal_scores(base, diff, batch, per="component")      # whole components
+>>> exact.per, exact.values.shape
+('component', torch.Size([3, 4, 5, 1]))
+>>> exact = causal_scores(base, diff, batch, top_k=5)              # AtP*-style
 
 The engine, not a loop of full forwards:
 - the base run is cached once (residual stream at every boundary, keys and values);
@@ -26,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -128,7 +130,7 @@ def causal_scores_with(
             v, t = c.scores(skipped)
             per_token.append(v)
             totals.append(t)
-    return assemble(model, scored, options.kinds, per_token if options.per == "token" else None,
+    return assemble(model, scored, options.score_kinds, per_token if options.per == "token" else None,
                     totals, method="causal", other=None, metadata=meta)  # fmt: skip
 
 
@@ -258,8 +260,8 @@ class CausalChunk:
                 kv = None if s == 0 else {l: (k[pb, :s], v[pb, :s]) for l, (k, v) in ctx.kv.items()}
                 rows = AnswerRows.of(self.batch, pb) if self.suffix_ok else None
                 read = None if rows is None else rows.read_positions(s)
-                x = B.run_blocks(self.model, x, start=(ctx.layer, entry), past_kv=kv,  # type: ignore[arg-type]
-                                 read_pos=read)  # fmt: skip
+                x = cast(Tensor, B.run_blocks(self.model, x, start=(ctx.layer, entry),  # type: ignore[arg-type]
+                                              past_kv=kv, read_pos=read))  # fmt: skip
                 view = rows if rows is not None else self.batch.subset(pb.tolist(), trim=False)
                 R, _, _ = readout(self.model, x, view, self.options.reward_fn, offset=s,  # type: ignore[arg-type]
                                   gathered=read is not None)  # fmt: skip

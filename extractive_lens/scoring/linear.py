@@ -1,8 +1,9 @@
 """Linearized informative / upstream / downstream scores (docs/scores.md §5, §7).
 
->>> scores = linear_scores(base, diff, batch)                                   # doctest: +SKIP
->>> scores["informative"].shape     # [layer, component, pos]                  # doctest: +SKIP
->>> linear_scores(base, diff, batch, convention="authors_code")                 # doctest: +SKIP
+>>> scores = linear_scores(base, diff, batch)
+>>> scores["informative"].shape     # [layer, component, pos]
+torch.Size([4, 5, 10])
+>>> authors = linear_scores(base, diff, batch, convention="authors_code")
 
 One model in memory: the finetuned weights come from ``diff.applied(model)``. Cost per batch:
 one forward+backward of the base model (``ŷ``), one forward-mode pass per layer along Δ
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -118,13 +119,13 @@ def linear_scores_with(
     meta = base_metadata(model, diff, options, batch, cdt, method="linear")
     with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
         chunks = _scores(model, diff, deltas, batch, plan, options)
-    per_token = [c.scores for c in chunks]
-    result = assemble(model, scored, options.kinds, per_token, [v.sum(-1) for v in per_token],
-                      method="linear", other=[c.other for c in chunks], metadata=meta)  # fmt: skip
+    per_token = [cast(Tensor, c.scores) for c in chunks]
+    other = [cast(Tensor, c.other) for c in chunks]
+    result = assemble(model, scored, options.score_kinds, per_token, [v.sum(-1) for v in per_token],
+                      method="linear", other=other, metadata=meta)  # fmt: skip
     if "informative" in options.kinds:
-        meta["linearization"] = linearization_check(
-            result, torch.cat([c.change for c in chunks]).cpu()
-        )
+        changes = [cast(Tensor, c.change) for c in chunks]
+        meta["linearization"] = linearization_check(result, torch.cat(changes).cpu())
     return result
 
 
@@ -244,6 +245,8 @@ def linearization_check(
     import warnings
 
     k = scores.kind_index("informative")
+    if scores.other is None:
+        raise ValueError("The linearization check needs linear informative scores (with 'other').")
     linear_total = scores.prompt_totals[k].sum((1, 2)) + scores.other
     lin, ex = float(linear_total.mean()), float(change.mean())
     scale = max(abs(lin), abs(ex))

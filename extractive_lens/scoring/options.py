@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -80,6 +80,11 @@ class ScoreOptions:
                 f"reference must be a PromptBatch (make_batch(model, pairs)), got "
                 f"{type(self.reference).__name__}."
             )
+
+    @property
+    def score_kinds(self) -> tuple[ScoreKind, ...]:
+        """``kinds`` as resolved: a tuple in the canonical order."""
+        return cast(tuple, self.kinds)
 
     @property
     def authors(self) -> bool:

@@ -139,7 +139,7 @@ class AnswerRows:
         if index is None:
             return cls(batch.answer_targets, batch.candidates, batch.counterfactual,
                        batch.last_prompt_pos, batch.lengths)  # fmt: skip
-        return cls(pick(batch.answer_targets), pick(batch.candidates), pick(batch.counterfactual),
+        return cls(pick(batch.answer_targets), pick(batch.candidates), pick(batch.counterfactual),  # type: ignore[arg-type]
                    pick(batch.last_prompt_pos), pick(batch.lengths))  # type: ignore[arg-type]  # fmt: skip
 
     def __len__(self) -> int:

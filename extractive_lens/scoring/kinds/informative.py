@@ -50,7 +50,7 @@ def linear(chunk: LinearChunk) -> Tensor:
     def pieces(m: Any) -> tuple[list[dict[str, Tensor]], list[Tensor], Tensor, Tensor]:
         caps = [B.attention(m, l, base.pre[l], capture)[1] for l in range(L)]
         outs = [B.mlp(m, l, base.mlp_in[l]) for l in range(L)] if has_mlp else []
-        return caps, outs, B.embed(m, tokens), B.unembed(m, base.post_final)
+        return caps, outs, B.embed(m, tokens), B.unembed(m, base.post_final)  # type: ignore[arg-type]
 
     with torch.no_grad():  # one forward-mode pass for every component and the "other" parameters
         _, (cap_dot, mlp_dot, e_dot, l_dot) = B.jvp(model, pieces, (), tang)
