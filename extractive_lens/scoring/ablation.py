@@ -166,6 +166,21 @@ class AblationTable:
         return zs * _bc(real, z), (None if ms is None else ms * _bc(real, m))  # type: ignore[arg-type]
 
 
+def table_for(
+    model: Any, batch: PromptBatch, options: Any, chunks: list[PromptBatch], first: Run
+) -> AblationTable | None:
+    """The y* table of a scoring call (``None`` without upstream scores); reuses the first
+    chunk's base run when it covers the whole batch."""
+    if "upstream" not in options.kinds:
+        return None
+    single = options.reference is None and options.rows is None and len(chunks) == 1
+    return AblationTable(
+        model, batch, options.ablation, reference=options.reference, k=options.resample_k,
+        seed=options.seed, batch_size=options.batch_size,
+        runs=[(chunks[0], first)] if single else None,
+    )  # fmt: skip
+
+
 def _bc(x: Tensor, like: Tensor) -> Tensor:
     """``x`` with trailing singleton axes to broadcast against ``like``."""
     return x.reshape(*x.shape, *([1] * (like.dim() - x.dim()))).to(like.dtype)

@@ -35,13 +35,13 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.batch import PromptBatch
-from extractive_lens.interrupts import guarded, refuse_attached_hooks
+from extractive_lens.interrupts import guarded
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward, reads_answer_positions_only
-from extractive_lens.scoring.ablation import AblationTable
+from extractive_lens.scoring.ablation import AblationTable, table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
 from extractive_lens.scoring.kinds import KINDS
-from extractive_lens.scoring.options import CausalOptions, Per, check_arguments
+from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
 from extractive_lens.scoring.runs import AnswerRows, Run, forward_run, readout, wide
 from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
@@ -98,11 +98,7 @@ def causal_scores_with(
     model: Any, diff: WeightDiff, batch: PromptBatch, options: CausalOptions
 ) -> ComponentScores:
     """``causal_scores`` with its options as one ``CausalOptions`` object."""
-    check_arguments("causal_scores", model, diff, batch)
-    B.check_scorable(model)
-    refuse_attached_hooks(model, "causal_scores")
-    cdt = B.resolve_compute_dtype(model, options.compute_dtype)
-    diff.check_compatible(model)
+    cdt = prepare("causal_scores", model, diff, batch, options)
     skipped = _skipped(model, diff, batch, options, cdt)
     scored, plan = plan_chunks(batch, options.rows, options.batch_size)
     chunks = [c for c, _ in plan]
@@ -115,14 +111,7 @@ def causal_scores_with(
     per_token, totals = [], []
     with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
         first = forward_run(model, chunks[0], options.reward_fn, capture=("z", "k", "v"))
-        table = None
-        if "upstream" in options.kinds:
-            single = options.reference is None and options.rows is None and len(chunks) == 1
-            table = AblationTable(
-                model, batch, options.ablation, reference=options.reference,  # type: ignore[arg-type]
-                k=options.resample_k, seed=options.seed, batch_size=options.batch_size,
-                runs=[(chunks[0], first)] if single else None,
-            )  # fmt: skip
+        table = table_for(model, batch, options, chunks, first)
         for i, chunk in enumerate(chunks):
             base = first if i == 0 else forward_run(model, chunk, options.reward_fn,
                                                      capture=("z", "k", "v"))  # fmt: skip

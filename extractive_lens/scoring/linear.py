@@ -25,14 +25,14 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.batch import PromptBatch
-from extractive_lens.interrupts import guarded, refuse_attached_hooks
+from extractive_lens.interrupts import guarded
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
-from extractive_lens.scoring.ablation import AblationTable
+from extractive_lens.scoring.ablation import AblationTable, table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
 from extractive_lens.scoring.kinds import KINDS
 from extractive_lens.scoring.kinds.upstream import upstream_gradients
-from extractive_lens.scoring.options import LinearOptions, check_arguments
+from extractive_lens.scoring.options import LinearOptions, check_arguments, prepare
 from extractive_lens.scoring.runs import Run, forward_run, head_grad, wide
 from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
@@ -100,10 +100,7 @@ def linear_scores_with(
     model: Any, diff: WeightDiff, batch: PromptBatch, options: LinearOptions
 ) -> ComponentScores:
     """``linear_scores`` with its options as one ``LinearOptions`` object."""
-    check_arguments("linear_scores", model, diff, batch)
-    B.check_scorable(model)
-    refuse_attached_hooks(model, "linear_scores")
-    cdt = B.resolve_compute_dtype(model, options.compute_dtype)
+    cdt = prepare("linear_scores", model, diff, batch, options)
     cfg = model.cfg
     gqa = cfg.n_key_value_heads and cfg.n_key_value_heads != cfg.n_heads
     if options.authors and gqa and "informative" in options.kinds:
@@ -112,7 +109,6 @@ def linear_scores_with(
             "which needs one key/value head per query head; this model uses grouped-query "
             "attention. Use convention='paper'."
         )
-    diff.check_compatible(model)
     deltas = {n: d.to(cfg.device) for n, d in diff.deltas.items()}
     _check_covered(deltas)
     scored, plan = plan_chunks(batch, options.rows, options.batch_size)
@@ -177,14 +173,7 @@ def _scores(
         return forward_run(model, chunk, options.reward_fn, grad=True, capture=capture)
 
     first = base_run(chunks[0])
-    table = None
-    if "upstream" in kinds:
-        single = options.reference is None and options.rows is None and len(chunks) == 1
-        table = AblationTable(
-            model, batch, options.ablation, reference=options.reference,  # type: ignore[arg-type]
-            k=options.resample_k, seed=options.seed, batch_size=options.batch_size,
-            runs=[(chunks[0], first)] if single else None,
-        )  # fmt: skip
+    table = table_for(model, batch, options, chunks, first)
     out = []
     bar = progress(chunks, len(chunks), "linear scores", options.show_progress)
     for i, chunk in enumerate(bar):

@@ -154,6 +154,20 @@ class CausalOptions(ScoreOptions):
             object.__setattr__(self, "layers", tuple(sorted({int(x) for x in self.layers})))
 
 
+def prepare(fn: str, model: Any, diff: Any, batch: Any, options: ScoreOptions) -> torch.dtype:
+    """The checks every score function makes before touching the model; returns the compute
+    dtype (``docs/scores.md``: float32 for 16-bit models by default)."""
+    from extractive_lens import backend as B
+    from extractive_lens.interrupts import refuse_attached_hooks
+
+    check_arguments(fn, model, diff, batch)
+    B.check_scorable(model)
+    refuse_attached_hooks(model, fn)
+    dtype = B.resolve_compute_dtype(model, options.compute_dtype)
+    diff.check_compatible(model)
+    return dtype
+
+
 def resolve_kinds(kinds: Any) -> tuple[ScoreKind, ...]:
     """``kinds`` as a tuple in the canonical order (``SCORE_KINDS``), validated."""
     if isinstance(kinds, str):
