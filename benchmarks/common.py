@@ -29,7 +29,7 @@ def timeit(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float
 
 
 def environment() -> dict[str, Any]:
-    import transformer_lens
+    from extractive_lens.backend.loading import version
 
     return {
         "device": "cuda:" + torch.cuda.get_device_name()
@@ -37,7 +37,7 @@ def environment() -> dict[str, Any]:
         else f"cpu ({platform.processor() or platform.machine()})",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "transformer_lens": getattr(transformer_lens, "__version__", "?"),
+        "transformer_lens": version(),
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

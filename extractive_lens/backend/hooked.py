@@ -93,7 +93,7 @@ def signature(model: Any) -> dict[str, Any]:
 
 def describe(model: Any) -> dict[str, Any]:
     """What a result records about the model it was computed on."""
-    import transformer_lens
+    from extractive_lens.backend.loading import version
 
     return {
         "model": model.cfg.model_name,
@@ -101,7 +101,7 @@ def describe(model: Any) -> dict[str, Any]:
         "dtype": str(model.cfg.dtype),
         "weights_processed": weights_processed(model),
         "backend": NAME,
-        "transformer_lens": getattr(transformer_lens, "__version__", "unknown"),
+        "transformer_lens": version(),
     }
 
 

@@ -152,8 +152,14 @@ def build(
 
 
 def version() -> str:
-    """The installed TransformerLens version."""
-    return str(getattr(_tl(), "__version__", "unknown"))
+    """The installed TransformerLens version (its package metadata: 3.x has no ``__version__``)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("transformer-lens")
+    except PackageNotFoundError:
+        return str(getattr(_tl(), "__version__", "unknown"))
 
 
 def _common(hf: Any, **extra: Any) -> dict[str, Any]:
