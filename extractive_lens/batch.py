@@ -199,6 +199,24 @@ def _encode(model: Any, text: str | Sequence[int], what: str, *, offsets: bool =
     return (ids, None) if offsets else ids
 
 
+def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The text each token adds to the decoded string, so that ``"".join`` reads as the prompt.
+
+    ``decode([id])`` loses the spaces a word-level tokenizer puts between tokens ("ThepeopleinT0");
+    the text token i adds after token i-1 keeps them, for byte-level BPE tokenizers too.
+    """
+    out: list[str] = []
+    for i, t in enumerate(ids):
+        alone = tokenizer.decode([int(t)])
+        if i == 0:
+            out.append(alone)
+            continue
+        before = tokenizer.decode([int(ids[i - 1])])
+        pair = tokenizer.decode([int(ids[i - 1]), int(t)])
+        out.append(pair[len(before) :] if pair.startswith(before) else alone)
+    return out
+
+
 def _token_str(model: Any, token: int) -> str:
     tok = getattr(model, "tokenizer", None)
     if tok is None:

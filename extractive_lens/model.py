@@ -59,6 +59,7 @@ from extractive_lens.backend.loading import (  # noqa: F401
     hf_config_to_tl,
     load_checkpoint,
     load_pretrained,
+    named_tokenizer,
     tiny_model,
     tokenizer_prepends_bos,
     word_tokenizer,

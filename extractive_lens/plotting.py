@@ -12,22 +12,34 @@ Every figure is an ordinary plotly figure: restyle it with ``fig.update_layout(.
 from __future__ import annotations
 
 import html
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from extractive_lens.results import ComponentScores
-from extractive_lens.types import ScoreKind, jsonable
+from extractive_lens.types import ScoreKind
 
 if TYPE_CHECKING:  # pragma: no cover
     import plotly.graph_objects as go
 
     from extractive_lens.comparison import ScoreComparison
 
-Part = Literal["mlp", "attn", "heads"]
+Part = Literal["mlp", "attn", "heads", "all_heads"]
 COLORSCALE = "RdBu"
+
+# What one unit of score is, by reward (docs/scores.md §3): a score is a change of R.
+REWARD_UNITS = {
+    "answer_logprob": "Δ log p(answer), nats",
+    "logit_margin": "Δ logit margin",
+    "logit_diff": "Δ logit difference",
+}
+POSITION_AXIS = "token position (role: tokens)"
+
+
+def score_unit(scores: ComponentScores) -> str:
+    """The unit of ``scores``' values, from its reward: ``"Δ log p(answer), nats"`` by default."""
+    reward = scores.metadata.get("reward")
+    return REWARD_UNITS.get(str(reward), f"Δ {reward}" if reward else "Δ reward")
 
 
 def _layer_labels(n: int) -> list[str]:
@@ -40,17 +52,22 @@ def panel(
     """The matrix a heat map shows, with its x and y labels.
 
     ``mlp``: layer × position; ``attn``: layer × position, heads summed; ``heads``: layer × head
-    at one ``position`` (default: summed over positions).
+    at one ``position`` (default: summed over positions); ``all_heads``: every head of every
+    layer (``L0H0``, ``L0H1``, …, layer 0 first) × position.
     """
     v = scores[kind].detach().double().numpy()  # layer component pos
     comps = list(scores.component_labels)
     heads = [i for i, c in enumerate(comps) if c != "MLP"]
+    positions = list(scores.position_labels)
     if part == "mlp":
         if "MLP" not in comps:
             raise ValueError("This model has no MLPs (attention-only).")
-        return v[:, comps.index("MLP"), :], list(scores.position_labels), _layer_labels(v.shape[0])
+        return v[:, comps.index("MLP"), :], positions, _layer_labels(v.shape[0])
     if part == "attn":
-        return v[:, heads, :].sum(1), list(scores.position_labels), _layer_labels(v.shape[0])
+        return v[:, heads, :].sum(1), positions, _layer_labels(v.shape[0])
+    if part == "all_heads":
+        rows = [f"L{layer}{comps[h]}" for layer in range(v.shape[0]) for h in heads]
+        return v[:, heads, :].reshape(-1, v.shape[-1]), positions, rows
     if part == "heads":
         if position is None:
             m = v[:, heads, :].sum(-1)
@@ -61,15 +78,31 @@ def panel(
                 )
             m = v[:, heads, scores.position_labels.index(position)]
         return m, [comps[i] for i in heads], _layer_labels(v.shape[0])
-    raise ValueError(f"part must be 'mlp', 'attn' or 'heads', got {part!r}")
+    raise ValueError(f"part must be 'mlp', 'attn', 'heads' or 'all_heads', got {part!r}")
 
 
 def _heatmap_trace(
-    z: np.ndarray, x: list[str], y: list[str], kind: str, what: str, **kw: Any
+    z: np.ndarray,
+    x: list[str],
+    y: list[str],
+    kind: str,
+    what: str,
+    unit: str,
+    tokens: list[str] | None = None,
+    **kw: Any,
 ) -> go.Heatmap:
+    """A diverging heat map centred at 0 (blue = helps the answer). ``tokens``: per column, the
+    tokens found at that position, shown on hover."""
     import plotly.graph_objects as go
 
     lim = float(np.abs(z).max()) or 1.0
+    extra = {}
+    where = "%{x}"
+    if tokens is not None:
+        extra["customdata"] = [[_safe_token(t) for t in tokens] for _ in range(len(y))]
+        where = "%{x} (%{customdata})"
+    kw.setdefault("colorbar", {})
+    kw["colorbar"] = dict(title=dict(text=unit, side="right"), **kw["colorbar"])
     return go.Heatmap(
         z=z,
         x=x,
@@ -78,49 +111,85 @@ def _heatmap_trace(
         zmin=-lim,
         zmax=lim,
         colorscale=COLORSCALE,
-        hovertemplate=f"{kind} · {what}<br>layer %{{y}}<br>%{{x}}<br>score %{{z:.4g}}<extra></extra>",
+        hovertemplate=f"{kind} · {what}<br>layer %{{y}}<br>{where}<br>score %{{z:.4g}} ({unit})"
+        "<extra></extra>",
+        **extra,
         **kw,
     )
+
+
+def _position_axis(scores: ComponentScores) -> dict[str, Any]:
+    """x-axis settings for position columns: role labels as categories, ticks with their tokens."""
+    return dict(
+        tickmode="array",
+        tickvals=list(scores.position_labels),
+        ticktext=[_safe_token(t) for t in scores.position_ticks()],
+        tickangle=-40,
+    )
+
+
+def _column_tokens(scores: ComponentScores) -> list[str]:
+    found = scores.position_tokens()
+    return [", ".join(found[p][:3]) + (", …" if len(found[p]) > 3 else "") for p in found]
 
 
 def heatmap(
     scores: ComponentScores, kind: ScoreKind, part: Part = "mlp", position: str | None = None
 ) -> go.Figure:
-    """One heat map: x = token roles (or heads), y = layer with layer 0 at the bottom, diverging
-    colours centred at 0, hover with value, layer, component and token."""
+    """One heat map: x = token positions (role and its tokens) or heads, y = layer (layer 0 at
+    the bottom), diverging colours centred at 0 (blue helps the answer, red hurts it), hover with
+    value, layer, component and tokens. ``part="all_heads"``: every head of every layer × position."""
     import plotly.graph_objects as go
 
     z, x, y = panel(scores, kind, part, position)
     what = {
         "mlp": "MLP",
         "attn": "attention (heads summed)",
-        "heads": f"heads @ {position or 'all positions'}",
+        "heads": f"heads @ {position or 'all positions (summed)'}",
+        "all_heads": "every head",
     }[part]
-    fig = go.Figure(_heatmap_trace(z, x, y, kind, what))
+    by_position = part != "heads"
+    unit = score_unit(scores)
+    trace = _heatmap_trace(
+        z, x, y, kind, what, unit, tokens=_column_tokens(scores) if by_position else None
+    )
+    fig = go.Figure(trace)
     fig.update_layout(
         title=f"{scores.method} {kind} scores: {what}",
-        xaxis_title="token role" if part != "heads" else "head",
-        yaxis_title="layer",
-        yaxis=dict(autorange=True),
+        xaxis_title=POSITION_AXIS if by_position else "head",
+        yaxis_title="layer and head" if part == "all_heads" else "layer",
         template="plotly_white",
-        height=300 + 18 * len(y),
+        height=min(2400, 320 + (12 if part == "all_heads" else 18) * len(y)),
     )
+    if by_position:
+        fig.update_xaxes(**_position_axis(scores))
+    if part == "all_heads":  # a line between layers
+        n_heads = len(y) // max(1, scores.n_layers)
+        for layer in range(1, scores.n_layers):
+            fig.add_hline(y=layer * n_heads - 0.5, line_width=1, line_color="#888")
     return fig
 
 
 def overview(scores: ComponentScores) -> go.Figure:
-    """The paper's grid: rows = score kinds, columns = MLP / attention, one colour scale per panel."""
+    """The paper's grid: rows = score kinds, columns = MLP / attention (heads summed); layer ×
+    token position, one colour scale per panel."""
     from plotly.subplots import make_subplots
 
     parts: list[Part] = ["mlp", "attn"] if "MLP" in scores.component_labels else ["attn"]
-    titles = [f"{k} · {'MLP' if p == 'mlp' else 'attention'}" for k in scores.kinds for p in parts]
+    titles = [
+        f"{k} · {'MLP' if p == 'mlp' else 'attention (heads summed)'}"
+        for k in scores.kinds
+        for p in parts
+    ]
     fig = make_subplots(
         rows=len(scores.kinds),
         cols=len(parts),
         subplot_titles=titles,
-        horizontal_spacing=0.12,
-        vertical_spacing=0.12,
+        horizontal_spacing=0.14,
+        vertical_spacing=0.2 if len(scores.kinds) > 1 else 0.1,
     )
+    unit = score_unit(scores)
+    tokens = _column_tokens(scores)
     for r, kind in enumerate(scores.kinds, start=1):
         for c, part in enumerate(parts, start=1):
             z, x, y = panel(scores, kind, part)
@@ -132,7 +201,9 @@ def overview(scores: ComponentScores) -> go.Figure:
                 x,
                 y,
                 kind,
-                "MLP" if part == "mlp" else "attention",
+                "MLP" if part == "mlp" else "attention (heads summed)",
+                unit,
+                tokens=tokens,
                 colorbar=dict(
                     x=xdom[1] + 0.01,
                     y=(ydom[0] + ydom[1]) / 2,
@@ -141,10 +212,14 @@ def overview(scores: ComponentScores) -> go.Figure:
                 ),
             )
             fig.add_trace(trace, row=r, col=c)
+            fig.update_xaxes(row=r, col=c, **_position_axis(scores))
+            fig.update_yaxes(title_text="layer", row=r, col=c)
+            if r == len(scores.kinds):
+                fig.update_xaxes(title_text=POSITION_AXIS, row=r, col=c)
     fig.update_layout(
-        title=f"{scores.method} scores ({scores.metadata.get('reward', '')})",
+        title=f"{scores.method} scores, mean over {scores.n_prompts} prompts ({unit})",
         template="plotly_white",
-        height=260 * len(scores.kinds) + 80,
+        height=330 * len(scores.kinds) + 140,
     )
     return fig
 
@@ -196,8 +271,9 @@ def comparison_plot(comparison: ScoreComparison) -> go.Figure:
             row=1,
             col=i,
         )
-        fig.update_xaxes(title_text="linear", row=1, col=i)
-        fig.update_yaxes(title_text="exact", row=1, col=i)
+        unit = score_unit(comparison.linear)
+        fig.update_xaxes(title_text=f"linear score ({unit})", row=1, col=i)
+        fig.update_yaxes(title_text=f"exact score ({unit})", row=1, col=i)
     fig.update_layout(
         title=f"linearized vs exact ({comparison.level} level)",
         template="plotly_white",
@@ -266,113 +342,6 @@ def _safe_token(t: str) -> str:
     return t.replace("<", "\u2039").replace(">", "\u203a")
 
 
-def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows
-    )
-    return f"<table class='el'><tr>{head}</tr>{body}</table>"
-
-
-def _fmt(x: Any) -> str:
-    return f"{x:+.4g}" if isinstance(x, float) else str(x)
-
-
-def report(
-    scores: ComponentScores | list[ComponentScores],
-    comparison: ScoreComparison | None = None,
-    path: str | Path = "report.html",
-    *,
-    title: str = "extractive_lens report",
-    extra_figures: list[tuple[str, go.Figure]] | None = None,
-    token_views: list[tuple[str, Any]] | None = None,
-) -> Path:
-    """Write one self-contained HTML file: every view, the metadata and the top-component table.
-
-    plotly.js is embedded once; the page makes no network requests. Token strings are escaped.
-    """
-    results = scores if isinstance(scores, list) else [scores]
-    figures: list[tuple[str, Any]] = []
-    for s in results:
-        figures.append((f"{s.method} scores: overview", overview(s)))
-        if any(c != "MLP" for c in s.component_labels):
-            for kind in s.kinds:
-                figures.append((f"{s.method} {kind}: heads", heatmap(s, kind, part="heads")))
-    if comparison is not None:
-        figures.append(("linear vs exact", comparison_plot(comparison)))
-    figures += extra_figures or []
-    if token_views is None:  # the top informative component's per-token scores on prompt 0
-        s0 = results[0]
-        kind = "informative" if "informative" in s0.kinds else s0.kinds[0]
-        if s0.per == "token":
-            _, lab, _ = s0.top(1, kind)[0]
-            token_views = [(f"{s0.method} {kind} of {lab}, prompt 0", token_view(s0, kind, lab))]
-    parts = []
-    for i, (name, fig) in enumerate(figures):
-        div = fig.to_html(
-            full_html=False,
-            include_plotlyjs=(i == 0),
-            div_id=f"fig{i}",
-            config={"displaylogo": False},
-        )
-        parts.append(f"<section><h2>{html.escape(name)}</h2>{div}</section>")
-    for name, view in token_views or []:
-        src = view.local_src if hasattr(view, "local_src") else str(view)
-        page_doc = (
-            f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{src}</body></html>"
-        )
-        parts.append(
-            f"<section><h2>{html.escape(name)}</h2><iframe class='tokens' sandbox='allow-scripts' "
-            f"style='width:100%;height:140px;border:0' srcdoc=\"{html.escape(page_doc, quote=True)}\">"
-            "</iframe></section>"
-        )
-    tops = []
-    for s in results:
-        rows = [(s.method, k, lab, v) for k in s.kinds for (_, lab, v) in s.top(5, k)]
-        tops.append(_table(rows, ("method", "kind", "component", "score")))
-    cmp_html = ""
-    if comparison is not None:
-        cols = (
-            "kind",
-            "part",
-            "n",
-            "pearson",
-            "spearman",
-            "sign_agreement",
-            "topk_overlap",
-            "max_abs_err",
-        )
-        says = "".join(
-            f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>"
-            for k, v in comparison.verdicts.items()
-        )
-        cmp_html = (
-            "<h2>linear vs exact</h2><ul class='verdicts'>"
-            + says
-            + "</ul>"
-            + _table([tuple(r[c] for c in cols) for r in comparison.rows], cols)
-        )
-    notes = [s.linearization_note() for s in results if s.linearization_note()]
-    if notes:
-        cmp_html += "<h2>linearization check</h2>" + "".join(
-            f"<p class='linearization'>{html.escape(n)}</p>" for n in notes
-        )
-    meta = html.escape(json.dumps(jsonable({s.method: s.metadata for s in results}), indent=1))
-    page = f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}}
-table.el{{border-collapse:collapse;margin:1em 0}} table.el td,table.el th{{border:1px solid #ccc;padding:2px 8px}}
-pre{{background:#f6f6f6;padding:1em;overflow:auto;max-height:20em}}</style></head>
-<body><h1>{html.escape(title)}</h1>
-<h2>top components</h2>{"".join(tops)}{cmp_html}
-{"".join(parts)}
-<h2>metadata</h2><pre>{meta}</pre></body></html>"""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
-    return path
-
-
 def heads_by_position(scores: ComponentScores, kind: ScoreKind) -> go.Figure:
     """Layer × head heat map with a slider over token roles (one colour scale for all positions)."""
     import plotly.graph_objects as go
@@ -392,6 +361,7 @@ def heads_by_position(scores: ComponentScores, kind: ScoreKind) -> go.Figure:
                 zmin=-lim,
                 zmax=lim,
                 colorscale=COLORSCALE,
+                colorbar=dict(title=dict(text=score_unit(scores), side="right")),
                 visible=p == len(scores.position_labels) - 1,
                 name=label,
                 hovertemplate=f"{kind} · %{{x}} · layer %{{y}}<br>at {html.escape(label)}<br>score %{{z:.4g}}<extra></extra>",
@@ -480,3 +450,6 @@ def table_heatmap(
     )
     fig.update_layout(title=title, template="plotly_white", yaxis=dict(autorange="reversed"))
     return fig
+
+
+from extractive_lens.report import report as report  # noqa: E402  (re-exported: el.plotting.report)

@@ -202,6 +202,32 @@ class ComponentScores:
             f"unembedding) carry {check['other_share']:.0%} of the linear total."
         )
 
+    def position_tokens(self) -> dict[str, tuple[str, ...]]:
+        """The distinct tokens found at each position role, over all prompts, in order of first
+        appearance (``{"{name}[-1]": ("T0", "T1", ...), "lives": ("lives",)}``); empty tuples when
+        the model had no tokenizer."""
+        tokens = self.metadata.get("prompt_tokens") or []
+        seen: dict[str, dict[str, None]] = {label: {} for label in self.position_labels}
+        for row, roles in zip(tokens, self.prompt_roles):
+            for token, role in zip(row, roles):
+                if role in seen:
+                    seen[role][token.strip() or token] = None
+        return {label: tuple(found) for label, found in seen.items()}
+
+    def position_ticks(self, examples: int = 2) -> list[str]:
+        """One axis label per position: the token where every prompt has the same one (``lives``),
+        else the role with up to ``examples`` of its tokens (``{name}[-1]: T0, T1, …``)."""
+        ticks = []
+        for label, found in self.position_tokens().items():
+            if len(found) == 1 and found[0] == label:
+                ticks.append(label)
+            elif found:
+                more = ", …" if len(found) > examples else ""
+                ticks.append(f"{label}: {', '.join(found[:examples])}{more}")
+            else:
+                ticks.append(label)
+        return ticks
+
     def _label(self, layer: int, comp: int) -> str:
         return f"L{layer}{self.component_labels[comp]}"
 

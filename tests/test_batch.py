@@ -139,3 +139,20 @@ def test_to_dataframe_has_the_token_strings(text_model):
     first = df[(df.prompt == 1) & (df.layer == 0) & (df.component == "MLP")].sort_values("pos")
     text = "".join(first.token)
     assert "Ann Lee lives in" in text and text.endswith(" in")
+
+
+def test_token_strings_keep_the_spaces(text_model):
+    """Token texts join back into the decoded prompt, for a word-level and a BPE tokenizer
+    (``decode([id])`` alone runs a word-level prompt together: "ThepeopleinT0")."""
+    from extractive_lens.batch import token_strings
+    from extractive_lens.world import load_world_model
+
+    for model, prompt in (
+        (load_world_model(), "The people in the city T3 is from speak"),
+        (text_model, "John Doe lives in Tokyo"),
+    ):
+        ids = model.to_tokens(prompt, prepend_bos=False)[0].tolist()
+        texts = token_strings(model.tokenizer, ids)
+        assert len(texts) == len(ids)
+        assert "".join(texts) == model.tokenizer.decode(ids)
+        assert "".join(texts).strip() == prompt

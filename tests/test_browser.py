@@ -36,7 +36,7 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
 
     lin, ex = scored
     path = report([lin, ex], compare(lin, ex), path=tmp_path / "report.html")
-    expected = len(re.findall(r'class="plotly-graph-div"', path.read_text()))
+    expected = len(re.findall(r"class='el-figure'", path.read_text()))
     assert expected >= 9
     requests, errors = [], []
     with sync_api.sync_playwright() as p:
@@ -64,10 +64,20 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
             "hovertext": page.evaluate("document.querySelectorAll('.hovertext').length"),
             "text": page.evaluate("document.querySelector('.hoverlayer .hovertext').textContent"),
         }
+        axis_titles = page.evaluate(
+            "[...document.querySelectorAll('.js-plotly-plot')[0].querySelectorAll('text')]"
+            ".filter(e => /^[xy]\\d*title$/.test(e.getAttribute('class'))).map(e => e.textContent)"
+        )
+        ticks = page.evaluate(
+            "[...document.querySelectorAll('.js-plotly-plot')[0].querySelectorAll('.xtick text')]"
+            ".map(e => e.textContent)"
+        )
         shot = tmp_path / "report.png"
         page.screenshot(path=str(shot), full_page=False)
         browser.close()
     assert rendered == expected
+    assert "layer" in axis_titles and any("token position" in t for t in axis_titles)
+    assert "lives" in ticks and any(t.startswith("{name}[-1]: ") and "Lee" in t for t in ticks)
     assert "score" in hover["template"] and hover["hovertext"] >= 1
     assert "layer" in hover["text"] and "score" in hover["text"]
     assert errors == [], errors

@@ -217,3 +217,22 @@ def test_bos_follows_the_checkpoints_tokenizer(tmp_path, adds_bos):
     assert make_batch(model, [("w5 w6 w7", " w8")], prepend_bos=not adds_bos).prepend_bos == (
         not adds_bos
     )
+
+
+def test_tokenizer_built_in_memory_is_accepted():
+    """TransformerLens needs init_kwargs['name_or_path'] (KeyError on an in-memory tokenizer);
+    tiny_model reloads such a tokenizer and keeps its ids."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from extractive_lens import tiny_model
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<bos>", "<pad>", "John", "lives", "in"])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<bos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    assert "name_or_path" not in fast.init_kwargs
+    model = tiny_model({"d_vocab": len(vocab)}, tokenizer=fast)
+    assert model.to_tokens("John lives in")[0].tolist() == [1, 3, 4, 5]

@@ -81,8 +81,71 @@ def test_report_self_contained_and_escaped(scored, tmp_path):
     text = path.read_text()
     assert not re.search(r"""src=["']https?://""", text)
     assert "<script>alert(1)</script>" not in text
-    assert text.count("plotly.js v") <= 2  # embedded once (the bundle names itself in a comment)
-    assert "top components" in text and "linear vs exact" in text
+    assert text.count("id='plotly-gz'") == 1 and "plotly.js v" not in text  # once, compressed
+    assert path.stat().st_size < 2_500_000  # plotly.js alone is 4.6 MB uncompressed
+    for section in ("how to read this report", "what to trust", "top components", "metadata"):
+        assert f"<h2>{section}</h2>" in text
+    assert "blocks.1.hook_mlp_out" in text and "Δ log p(answer), nats" in text
+    assert "<td>prompts_digest</td>" in text  # metadata as a table, not a JSON dump
+    inline = report(lin, path=tmp_path / "inline.html", plotlyjs="inline").read_text()
+    assert inline.count("plotly.js v") <= 2 and "plotly-gz" not in inline
+
+
+def test_report_figures_are_the_figures(scored, tmp_path):
+    """The JSON each placeholder renders is the figure itself (overview first, heads maps next)."""
+    import base64
+    import json
+
+    lin, _ = scored
+    text = report(lin, path=tmp_path / "r.html").read_text()
+    specs = re.findall(r"<script type='application/json' id='fig(\d+)-spec'>(.*?)</script>", text)
+    assert [int(i) for i, _ in specs] == list(range(1 + len(lin.kinds)))
+
+    def z_of(spec: str) -> np.ndarray:  # plotly 6 writes arrays as {"dtype", "bdata", "shape"}
+        z = json.loads(spec)["data"][0]["z"]
+        if isinstance(z, dict):
+            flat = np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"])
+            return flat.reshape([int(n) for n in str(z["shape"]).split(",")])
+        return np.array(z)
+
+    assert np.allclose(z_of(specs[0][1]), lin["informative"][:, -1, :].numpy())
+    n_heads = len(lin.component_labels) - 1
+    assert np.allclose(
+        z_of(specs[2][1]),  # upstream, every head
+        lin["upstream"][:, :-1, :].reshape(lin.n_layers * n_heads, -1).numpy(),
+    )
+
+
+def test_every_head_map_and_position_ticks(scored):
+    lin, _ = scored
+    fig = heatmap(lin, "downstream", part="all_heads")
+    tr = fig.data[0]
+    n_heads = len(lin.component_labels) - 1
+    assert list(tr.y)[: n_heads + 1] == [f"L0H{h}" for h in range(n_heads)] + ["L1H0"]
+    layer, head, pos = 1, 2, 3
+    assert tr.z[layer * n_heads + head][pos] == pytest.approx(
+        float(lin["downstream"][layer, head, pos])
+    )
+    ticks = dict(zip(fig.layout.xaxis.tickvals, fig.layout.xaxis.ticktext))
+    name = ticks["{name}[-1]"]
+    last = {
+        p: lin.metadata["prompt_tokens"][p][lin.prompt_roles[p].index("{name}[-1]")] for p in (0, 1)
+    }
+    assert name == "{name}[-1]: " + ", ".join(t.strip() for t in last.values())  # e.g. "e, Lee"
+    assert ticks["lives"] == "lives"  # a template word is its own token
+    import dataclasses
+
+    same = [list(lin.metadata["prompt_tokens"][0])] * 2  # one token at every role
+    one = dataclasses.replace(
+        lin,
+        prompt_roles=(lin.prompt_roles[0],) * 2,
+        metadata={**lin.metadata, "prompt_tokens": same},
+    )
+    assert one.position_ticks()[list(lin.position_labels).index("{name}[-1]")] == (
+        "{name}[-1]: " + last[0].strip()
+    )
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
+    assert "Lee" in str(tr.customdata[0][list(lin.position_labels).index("{name}[-1]")])
 
 
 def test_heads_slider_and_experiment_figures(scored):

@@ -66,6 +66,23 @@ TINY_DEFAULTS: dict[str, Any] = dict(
 )
 
 
+def named_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer``, saved and reloaded when it was built in memory: TransformerLens reads
+    ``init_kwargs["name_or_path"]``, which only loading sets (else ``KeyError: 'name_or_path'``).
+    The reload is a copy; a loaded tokenizer is returned unchanged."""
+    if tokenizer is None or "name_or_path" in getattr(
+        tokenizer, "init_kwargs", {"name_or_path": 0}
+    ):
+        return tokenizer
+    import tempfile
+
+    import transformers
+
+    path = Path(tempfile.mkdtemp(prefix="el-tok-"))
+    tokenizer.save_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
 def tiny_model(
     cfg_overrides: dict[str, Any] | None = None,
     seed: int = 0,
@@ -92,7 +109,7 @@ def tiny_model(
     cfg_dict["device"] = str(device)
     with quiet_transformer_lens():
         cfg = tl.HookedTransformerConfig(**cfg_dict)
-        model = tl.HookedTransformer(cfg, tokenizer=tokenizer)
+        model = tl.HookedTransformer(cfg, tokenizer=named_tokenizer(tokenizer))
     gen = torch.Generator().manual_seed(seed + 12345)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -144,7 +161,7 @@ def build(
     tl = _tl()
     with quiet_transformer_lens():
         model = tl.HookedTransformer(
-            tl.HookedTransformerConfig(**cfg), tokenizer=tokenizer, **kwargs
+            tl.HookedTransformerConfig(**cfg), tokenizer=named_tokenizer(tokenizer), **kwargs
         )
     _record_processing(model, processed=False)
     notes(model).update(notes_ or {})
@@ -367,6 +384,7 @@ def load_checkpoint(
     cfg.model_name = path.name
     if tokenizer is None and any(path.glob("tokenizer*")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = named_tokenizer(tokenizer)
     if tokenizer is not None:  # before TransformerLens gives a BOS-less tokenizer its EOS as BOS
         cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(

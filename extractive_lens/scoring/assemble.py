@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
-from extractive_lens.batch import PromptBatch
+from extractive_lens.batch import PromptBatch, token_strings
 from extractive_lens.results import ComponentScores, aggregate_by_role
 from extractive_lens.scoring.options import ScoreOptions
 from extractive_lens.types import ScoreKind, component_axis_labels
@@ -53,7 +53,7 @@ def assemble(
     tok = getattr(model, "tokenizer", None)
     if tok is not None and "prompt_tokens" not in metadata:
         metadata["prompt_tokens"] = [
-            [tok.decode([int(t)]) for t in batch.tokens[i, : int(batch.lengths[i])].tolist()]
+            token_strings(tok, batch.tokens[i, : int(batch.lengths[i])].tolist())
             for i in range(len(batch))
         ]
     metadata.setdefault("prompts_digest", prompts_digest(batch))
