@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from extractive_lens.results import ComponentScores
-from extractive_lens.types import Component, jsonable
+from extractive_lens.types import Component, ScoreKind, jsonable
 
 if TYPE_CHECKING:  # pragma: no cover
     import plotly.graph_objects as go
@@ -328,7 +328,7 @@ def _token_section(results: Sequence[ComponentScores], views: list[tuple[str, An
     )
 
 
-def token_table(rows: Sequence[tuple[ComponentScores, str, str]], prompt: int = 0) -> str:
+def token_table(rows: Sequence[tuple[ComponentScores, ScoreKind, str]], prompt: int = 0) -> str:
     """An HTML table of per-token scores on one prompt: one row per ``(scores, kind, component)``
     (``component`` like ``"L3H2"`` or ``"L3MLP"``), one column per token, cells coloured by the
     score (blue helps the answer, red hurts it; one scale per row)."""

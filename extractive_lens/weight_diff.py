@@ -20,16 +20,18 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend import ScorableModel
 from extractive_lens.interrupts import finish_stale, state_change
 from extractive_lens.types import Component, component_axis_labels, parse_components
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
 
 FORMAT_VERSION = 1
 _FORMAT = "extractive_lens.WeightDiff"
@@ -333,12 +335,19 @@ class WeightDiff:
             list(self.deltas), int(sig["n_heads"]), sig.get("n_key_value_heads")
         )
 
-    def norms(self) -> Float[Tensor, "layer component"]:
-        """Frobenius norm of each component's owned Δ (shared slices counted for every owner).
-
-        Rows are layers; columns follow ``component_labels()`` (``H0 .. H{n-1}``, ``MLP``).
+    def norms(self) -> pd.DataFrame:
+        """Frobenius norm of each component's owned Δ (shared slices counted for every owner), as
+        a ``pandas.DataFrame``: rows ``L0 .. L{n-1}``, columns ``component_labels`` (``H0 ..
+        H{n-1}``, ``MLP``). ``diff.norms().loc["L3", "H2"]``; ``.to_numpy()`` for the array.
         """
-        return self._norms[0].clone()
+        import pandas as pd
+
+        n_layers, _, _ = self._shape()
+        return pd.DataFrame(
+            self._norms[0].numpy().copy(),
+            index=pd.Index([f"L{i}" for i in range(n_layers)], name="layer"),
+            columns=pd.Index(self.component_labels, name="component"),
+        )
 
     def other_norm(self) -> float:
         """Norm of Δ on parameters no component owns (embeddings, ``b_O``, unembedding)."""
@@ -359,7 +368,10 @@ class WeightDiff:
                 sq[c.layer, n_heads if c.head is None else c.head] += v
         return sq.sqrt(), other**0.5
 
+    @property
     def component_labels(self) -> tuple[str, ...]:
+        """The labels of the component axis within a layer: ``("H0", …, "H{n-1}", "MLP")``, as
+        ``ComponentScores.component_labels``."""
         _, n_heads, mlp = self._shape()
         return component_axis_labels(n_heads, mlp)
 

@@ -95,9 +95,11 @@ def test_arithmetic_and_scale():
 def test_norms_per_component():
     base, ft = make_pair("ln_gelu", torch.float64)
     diff = WeightDiff.from_models(base, ft)
-    norms = diff.norms()
-    assert norms.shape == (base.cfg.n_layers, base.cfg.n_heads + 1)
-    assert diff.component_labels()[-1] == "MLP"
+    table = diff.norms()
+    assert table.shape == (base.cfg.n_layers, base.cfg.n_heads + 1)
+    assert diff.component_labels[-1] == "MLP" and list(table.columns) == list(diff.component_labels)
+    assert list(table.index) == [f"L{i}" for i in range(base.cfg.n_layers)]
+    norms = torch.tensor(table.to_numpy())
     # Independent: the norm of the restricted diff.
     for c in [Component(0, 2), Component(1, None)]:
         col = base.cfg.n_heads if c.head is None else c.head

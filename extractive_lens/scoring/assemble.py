@@ -100,7 +100,7 @@ def base_metadata(
     info = B.describe(model)
     meta = {k: info[k] for k in ("model", "architecture", "dtype", "weights_processed")}
     meta.update(
-        diff_norms=diff.norms().tolist(),
+        diff_norms=diff.norms().to_numpy().tolist(),
         diff_other_norm=diff.other_norm(),
         versions={
             "torch": torch.__version__,
