@@ -19,6 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode=None,  # plain click help: no '<bool>' metavars, wraps at words
 )
 
 
@@ -79,43 +80,63 @@ def _load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") -
 @app.command()
 def score(
     base: str = typer.Option(
-        ..., help="Base model: 'world', a local Hugging Face checkpoint directory or a hub name."
+        ...,
+        help="Base model: 'world', a local Hugging Face checkpoint directory or a hub name.",
+        metavar="MODEL",
     ),
     finetuned: str = typer.Option(
-        None, help="Finetuned model: a local Hugging Face checkpoint directory."
+        None, help="Finetuned model: a local Hugging Face checkpoint directory.", metavar="MODEL"
     ),
     diff: Path = typer.Option(
-        None, help="Or the weight change, as saved by `extractive-lens finetune`."
+        None, help="Or the weight change, as saved by `extractive-lens finetune`.", metavar="DIR"
     ),
     data: Path = typer.Option(
-        ..., help="Prompts and answers: .json, .jsonl or .csv with prompt, answer[, candidates]."
+        ...,
+        help="Prompts and answers: .json, .jsonl or .csv with prompt, answer[, candidates].",
+        metavar="FILE",
     ),
-    method: str = typer.Option("linear", help="linear, causal or both."),
+    method: str = typer.Option(
+        "linear", help="linear, causal or both.", metavar="linear|causal|both"
+    ),
     reward: str = typer.Option(
-        "answer_logprob", help="answer_logprob, logit_margin or logit_diff."
+        "answer_logprob", help="answer_logprob, logit_margin or logit_diff.", metavar="REWARD"
     ),
     out: Path = typer.Option(
-        Path("scores"), help="Output directory (scores, comparison, report.html)."
+        Path("scores"), help="Output directory (scores, comparison, report.html).", metavar="PATH"
     ),
-    dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
+    dtype: str = typer.Option(
+        "float32", help="Model dtype (float32, bfloat16, float64).", metavar="DTYPE"
+    ),
     compute_dtype: str = typer.Option(
         None,
         help="Dtype scores are computed in (default: float32 for bfloat16/float16 models, else --dtype).",
+        metavar="DTYPE",
     ),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
-    batch_size: int = typer.Option(16, min=1, help="Prompts per pass."),
+    device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
+    batch_size: int = typer.Option(16, min=1, help="Prompts per pass.", metavar="N"),
     kinds: str = typer.Option(
-        "informative,upstream,downstream", help="Comma-separated score kinds."
+        "informative,upstream,downstream", help="Comma-separated score kinds.", metavar="KIND,..."
     ),
     ablation: str = typer.Option(
-        None, help="y* for upstream: mean, zero or resample (default: the convention's)."
+        None,
+        help="y* for upstream: mean, zero or resample (default: the convention's).",
+        metavar="mean|zero|resample",
     ),
-    convention: str = typer.Option("paper", help="paper or authors_code (linear scores only)."),
-    per: str = typer.Option("token", help="Exact scores per token or per component."),
+    convention: str = typer.Option(
+        "paper", help="paper or authors_code (linear scores only).", metavar="paper|authors_code"
+    ),
+    per: str = typer.Option(
+        "token", help="Exact scores per token or per component.", metavar="token|component"
+    ),
     top_k: int = typer.Option(
-        None, min=1, help="Exact scores only for the K components the linear scores rank highest."
+        None,
+        min=1,
+        help="Exact scores only for the K components the linear scores rank highest.",
+        metavar="K",
     ),
-    layers: str = typer.Option(None, help="Exact scores only for these layers, e.g. '0,3'."),
+    layers: str = typer.Option(
+        None, help="Exact scores only for these layers, e.g. '0,3'.", metavar="L,..."
+    ),
     distributed: bool = typer.Option(
         False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."
     ),
@@ -216,11 +237,12 @@ def report(
     scores_dir: Path = typer.Argument(
         ...,
         help="A directory written by `extractive-lens score --out` (or by ComponentScores.save()).",
+        metavar="SCORES_DIR",
     ),
     out: Path = typer.Option(
-        None, help="The HTML file to write (default: SCORES_DIR/report.html)."
+        None, help="The HTML file to write (default: SCORES_DIR/report.html).", metavar="PATH"
     ),
-    title: str = typer.Option("extractive_lens report", help="The report's title."),
+    title: str = typer.Option("extractive_lens report", help="The report's title.", metavar="TEXT"),
 ) -> None:
     """Re-render saved scores (linear and/or exact) into one self-contained HTML report."""
     from extractive_lens import ComponentScores, compare
@@ -261,21 +283,33 @@ def _batch(model: Any, data: Path) -> Any:
 
 @app.command()
 def finetune(
-    model: str = typer.Option(..., help="'world', a local checkpoint directory or a hub name."),
-    data: Path = typer.Option(..., help="Facts to finetune on (.json, .jsonl, .csv)."),
-    out: Path = typer.Option(Path("diff.safetensors"), help="Where to save the weight change."),
-    lr: float = typer.Option(1e-3),
-    epochs: int = typer.Option(20, min=1),
-    batch_size: int = typer.Option(8, min=1),
-    optimizer: str = typer.Option("adam", help="adam or adamw."),
-    schedule: str = typer.Option("constant", help="constant or linear (10% warm-up, then decay)."),
-    seed: int = typer.Option(0),
-    trainable: str = typer.Option(
-        "all", help="'all' or comma-separated components, e.g. 'L0MLP,L1H2'."
+    model: str = typer.Option(
+        ..., help="'world', a local checkpoint directory or a hub name.", metavar="MODEL"
     ),
-    layers: str = typer.Option(None, help="Train only these blocks, e.g. '0,1'."),
-    dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    data: Path = typer.Option(
+        ..., help="Facts to finetune on (.json, .jsonl, .csv).", metavar="FILE"
+    ),
+    out: Path = typer.Option(
+        Path("diff.safetensors"), help="Where to save the weight change.", metavar="PATH"
+    ),
+    lr: float = typer.Option(1e-3, help="Learning rate.", metavar="RATE"),
+    epochs: int = typer.Option(20, min=1, help="Passes over the facts.", metavar="N"),
+    batch_size: int = typer.Option(8, min=1, help="Facts per step.", metavar="N"),
+    optimizer: str = typer.Option("adam", help="adam or adamw.", metavar="adam|adamw"),
+    schedule: str = typer.Option(
+        "constant", help="constant or linear (10% warm-up, then decay).", metavar="constant|linear"
+    ),
+    seed: int = typer.Option(0, help="Seed for the data order.", metavar="N"),
+    trainable: str = typer.Option(
+        "all",
+        help="'all' or comma-separated components, e.g. 'L0MLP,L1H2'.",
+        metavar="COMPONENT,...",
+    ),
+    layers: str = typer.Option(None, help="Train only these blocks, e.g. '0,1'.", metavar="L,..."),
+    dtype: str = typer.Option(
+        "float32", help="Model dtype (float32, bfloat16, float64).", metavar="DTYPE"
+    ),
+    device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
 ) -> None:
     """Finetune on (prompt, answer) pairs (loss on answer tokens) and save the weight change."""
     from extractive_lens import FinetuneConfig
@@ -305,11 +339,17 @@ def finetune(
 
 @app.command()
 def rank(
-    model: str = typer.Option(..., help="'world', a local checkpoint directory or a hub name."),
-    data: Path = typer.Option(..., help="Prompts, answers and candidates (.json, .jsonl, .csv)."),
-    diff: Path = typer.Option(None, help="A saved weight change to apply first."),
-    dtype: str = typer.Option("float32", help="Model dtype (float32, bfloat16, float64)."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    model: str = typer.Option(
+        ..., help="'world', a local checkpoint directory or a hub name.", metavar="MODEL"
+    ),
+    data: Path = typer.Option(
+        ..., help="Prompts, answers and candidates (.json, .jsonl, .csv).", metavar="FILE"
+    ),
+    diff: Path = typer.Option(None, help="A saved weight change to apply first.", metavar="DIR"),
+    dtype: str = typer.Option(
+        "float32", help="Model dtype (float32, bfloat16, float64).", metavar="DTYPE"
+    ),
+    device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
 ) -> None:
     """Mean rank of the answer among the candidates (0 = always top; chance (n-1)/2)."""
     from extractive_lens import WeightDiff, mean_rank
@@ -334,8 +374,10 @@ def _print_top(scores: Any, k: int = 5) -> None:
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("report.html"), help="Where to write the HTML report."),
-    seed: int = typer.Option(0, help="Seed for finetuning."),
+    out: Path = typer.Option(
+        Path("report.html"), help="Where to write the HTML report.", metavar="PATH"
+    ),
+    seed: int = typer.Option(0, help="Seed for finetuning.", metavar="N"),
     random_model: bool = typer.Option(
         False, help="Use a random small model instead of the world model."
     ),
@@ -369,15 +411,20 @@ def _parse_seeds(text: str) -> list[int]:
 @app.command()
 def experiment(
     name: str = typer.Argument(
-        ..., help="layer_freezing, data_ordering, weight_grafting or localization."
+        ...,
+        help="layer_freezing, data_ordering, weight_grafting or localization.",
+        metavar="EXPERIMENT",
     ),
     seeds: str = typer.Option(
         "0",
         help="World-model seeds, e.g. '0,1,2' or '0-2' (seeds other than 0 are "
         "pretrained once, ~2 min each, and cached).",
+        metavar="S,...",
     ),
     out: Path = typer.Option(
-        Path("experiments"), help="Output directory: NAME/seed*.json|html, NAME/summary.*"
+        Path("experiments"),
+        help="Output directory: NAME/seed*.json|html, NAME/summary.*",
+        metavar="PATH",
     ),
     quick: bool = typer.Option(
         False, help="Short finetunes (a smoke run; not the experiment's numbers)."

@@ -116,6 +116,10 @@ def run_world_demo(
         f"finetuning on {len(facts)} new facts, e.g. {ds.facts[0].prompt!r} -> {ds.facts[0].answer!r}"
     )
     diff = finetune(model, facts, FinetuneConfig(**FINETUNE, seed=seed))
+    losses = diff.metadata["losses"]
+    echo(
+        f"training loss {losses[0]:.3f} -> {losses[-1]:.4f} nats per answer ({len(losses)} epochs)"
+    )
     rows = [
         ("facts", mean_rank(model, facts), mean_rank(model, facts, diff)),
         ("implications", mean_rank(model, impls), mean_rank(model, impls, diff)),

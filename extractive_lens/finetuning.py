@@ -115,6 +115,10 @@ def finetune(
         config: optimiser, schedule, trainable subset, seed.
         callback: called after every epoch with ``(epoch, diff_so_far)``, while the model holds
             its original weights (so ``diff_so_far.applied(model)`` evaluates the checkpoint).
+        show_progress: a bar per epoch with the epoch's mean loss (``None``: in a terminal or
+            notebook only; see ``extractive_lens.progress``).
+
+    ``diff.metadata["losses"]`` holds the mean training loss of each epoch (nats per answer).
     """
     check_arguments("finetune", model, batch=data, need_diff=False)
     cfg = config or FinetuneConfig()
@@ -182,15 +186,13 @@ def _train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     model.train()
     torch.set_grad_enabled(True)
-    epochs = range(cfg.epochs)
-    if show_progress is not False:
-        from tqdm.auto import tqdm
+    from extractive_lens.progress import bar
 
-        epochs = tqdm(
-            epochs, desc="finetune", leave=False, disable=show_progress is None and total < 50
-        )
+    epochs = bar(range(cfg.epochs), desc="finetune", enabled=show_progress)
+    losses: list[float] = []  # mean training loss of each epoch (nats per answer)
     for epoch in epochs:
         order = torch.randperm(n, generator=gen).tolist()
+        total_loss = 0.0
         for i in range(0, n, cfg.batch_size):
             mb = data.subset(order[i : i + cfg.batch_size]).to(model.cfg.device)
             loss = -answer_logprob(model(mb.tokens), mb).mean()
@@ -199,15 +201,19 @@ def _train(
             opt.step()
             sched.step()
             _reset_frozen(params, masks, snapshot)
+            total_loss += float(loss.detach()) * len(mb)
+        losses.append(total_loss / n)
+        if hasattr(epochs, "set_postfix"):
+            epochs.set_postfix(loss=f"{losses[-1]:.4f}")
         if callback is not None:  # the callback sees the original model and the diff so far
-            diff = _diff(model, params, snapshot, cfg)
+            diff = _diff(model, params, snapshot, cfg, losses)
             model.eval()
             try:
                 with weights_set(model, snapshot):
                     callback(epoch, diff)
             finally:
                 model.train()
-    return _diff(model, params, snapshot, cfg)
+    return _diff(model, params, snapshot, cfg, losses)
 
 
 def _reset_frozen(params: dict, masks: dict, snapshot: dict) -> None:
@@ -222,7 +228,13 @@ def _reset_frozen(params: dict, masks: dict, snapshot: dict) -> None:
                 p[~mask] = snapshot[name][~mask]
 
 
-def _diff(model: nn.Module, params: dict, snapshot: dict, cfg: FinetuneConfig) -> WeightDiff:
+def _diff(
+    model: nn.Module,
+    params: dict,
+    snapshot: dict,
+    cfg: FinetuneConfig,
+    losses: list[float] | None = None,
+) -> WeightDiff:
     current = {n: p.detach().clone() for n, p in params.items()}
     meta = {
         "finetune": {
@@ -231,6 +243,7 @@ def _diff(model: nn.Module, params: dict, snapshot: dict, cfg: FinetuneConfig) -
             if k != "extra"
         },
         "base": model.cfg.model_name,
+        "losses": list(losses or []),
     }
     return WeightDiff.from_state_dicts(
         snapshot, current, signature=M.signature(model), metadata=meta

@@ -278,3 +278,9 @@ def test_score_options_and_report_command(tmp_path):
         "--compute-dtype",
     ):
         assert option in help_text, option
+    for command in ("score", "finetune", "rank", "demo", "report", "experiment"):
+        text = runner.invoke(app, [command, "--help"], terminal_width=100).output
+        options = [line for line in text.splitlines() if line.lstrip().startswith("--")]
+        assert options and not any("<" in line for line in options), command  # real metavars
+        assert all(len(line) <= 100 for line in text.splitlines()), command
+    assert "--method linear|causal|both" in help_text

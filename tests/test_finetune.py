@@ -125,3 +125,25 @@ def test_rank_trajectory_records_every_epoch():
     )
     assert list(df.epoch) == [0, 1, 2, 3] and set(df.split) == {"facts"}
     assert df.mean_rank.iloc[-1] == mean_rank(base, data, diff)
+
+
+def test_losses_recorded_and_shown_in_the_bar(capsys):
+    """The mean loss of each epoch is in the diff's metadata (checked against the loss of the
+    prompts by hand at the end) and in the progress bar; no bar when stderr is not a terminal."""
+    from extractive_lens.rewards import answer_logprob
+
+    base, _ = make_pair("ln_gelu", torch.float32)
+    data = _facts(base)
+    cfg = FinetuneConfig(lr=3e-3, epochs=12, batch_size=8, schedule="constant")
+    capsys.readouterr()
+    diff = finetune(base, data, cfg)  # stderr is captured: not a terminal, so no bar
+    assert capsys.readouterr().err == ""
+    losses = diff.metadata["losses"]
+    assert len(losses) == 12 and losses[-1] < 0.5 * losses[0]
+    with torch.no_grad():  # the first epoch's loss is the base model's loss on the data (the
+        # whole batch is one step, taken after the loss is computed)
+        first = float(-answer_logprob(base(data.tokens), data).mean())
+    assert losses[0] == pytest.approx(first, rel=1e-5)
+    finetune(base, data, cfg, show_progress=True)
+    err = capsys.readouterr().err
+    assert "finetune" in err and "loss=" in err

@@ -79,9 +79,12 @@ def checkpoint(request, tmp_path_factory):
     return arch, path, hf
 
 
-def test_load_checkpoint_matches_hf_logits(checkpoint):
+def test_load_checkpoint_matches_hf_logits(checkpoint, capfd):
     arch, path, hf = checkpoint
+    capfd.readouterr()
     model = M.load_checkpoint(path)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)  # no loading bars or device notices
     tokens = torch.tensor([[1, 5, 9, 22, 7, 30, 11, 4], [1, 40, 41, 42, 43, 44, 45, 46]])
     with torch.no_grad():
         ours = model(tokens)

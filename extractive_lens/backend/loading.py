@@ -40,6 +40,24 @@ def quiet_transformer_lens() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No Hugging Face loading bars or config notices inside our own loading calls (restored
+    after): a researcher loading two checkpoints should see our output, not theirs."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _tl():
     with quiet_transformer_lens():
         import transformer_lens
@@ -379,17 +397,19 @@ def load_checkpoint(
             f"{path} has no config.json: pass a Hugging Face checkpoint directory "
             "(save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir))."
         )
-    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    with quiet_transformers():
+        hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        if tokenizer is None and any(path.glob("tokenizer*")):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     cfg = hf_config_to_tl(hf_config, dtype=dtype, device=str(device))
     cfg.model_name = path.name
-    if tokenizer is None and any(path.glob("tokenizer*")):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     tokenizer = named_tokenizer(tokenizer)
     if tokenizer is not None:  # before TransformerLens gives a BOS-less tokenizer its EOS as BOS
         cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype
-    )
+    with quiet_transformers():
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype
+        )
     _, conv_name = ARCHITECTURES[cfg.original_architecture]
     from transformer_lens.pretrained import weight_conversions
 
@@ -400,7 +420,7 @@ def load_checkpoint(
         model.load_and_process_state_dict(
             {k: v.to(dtype) for k, v in state_dict.items()}, **NO_PROCESSING
         )
-    model.to(device)
+    model.to(device, print_details=False)
     _record_processing(model, processed=False)
     del hf_model
     model.eval()

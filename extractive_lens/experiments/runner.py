@@ -159,7 +159,7 @@ def run_experiment(
     out: str | Path | None = None,
     *,
     quick: bool = False,
-    show_progress: bool = True,
+    show_progress: bool | None = None,
 ) -> ExperimentRun:
     """Run experiment ``name`` on the world model for each seed; with ``out``, write
     ``out/NAME/seed{S}.json`` and ``.html`` per seed and ``summary.{json,md}``."""
@@ -174,11 +174,9 @@ def run_experiment(
     if not seeds:
         raise ValueError("give at least one seed")
     results, rows = {}, []
-    it: Sequence[int] = seeds
-    if show_progress:
-        from tqdm.auto import tqdm
+    from extractive_lens.progress import bar
 
-        it = tqdm(seeds, desc=name, leave=False)
+    it: Sequence[int] = bar(seeds, desc=name, enabled=show_progress)
     for seed in it:
         model = world_model(seed, show_progress=show_progress)
         res, r = RUNNERS[name](model, build_world(seed), seed, quick)

@@ -115,9 +115,8 @@ def base_metadata(
 
 
 def progress(iterable: Iterable[Any], total: int, desc: str, enabled: bool | None) -> Any:
-    """A tqdm bar over ``iterable`` (off for a single step unless ``enabled=True``)."""
-    if enabled is False or (enabled is None and total <= 1):
-        return iterable
-    from tqdm.auto import tqdm
+    """A bar over ``iterable`` (``extractive_lens.progress``: off for a single step, and off in
+    logs, unless ``enabled=True``)."""
+    from extractive_lens.progress import bar
 
-    return tqdm(iterable, total=total, desc=desc, leave=False)
+    return bar(iterable, total=total, desc=desc, enabled=enabled)

@@ -78,7 +78,7 @@ def train_world_model(
     steps: int | None = None,
     world: World | None = None,
     threads: int = 1,
-    show_progress: bool = True,
+    show_progress: bool | None = None,
 ) -> Any:
     """Pretrain the world model from scratch (deterministic for a seed). Returns the model.
 
@@ -112,11 +112,9 @@ def train_world_model(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     gen = torch.Generator().manual_seed(seed)
     model.train()
-    it = range(total)
-    if show_progress:
-        from tqdm.auto import tqdm
+    from extractive_lens.progress import bar
 
-        it = tqdm(it, desc="pretraining world model", leave=False)
+    it = bar(range(total), desc="pretraining world model", enabled=show_progress)
     with _threads(threads):
         for _ in it:
             idx = torch.randint(0, len(tokens), (hp["batch_size"],), generator=gen)
@@ -172,7 +170,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EXTRACTIVE_LENS_CACHE", Path.home() / ".cache" / "extractive_lens"))
 
 
-def world_model(seed: int = 0, *, implications: bool = True, show_progress: bool = True) -> Any:
+def world_model(
+    seed: int = 0, *, implications: bool = True, show_progress: bool | None = None
+) -> Any:
     """The world model pretrained with ``seed``: the bundled copy for its own seed; any other seed
     (or the no-implication control) is trained once (about 2 minutes on a CPU) and cached."""
     bundled = json.loads((WORLD_DIR / "world.json").read_text()).get("world", {})
