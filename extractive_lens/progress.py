@@ -43,7 +43,6 @@ def _bar_class() -> Any:
     if in_notebook():
         try:
             import ipywidgets  # noqa: F401
-
             from tqdm.notebook import tqdm as notebook_bar
 
             return notebook_bar
