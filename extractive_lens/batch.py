@@ -354,6 +354,7 @@ def make_batch(
         ]
     else:
         prompt_roles = _aligned_roles(model, prompt_ids)
+        _warn_alignment(items, prompt_roles)
 
     _warn_tokenization(model, items, prompt_ids, answer_ids)
     for p, ids, ans in zip(items, prompt_ids, answer_ids):
@@ -460,6 +461,31 @@ def _warn_tokenization(
             TokenizationWarning,
             stacklevel=3,
         )
+
+
+class AlignmentWarning(UserWarning):
+    """Prompts whose positions cannot be lined up so that each means the same in every prompt."""
+
+
+def _warn_alignment(items: list[Pair], prompt_roles: list[list[str]]) -> None:
+    """Plain prompts are aligned by common prefix / differing middle (right-aligned) / common
+    suffix. With neither a common first nor a common last token (prompts of different shapes,
+    e.g. two templates), every position is ``mid[-k]`` and averages different words."""
+    import warnings
+
+    if len({tuple(r) for r in prompt_roles}) <= 1 or not all(prompt_roles):
+        return
+    if not all(r[0].startswith("mid[") and r[-1].startswith("mid[") for r in prompt_roles):
+        return  # a shared first or last token anchors the middle (an entity of any length)
+    warnings.warn(
+        f"These {len(items)} prompts share neither their first nor their last token (e.g. "
+        f"{items[0].prompt!r} and {items[-1].prompt!r}), so without a template every position "
+        "is 'mid[-k]', counted from the end, and averages different words across prompts. Give "
+        "Pair(prompt, answer, template=..., slots=...) (positions become template words and slot "
+        "tokens such as '{name}[-1]') or roles=, or score prompts of one shape together.",
+        AlignmentWarning,
+        stacklevel=3,
+    )
 
 
 def _check_ids(model: Any, ids: Sequence[int], what: str) -> None:

@@ -42,6 +42,24 @@ def score_unit(scores: ComponentScores) -> str:
     return REWARD_UNITS.get(str(reward), f"Δ {reward}" if reward else "Δ reward")
 
 
+def notebook_renderer() -> str:
+    """Make ``fig`` at the end of a notebook cell render interactively in Jupyter *and* leave a
+    PNG in the saved notebook (so GitHub and other static viewers show the figure), when
+    ``kaleido`` and a Chrome/Chromium are installed (``pip install "extractive_lens[notebook]"``);
+    else interactive only. Returns the plotly renderer it set."""
+    import plotly.io as pio
+
+    try:
+        import plotly.graph_objects as go
+
+        go.Figure().to_image(format="png", width=10, height=10)  # kaleido finds a browser
+        name = "plotly_mimetype+png"
+    except Exception:  # no kaleido, or no browser for it
+        name = "plotly_mimetype+notebook"
+    pio.renderers.default = name
+    return name
+
+
 def _layer_labels(n: int) -> list[str]:
     return [f"L{i}" for i in range(n)]
 
@@ -101,8 +119,7 @@ def _heatmap_trace(
     if tokens is not None:
         extra["customdata"] = [[_safe_token(t) for t in tokens] for _ in range(len(y))]
         where = "%{x} (%{customdata})"
-    kw.setdefault("colorbar", {})
-    kw["colorbar"] = dict(title=dict(text=unit, side="right"), **kw["colorbar"])
+    kw.setdefault("colorbar", dict(title=dict(text=unit, side="right")))
     return go.Heatmap(
         z=z,
         x=x,
@@ -204,7 +221,7 @@ def overview(scores: ComponentScores) -> go.Figure:
                 "MLP" if part == "mlp" else "attention (heads summed)",
                 unit,
                 tokens=tokens,
-                colorbar=dict(
+                colorbar=dict(  # untitled: the figure title names the unit
                     x=xdom[1] + 0.01,
                     y=(ydom[0] + ydom[1]) / 2,
                     len=(ydom[1] - ydom[0]),

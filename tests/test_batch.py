@@ -156,3 +156,30 @@ def test_token_strings_keep_the_spaces(text_model):
         assert len(texts) == len(ids)
         assert "".join(texts) == model.tokenizer.decode(ids)
         assert "".join(texts).strip() == prompt
+
+
+def test_plain_prompts_of_different_shapes_warn(text_model):
+    """Prompts of two shapes share no anchor token, so mid[-k] would average "in" with "speak":
+    say so; not for prompts that differ in an entity (of any length) or that carry a template."""
+    import warnings
+
+    from extractive_lens.batch import AlignmentWarning
+
+    with pytest.warns(AlignmentWarning, match="mid\\[-k\\].*template"):
+        make_batch(text_model, [("Ann lives in", " Paris"), ("The friend of Bob is from", " Rome")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AlignmentWarning)
+        make_batch(text_model, [("Ann lives in", " Paris"), ("Bob Smith lives in", " Rome")])
+        make_batch(text_model, [("The friend of Ann", " Paris"), ("The friend of Bob", " Rome")])
+        make_batch(
+            text_model,
+            [
+                Pair("Ann lives in", " Paris", template="{name} lives in", slots={"name": "Ann"}),
+                Pair(
+                    "The friend of Ann lives in",
+                    " Rome",
+                    template="The friend of {name} lives in",
+                    slots={"name": "Ann"},
+                ),
+            ],
+        )

@@ -112,3 +112,24 @@ def test_world_gradient_correlation_and_generalization(world):
     )
     assert df.learned.all()
     assert set(df.columns) >= {"follows_W", "generalizes", "W_prediction", "target_after"}
+
+
+def test_collecting_logits_raises_no_tokenization_warning(world):
+    """The prompts are plain text the world knows; the filler answer must not warn as unknown."""
+    import warnings
+
+    from extractive_lens.batch import TokenizationWarning
+
+    model, w = world
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenizationWarning)
+        pairs = collect_logits(
+            model,
+            "{x} lives in",
+            "{x} likes",
+            list(w.home)[:8],
+            list(w.cities),
+            sorted(set(w.hobby.values())),
+            show_progress=False,
+        )
+    assert pairs.source.shape[0] == 8

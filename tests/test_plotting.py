@@ -210,3 +210,20 @@ def test_token_and_attention_views(scored, text_model):
         _, cache = text_model.run_with_cache(batch.tokens)
     pattern = cache["blocks.1.attn.hook_pattern"][0, [0, 2]]
     assert f"{float(pattern[1, 3, 2]):.6g}"[:6] in att.local_src
+
+
+def test_notebook_renderer_keeps_a_picture_when_it_can(monkeypatch):
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    from extractive_lens.plotting import notebook_renderer
+
+    monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)
+    name = notebook_renderer()
+    assert pio.renderers.default == name
+    try:
+        go.Figure().to_image(format="png", width=10, height=10)
+        can = True
+    except Exception:
+        can = False
+    assert name == ("plotly_mimetype+png" if can else "plotly_mimetype+notebook")

@@ -49,8 +49,14 @@ def _last_logits(
 
     out = []
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    tok = model.tokenizer
+    special = (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id)
+    filler = next(
+        (i for i in special if i is not None and i != tok.unk_token_id and i < model.cfg.d_vocab),
+        0,
+    )
     for chunk in progress(chunks, len(chunks), "collecting logits", show_progress):
-        b = make_batch(model, [(p, "x") for p in chunk])
+        b = make_batch(model, [(p, [filler]) for p in chunk])  # the answer is never read
         with torch.no_grad():
             logits = model(b.tokens.to(model.cfg.device))
         out.append(
