@@ -15,6 +15,8 @@ Imports are lazy: ``import extractive_lens`` does not import torch or Transforme
 from __future__ import annotations
 
 import importlib
+import sys
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -63,6 +65,11 @@ _SUBMODULES = (
 )
 
 __all__ = sorted(_EXPORTS)
+
+if "IPython" in sys.modules:  # Hugging Face and TransformerLens import tqdm.auto, which warns
+    with warnings.catch_warnings():  # "IProgress not found" in a notebook without ipywidgets:
+        warnings.filterwarnings("ignore", message="IProgress not found")  # import it quietly
+        import tqdm.auto  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,8 @@ import io
 import sys
 import warnings
 
+import pytest
+
 from extractive_lens import progress
 
 
@@ -39,3 +41,26 @@ def test_notebook_without_ipywidgets_uses_a_text_bar(monkeypatch):
         shown = progress.bar(range(3), desc="finetune")
         assert type(shown) is text_bar
         assert list(shown) == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_notebook_without_ipywidgets_shows_no_tqdm_warning():
+    """In a real Jupyter kernel with ipywidgets blocked: no "IProgress not found" warning (the
+    dependencies import tqdm.auto), and finetuning shows a text bar with its loss."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import sys\n"
+            "sys.modules['ipywidgets'] = None\n"
+            "import extractive_lens as el\n"
+            "m = el.load_world_model()\n"
+            "facts = el.world.first_hop().batches(m)[0]\n"
+            "d = el.finetune(m, facts, el.FinetuneConfig(epochs=2))"
+        )
+    ]
+    nbclient.NotebookClient(nb, kernel_name="python3", timeout=120).execute()
+    err = "".join(o.get("text", "") for o in nb.cells[0].outputs if o.get("name") == "stderr")
+    assert "TqdmWarning" not in err and "IProgress" not in err, err
+    assert "finetune" in err and "loss=" in err

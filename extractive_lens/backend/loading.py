@@ -37,6 +37,8 @@ def quiet_transformer_lens() -> Iterator[None]:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*HookedTransformer.*")
+        # TransformerLens imports tqdm.auto, which warns in a notebook without ipywidgets
+        warnings.filterwarnings("ignore", message="IProgress not found")
         yield
 
 
