@@ -1,0 +1,131 @@
+"""World-model v3 trial (issue #18): people named by a first-name and a last-name token drawn from
+shared pools (only the pair identifies a person), more layers, and finetuning of the blocks only
+(as in the paper's OLMo runs) against all parameters.
+
+    python scripts/world_v3_trial.py --layers 6 --steps 1200 --tag a   # ~6 min, one thread
+
+Trains a world model on the v2 world with renamed people, saves it to /tmp/v3/model_TAG, and
+prints per finetune variant (blocks / all) and hop: mean ranks of facts and implications before
+and after (fb, fa, ib, ia), and where the MLPs' linear informative mass on the implications sits:
+``mlp_entity_share`` (the share at the slot tokens: the name for first hop, the landmark for
+second hop; the paper's signature wants >= 0.5 for first hop) and ``mlp_by_layer``.
+Results so far: docs/world_v3_trials.md.
+"""
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+import time
+import warnings
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--layers", type=int, default=6)
+ap.add_argument("--dmodel", type=int, default=128)
+ap.add_argument("--steps", type=int, default=1200)
+ap.add_argument("--lr", type=float, default=2e-3)
+ap.add_argument("--nfirst", type=int, default=32)
+ap.add_argument("--nlast", type=int, default=20)
+ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--tag", default="a")
+ap.add_argument("--ftlr", type=float, default=1e-3)
+args = ap.parse_args()
+torch.set_num_threads(1)
+
+import extractive_lens.world.model as WM  # noqa: E402
+from extractive_lens import FinetuneConfig, finetune, linear_scores, mean_rank  # noqa: E402
+from extractive_lens.world.data import build_world, first_hop, second_hop  # noqa: E402
+
+
+def names_pools():
+    t = resources.files("extractive_lens.data").joinpath("names.csv").read_text()
+    rows = list(csv.DictReader(io.StringIO(t)))
+    f = list(dict.fromkeys(r["first"] for r in rows))
+    l = list(dict.fromkeys(r["last"] for r in rows))
+    return f, l
+
+
+def world_v3(seed, nfirst, nlast):
+    w = build_world(seed)
+    rng = np.random.default_rng(seed + 1000)
+    f, l = names_pools()
+    f, l = f[:nfirst], l[:nlast]
+    combos = [f"{a} {b}" for a in f for b in l]
+    rng.shuffle(combos)
+    n = len(w.home)
+    assert len(combos) >= n + 20
+    people = combos[:n]
+    test = combos[n : n + 20]
+    home = {p: c for p, c in zip(people, w.home.values())}
+    with_impl = frozenset(p for p, old in zip(people, w.home) if old in w.with_implication)
+    test_people = {t: c for t, c in zip(test, w.test_people.values())}
+    ren = dict(zip(w.home, people))
+    ren.update(zip(w.test_people, test))
+    hobby = {ren.get(k, k): v for k, v in w.hobby.items()}
+    return dataclasses.replace(
+        w, home=home, with_implication=with_impl, test_people=test_people, hobby=hobby
+    )
+
+
+WM.MODEL_CFG = dict(
+    WM.MODEL_CFG,
+    n_layers=args.layers,
+    d_model=args.dmodel,
+    d_mlp=4 * args.dmodel,
+    d_head=args.dmodel // 4,
+)
+WM.PRETRAIN = dict(WM.PRETRAIN, steps=args.steps, lr=args.lr)
+w = world_v3(args.seed, args.nfirst, args.nlast)
+t0 = time.time()
+model = WM.train_world_model(args.seed, world=w, show_progress=False)
+train_s = time.time() - t0
+print(
+    f"[{args.tag}] trained {train_s:.0f}s final loss {WM.world_info(model)['final_loss']:.3f}",
+    flush=True,
+)
+WM.save_world_model(model, Path(f"/tmp/v3/model_{args.tag}"))
+json.dump(dict(vars(args)), open(f"/tmp/v3/model_{args.tag}/args.json", "w"))
+
+blocks = tuple(n for n, _ in model.named_parameters() if n.startswith("blocks."))
+out = {"train_s": train_s}
+for ftname, params in (("blocks", blocks), ("all", None)):
+    for dname, ds in (("first", first_hop(w)), ("second", second_hop(w))):
+        facts, impls = ds.batches(model)
+        cfg = FinetuneConfig(**dict(WM.FINETUNE, lr=args.ftlr), parameters=params)
+        diff = finetune(model, facts, cfg, show_progress=False)
+        r = dict(
+            fb=mean_rank(model, facts),
+            fa=mean_rank(model, facts, diff),
+            ib=mean_rank(model, impls),
+            ia=mean_rank(model, impls, diff),
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lin = linear_scores(model, diff, impls, kinds=("informative",), show_progress=False)
+        v = lin["informative"].abs()  # layer comp pos
+        mlp = v[:, -1, :]
+        labels = list(lin.position_labels)
+        ent = [i for i, p in enumerate(labels) if p.startswith("{")]
+        share = float(mlp[:, ent].sum() / mlp.sum())
+        by_layer = (mlp.sum(1) / mlp.sum()).tolist()
+        heads = v[:, :-1, :].sum()
+        other = float(lin.other.abs().mean()) if lin.other is not None else float("nan")
+        r.update(
+            mlp_entity_share=share,
+            mlp_share_of_all=float(mlp.sum() / (v.sum())),
+            mlp_by_layer=[round(x, 2) for x in by_layer],
+            other_over_total=other / float(v.sum()),
+        )
+        out[f"{ftname}/{dname}"] = r
+        print(
+            f"[{args.tag}] {ftname}/{dname}: "
+            + json.dumps({k: (round(x, 3) if isinstance(x, float) else x) for k, x in r.items()}),
+            flush=True,
+        )
+json.dump(out, open(f"/tmp/v3/result_{args.tag}.json", "w"), indent=1)
