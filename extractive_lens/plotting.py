@@ -254,7 +254,11 @@ def comparison_plot(comparison: ScoreComparison) -> go.Figure:
         subplot_titles=[f"{k} (r = {r_of.get((k, 'all'), float('nan')):.3f})" for k in kinds],
     )
     for i, kind in enumerate(kinds, start=1):
-        for part, color in (("heads", "#1f77b4"), ("mlp", "#d62728")):
+        parts: tuple[tuple[Literal["heads", "mlp"], str], ...] = (
+            ("heads", "#1f77b4"),
+            ("mlp", "#d62728"),
+        )
+        for part, color in parts:
             a, b, labels = comparison.cells(kind, part)
             if len(a) == 0:
                 continue
@@ -345,6 +349,7 @@ def attention_view(
     tokens = batch.tokens[prompt : prompt + 1, :n].to(model.cfg.device)
     with torch.no_grad():
         x = B.run_blocks(model, B.embed(model, tokens), stop=layer)
+        assert x is not None  # run_blocks returns the residual when it stops before the end
         _, cap = B.attention(model, layer, x, ("pattern",))
     pattern = cap["pattern"][0]
     if heads is not None:
