@@ -81,10 +81,14 @@ def checkpoint(request, tmp_path_factory):
 
 def test_load_checkpoint_matches_hf_logits(checkpoint, capfd):
     arch, path, hf = checkpoint
+    from transformers.utils import logging as hf_logging
+
+    state = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
     capfd.readouterr()
     model = M.load_checkpoint(path)
     out, err = capfd.readouterr()
     assert out == "" and err == "", (out, err)  # no loading bars or device notices
+    assert (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()) == state  # restored
     tokens = torch.tensor([[1, 5, 9, 22, 7, 30, 11, 4], [1, 40, 41, 42, 43, 44, 45, 46]])
     with torch.no_grad():
         ours = model(tokens)
