@@ -81,6 +81,7 @@ def checkpoint(request, tmp_path_factory):
 
 def test_load_checkpoint_matches_hf_logits(checkpoint, capfd):
     arch, path, hf = checkpoint
+    import transformer_lens  # noqa: F401  (its import sets HF verbosity itself)
     from transformers.utils import logging as hf_logging
 
     state = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
