@@ -84,6 +84,7 @@ def test_load_checkpoint_matches_hf_logits(checkpoint, capfd):
     import transformer_lens  # noqa: F401  (its import sets HF verbosity itself)
     from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_warning()  # a user's setting, to be restored
     state = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
     capfd.readouterr()
     model = M.load_checkpoint(path)
