@@ -84,13 +84,18 @@ def test_load_checkpoint_matches_hf_logits(checkpoint, capfd):
     import transformer_lens  # noqa: F401  (its import sets HF verbosity itself)
     from transformers.utils import logging as hf_logging
 
+    before = hf_logging.get_verbosity()
     hf_logging.set_verbosity_warning()  # a user's setting, to be restored
     state = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
     capfd.readouterr()
-    model = M.load_checkpoint(path)
-    out, err = capfd.readouterr()
+    try:
+        model = M.load_checkpoint(path)
+        out, err = capfd.readouterr()
+        after = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+    finally:
+        hf_logging.set_verbosity(before)
     assert out == "" and err == "", (out, err)  # no loading bars or device notices
-    assert (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()) == state  # restored
+    assert after == state  # restored
     tokens = torch.tensor([[1, 5, 9, 22, 7, 30, 11, 4], [1, 40, 41, 42, 43, 44, 45, 46]])
     with torch.no_grad():
         ours = model(tokens)
