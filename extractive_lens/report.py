@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from extractive_lens.results import ComponentScores
+from extractive_lens.results import ComponentScores, score_rgba
 from extractive_lens.types import Component, ScoreKind, jsonable
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -346,17 +346,12 @@ def token_table(rows: Sequence[tuple[ComponentScores, ScoreKind, str]], prompt: 
         vals = v[s.component_labels.index(c.short_label), : len(roles)].double().tolist()
         lim = max(abs(x) for x in vals) or 1.0
         cells = "".join(
-            f"<td title='{html.escape(role)}: {x:+.4g}' style='background:{_rgba(x / lim)}'>"
+            f"<td title='{html.escape(role)}: {x:+.4g}' style='background:{score_rgba(x / lim, 0.8)}'>"
             f"<small>{x:+.2g}</small></td>"
             for x, role in zip(vals, roles)
         )
         body.append(f"<tr><th>{html.escape(f'{s.method} {kind} {label}')}</th>{cells}</tr>")
     return f"<table class='el tokens'><tr><th></th>{head}</tr>{''.join(body)}</table>"
-
-
-def _rgba(x: float) -> str:
-    rgb = "33,102,172" if x > 0 else "178,24,43"  # plotly RdBu's ends: positive blue
-    return f"rgba({rgb},{min(1.0, abs(x)) * 0.8:.2f})"
 
 
 def _metadata(results: Sequence[ComponentScores]) -> str:

@@ -384,17 +384,22 @@ class ComponentScores:
             cells = []
             for c in range(t.shape[1]):
                 v = float(t[layer, c])
-                a = min(1.0, abs(v) / lim)
-                rgb = "33,102,172" if v > 0 else "178,24,43"  # as plotly RdBu: positive blue
                 cells.append(
                     f"<td title='L{layer}{html.escape(self.component_labels[c])} {v:+.4g}' "
-                    f"style='background:rgba({rgb},{a:.2f});width:1.6em;height:1.2em'></td>"
+                    f"style='background:{score_rgba(v / lim)};width:1.6em;height:1.2em'></td>"
                 )
             body.append(f"<tr><th>L{layer}</th>{''.join(cells)}</tr>")
         return (
             f"<table style='border-collapse:collapse;font-size:80%'><caption>{html.escape(kind)}</caption>"
             f"<tr><th></th>{head}</tr>{''.join(body)}</table>"
         )
+
+
+def score_rgba(x: float, opacity: float = 1.0) -> str:
+    """The CSS colour of a score scaled to [-1, 1]: plotly RdBu's ends (positive blue, negative
+    red), opacity growing with |x| up to ``opacity``."""
+    rgb = "33,102,172" if x > 0 else "178,24,43"
+    return f"rgba({rgb},{min(1.0, abs(x)) * opacity:.2f})"
 
 
 def _indices(shape: Sequence[int]):
