@@ -317,10 +317,20 @@ def attached_hooks(model: Any) -> list[str]:
     """``"name (n hooks)"`` for every module of ``model`` that has hooks attached."""
     out = []
     for name, m in model.named_modules():
-        n = sum(len(getattr(m, d, {})) for d in _HOOK_DICTS)
+        n = sum(
+            1 for d in _HOOK_DICTS for fn in getattr(m, d, {}).values() if not _bridge_wiring(fn)
+        )
         if n:
             out.append(f"{name or 'model'} ({n} hook{'s' * (n > 1)})")
     return out
+
+
+def _bridge_wiring(fn: Any) -> bool:
+    """A hook a TransformerBridge or Hugging Face installs on the modules a bridge wraps (their
+    own machinery: activation capture for ``output_attentions``, the bridge's hook wiring)."""
+    return str(getattr(fn, "__module__", "")).startswith(
+        ("transformer_lens.model_bridge", "transformers.")
+    )
 
 
 def refuse_attached_hooks(model: Any, fn: str) -> None:

@@ -465,21 +465,18 @@ def weights_set(
     """Inside the block the named parameters hold ``values`` (or what ``values()`` returns, computed
     once interrupts are deferred); on exit they are restored bit for bit from saved copies,
     whatever happened (exceptions, KeyboardInterrupt, SIGTERM: see ``interrupts``)."""
-    params = B.parameters(model)
     saved: dict[str, Tensor] = {}
 
     def change() -> None:
         with torch.no_grad():
             new = values() if callable(values) else values
-            for name, value in new.items():
-                p = params[name]
-                saved[name] = p.detach().clone()
-                p.copy_(value.to(device=p.device, dtype=p.dtype))
+            params = B.parameters(model)
+            saved.update({name: params[name].detach().clone() for name in new})
+            B.write_parameters(model, new)
 
     def restore() -> None:
-        with torch.no_grad():
-            for name, original in saved.items():
-                params[name].copy_(original)
+        if saved:
+            B.write_parameters(model, saved)
 
     finish_stale()
     with state_change(change, restore):  # interrupts wait while weights change or are restored

@@ -21,14 +21,15 @@ from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
-from extractive_lens.backend import hooked
+from extractive_lens.backend import bridge, hooked
 from extractive_lens.backend.blocks import LayerRun, run_blocks
+from extractive_lens.backend import compute
 from extractive_lens.backend.compute import (
     computing_in,
     frozen_parameters,
-    jvp,
     resolve_compute_dtype,
 )
 from extractive_lens.backend.names import (
@@ -44,10 +45,10 @@ from extractive_lens.backend.names import (
 __all__ = [
     "BACKENDS", "Backend", "LayerRun", "ParamRole", "ParamSlice", "ScorableModel", "W_O",
     "attention", "attn_out_names", "backend_for", "check_scorable", "computing_in", "describe",
-    "embed", "frozen_parameters", "has_mlp", "hook_name", "jvp", "layer_of", "mlp", "notes",
-    "on_block", "on_final", "parallel", "param_role", "parameter_slices", "parameters",
+    "embed", "frozen_parameters", "has_mlp", "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
+    "notes", "on_block", "on_final", "parallel", "param_role", "parameter_slices", "parameters",
     "resolve_compute_dtype", "run_blocks", "signature", "slices_for_names", "standard_flags",
-    "unembed", "weights_processed",
+    "unembed", "weights_processed", "write_parameters",
 ]  # fmt: skip
 
 
@@ -93,9 +94,14 @@ class Backend(Protocol):
     def standard_flags(self, model: Any) -> AbstractContextManager[None]: ...
     def notes(self, model: Any) -> dict[str, Any]: ...
     def weights_processed(self, model: Any) -> bool: ...
+    def write_parameters(self, model: Any, values: dict[str, Tensor]) -> None: ...
+    def raw_tangents(
+        self, model: Any, tangents: dict[str, Tensor], dtype: torch.dtype
+    ) -> dict[str, Tensor]: ...
+    def kv_prefix(self, model: Any) -> bool: ...
 
 
-BACKENDS: list[ModuleType] = [hooked]
+BACKENDS: list[ModuleType] = [hooked, bridge]
 """The backends, tried in order by ``backend_for``."""
 
 _BY_TYPE: dict[type, ModuleType] = {}
@@ -110,7 +116,8 @@ def backend_for(model: Any) -> ModuleType:
         if found is None:
             raise TypeError(
                 f"extractive_lens cannot score a {cls.__name__}: pass a TransformerLens "
-                "HookedTransformer (load_pretrained(name), load_checkpoint(dir), tiny_model())."
+                "HookedTransformer or TransformerBridge (load_pretrained(name), "
+                "load_checkpoint(dir), tiny_model(); backend='bridge' for a bridge)."
             )
         _BY_TYPE[cls] = found
     return found
@@ -169,6 +176,24 @@ def parallel(model: Any) -> bool:
 def parameters(model: Any) -> dict[str, Tensor]:
     """The parameters by TransformerLens name (the keys of a ``WeightDiff``)."""
     return backend_for(model).parameters(model)
+
+
+def write_parameters(model: Any, values: dict[str, Tensor]) -> None:
+    """Set parameters (TransformerLens names) to ``values`` in the model's stored weights."""
+    backend_for(model).write_parameters(model, values)
+
+
+def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:
+    """Forward-mode derivative of ``fn(model, *args)`` along ``tangents`` (TransformerLens
+    parameter names; see ``compute.jvp``)."""
+    dtype = compute.compute_dtype() or model.cfg.dtype
+    raw = backend_for(model).raw_tangents(model, tangents, dtype)
+    return compute.jvp(model, fn, args, raw)
+
+
+def kv_prefix(model: Any) -> bool:
+    """Whether ``attention(..., past_kv=...)`` works (else run whole sequences)."""
+    return backend_for(model).kv_prefix(model)
 
 
 def parameter_slices(model: Any) -> list[ParamSlice]:

@@ -180,13 +180,14 @@ class _Call(nn.Module):
 def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:
     """Forward-mode derivative of ``fn(model, *args)`` along a weight direction.
 
-    ``tangents`` maps full parameter names (``blocks.3.attn.W_Q``) to directions; parameters
-    not named are held fixed. ``fn`` may return a tensor, a tuple or a dict of tensors; the
-    result is ``(primal, tangent)`` with the same structure.
+    ``tangents`` maps the model's own parameter names (as ``named_parameters(remove_duplicate=
+    False)`` lists them; a backend's ``raw_tangents`` builds it from TransformerLens names) to
+    directions; parameters not named are held fixed. ``fn`` may return a tensor, a tuple or a
+    dict of tensors; the result is ``(primal, tangent)`` with the same structure.
     """
     import torch.autograd.forward_ad as fwAD
 
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
     unknown = sorted(set(tangents) - set(params))
     if unknown:
         raise KeyError(f"jvp: the model has no parameters {unknown[:3]}")
@@ -197,7 +198,9 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
             p = params[name].detach()
             dt = dtype or p.dtype  # in a compute dtype, the weights and Δ are upcast, not Δ rounded
             duals["model." + name] = fwAD.make_dual(p.to(dt), t.to(device=p.device, dtype=dt))
-        result = torch.func.functional_call(_Call(model, fn), duals, args, strict=False)
+        result = torch.func.functional_call(
+            _Call(model, fn), duals, args, strict=False, tie_weights=False
+        )
         return _unpack(result)
 
 

@@ -287,3 +287,22 @@ def unembed(
 
 def W_O(model: Any, layer: int) -> Float[Tensor, "head d_head d_model"]:
     return model.blocks[layer].attn.W_O
+
+
+def write_parameters(model: Any, values: dict[str, Tensor]) -> None:
+    """Set parameters (TransformerLens names) to ``values``, in place."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in values.items():
+            p = params[name]
+            p.copy_(value.to(device=p.device, dtype=p.dtype))
+
+
+def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """A weight direction in the model's own parameter names (they are TransformerLens's)."""
+    return tangents
+
+
+def kv_prefix(model: Any) -> bool:
+    """Attention takes a frozen key/value prefix (TransformerLens's frozen KV-cache entry)."""
+    return True

@@ -188,6 +188,50 @@ def build(
     return model
 
 
+def as_bridge(model: HookedTransformer) -> Any:
+    """A TransformerLens ``TransformerBridge`` with ``model``'s configuration, weights, tokenizer
+    and notes: TransformerLens's native architecture, booted offline (``boot_native``).
+
+    >>> bridge = as_bridge(tiny_model({"n_layers": 2}))
+    >>> type(bridge).__name__
+    'TransformerBridge'
+    """
+    import copy
+
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from extractive_lens.backend import bridge as bridge_backend
+    from extractive_lens.backend import hooked
+
+    if not hooked.handles(model):
+        raise TypeError(f"as_bridge converts a HookedTransformer, not a {type(model).__name__}.")
+    cfg_dict = model.cfg.to_dict()
+    cfg_dict.update(init_weights=False, architecture=None, original_architecture=None)
+    with quiet_transformer_lens(), quiet_transformers():
+        tok = None if model.tokenizer is None else copy.deepcopy(model.tokenizer)
+        out = TransformerBridge.boot_native(
+            TransformerBridgeConfig.from_dict(cfg_dict), tokenizer=tok, device=model.cfg.device,
+            dtype=model.cfg.dtype, model_name=model.cfg.model_name,
+        )  # fmt: skip
+    bridge_backend.write_parameters(out, hooked.parameters(model))
+    notes(out).update(copy.deepcopy(notes(model)))
+    out.eval()
+    probe = torch.arange(min(8, model.cfg.n_ctx), device=model.cfg.device)[None] % model.cfg.d_vocab
+    with torch.no_grad():
+        want, got = model(probe), out(probe)
+    err = float((got - want).abs().max() / (want.abs().max() + 1e-30))
+    if not err <= (1e-10 if model.cfg.dtype == torch.float64 else 1e-4):
+        raise NotImplementedError(
+            "TransformerLens's native TransformerBridge does not compute what this "
+            f"HookedTransformer computes (logits differ by {err:.1e} of their largest value; it "
+            "implements sequential LayerNorm blocks with learned positions exactly, not parallel "
+            "blocks, rotary or RMS norms in float64). Load a Hugging Face checkpoint with "
+            "load_checkpoint(dir, backend='bridge') instead."
+        )
+    return out
+
+
 def version() -> str:
     """The installed TransformerLens version (its package metadata: 3.x has no ``__version__``)."""
     from importlib.metadata import PackageNotFoundError
@@ -375,24 +419,35 @@ def hf_config_to_tl(
         return tl.HookedTransformerConfig(**cfg_dict)
 
 
+BACKEND_NAMES = ("hooked", "bridge")
+"""What ``load_checkpoint(..., backend=...)`` builds: a ``HookedTransformer`` or a
+``TransformerBridge``."""
+
+
 def load_checkpoint(
     path: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tokenizer: Any = None,
-) -> HookedTransformer:
-    """Load a local Hugging Face checkpoint directory as an unprocessed ``HookedTransformer``.
+    backend: str = "hooked",
+) -> Any:
+    """Load a local Hugging Face checkpoint directory as an unprocessed ``HookedTransformer``
+    (``backend="hooked"``) or as a TransformerLens ``TransformerBridge`` (``backend="bridge"``,
+    the model class of TransformerLens 4: it runs the Hugging Face model itself).
 
     >>> ft = load_checkpoint("runs/llama-finetuned", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> ft = load_checkpoint("runs/llama-finetuned", backend="bridge")  # doctest: +SKIP
 
-    Works offline: the config is built from ``config.json`` and the weights are converted by
-    TransformerLens's own conversion functions. Supported families: GPT-2, GPT-NeoX / Pythia,
-    Llama, Mistral, Qwen2, Gemma 2 and OLMo.
+    Works offline. ``"hooked"``: the config is built from ``config.json`` and the weights are
+    converted by TransformerLens's own conversion functions (GPT-2, GPT-NeoX / Pythia, Llama,
+    Mistral, Qwen2, Gemma 2 and OLMo). ``"bridge"``: ``TransformerBridge.boot_transformers`` on
+    the directory (every architecture TransformerLens bridges; scoring checks the blocks).
     """
     import transformers
 
-    tl = _tl()
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
@@ -403,6 +458,9 @@ def load_checkpoint(
         hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         if tokenizer is None and any(path.glob("tokenizer*")):
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if backend == "bridge":
+        return _boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer)
+    tl = _tl()
     cfg = hf_config_to_tl(hf_config, dtype=dtype, device=str(device))
     cfg.model_name = path.name
     tokenizer = named_tokenizer(tokenizer)
@@ -425,6 +483,27 @@ def load_checkpoint(
     model.to(device, print_details=False)
     _record_processing(model, processed=False)
     del hf_model
+    model.eval()
+    return model
+
+
+def _boot_bridge(path: Path, *, dtype: torch.dtype, device: Any, tokenizer: Any) -> Any:
+    """``TransformerBridge.boot_transformers`` on a local directory, quietly, with a tokenizer of
+    its own (the bridge changes the tokenizer it is given)."""
+    import copy
+
+    from transformer_lens.model_bridge import TransformerBridge
+
+    tokenizer = named_tokenizer(tokenizer)
+    with quiet_transformer_lens(), quiet_transformers():
+        model = TransformerBridge.boot_transformers(
+            str(path), tokenizer=None if tokenizer is None else copy.deepcopy(tokenizer),
+            dtype=dtype, device=device,
+        )  # fmt: skip
+    model.cfg.model_name = path.name
+    if tokenizer is not None:
+        model.cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
+    _record_processing(model, processed=False)
     model.eval()
     return model
 

@@ -184,6 +184,7 @@ class CausalChunk:
         self.L, self.H = self.model.cfg.n_layers, self.model.cfg.n_heads
         self.has_mlp, self.parallel = B.has_mlp(self.model), B.parallel(self.model)
         self.suffix_ok = reads_answer_positions_only(self.options.reward_fn)
+        self.kv_prefix = B.kv_prefix(self.model)  # else patched passes run whole sequences
         # the last position any reward reads, per prompt: later patches cannot change R
         ch = self.batch
         n_ans = (ch.answer_targets >= 0).sum(-1)
@@ -281,7 +282,7 @@ class CausalChunk:
         return x, ctx.part
 
     def _start(self, t: int | None) -> int:
-        if t is None or not self.suffix_ok:
+        if t is None or not (self.suffix_ok and self.kv_prefix):
             return 0
         return min(t, self.min_prompt_last)
 
