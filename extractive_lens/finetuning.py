@@ -61,8 +61,9 @@ class FinetuneConfig:
 
 
 def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Tensor | None]:
-    """Per parameter: None (fully trainable) or a boolean mask along dim 0 / the whole tensor."""
-    params = dict(model.named_parameters())
+    """Per parameter (TransformerLens names): None (fully trainable) or a boolean mask along
+    dim 0 / the whole tensor."""
+    params = M.parameters(model)
     if cfg.trainable == "all" and cfg.layers is None and cfg.parameters is None:
         return {n: None for n in params}
     if cfg.parameters is not None and (unknown := sorted(set(cfg.parameters) - set(params))):
@@ -122,8 +123,8 @@ def finetune(
     """
     check_arguments("finetune", model, batch=data, need_diff=False)
     cfg = config or FinetuneConfig()
-    params = dict(model.named_parameters())
-    masks = _trainable_mask(model, cfg)
+    params = dict(model.named_parameters())  # what the optimiser trains: the stored weights
+    masks = M.raw_masks(model, _trainable_mask(model, cfg))
     train = [n for n, m in masks.items() if m is None or bool(m.any())]
     if not train:
         raise ValueError(
@@ -184,7 +185,9 @@ def _train(
         return max(0.0, (total - step) / max(1, total - warm))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    model.train()
+    # The model stays in eval mode: no dropout (a HookedTransformer has none; a bridge's
+    # Hugging Face model would), so training is deterministic and the same on every backend.
+    model.eval()
     torch.set_grad_enabled(True)
     from extractive_lens.progress import bar
 
@@ -207,12 +210,8 @@ def _train(
             epochs.set_postfix(loss=f"{losses[-1]:.4f}")
         if callback is not None:  # the callback sees the original model and the diff so far
             diff = _diff(model, params, snapshot, cfg, losses)
-            model.eval()
-            try:
-                with weights_set(model, snapshot):
-                    callback(epoch, diff)
-            finally:
-                model.train()
+            with weights_set(model, M.tl_view(model, snapshot)):
+                callback(epoch, diff)
     return _diff(model, params, snapshot, cfg, losses)
 
 
@@ -246,8 +245,9 @@ def _diff(
         "losses": list(losses or []),
     }
     return WeightDiff.from_state_dicts(
-        snapshot, current, signature=M.signature(model), metadata=meta
-    )
+        M.tl_view(model, snapshot), M.tl_view(model, current), signature=M.signature(model),
+        metadata=meta,
+    )  # fmt: skip
 
 
 def rank_trajectory(

@@ -47,8 +47,8 @@ __all__ = [
     "attention", "attn_out_names", "backend_for", "check_scorable", "computing_in", "describe",
     "embed", "frozen_parameters", "has_mlp", "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
     "notes", "on_block", "on_final", "parallel", "param_role", "parameter_slices", "parameters",
-    "resolve_compute_dtype", "run_blocks", "signature", "slices_for_names", "standard_flags",
-    "unembed", "weights_processed", "write_parameters",
+    "raw_masks", "resolve_compute_dtype", "run_blocks", "signature", "slices_for_names", "standard_flags",
+    "tl_view", "unembed", "weights_processed", "write_parameters",
 ]  # fmt: skip
 
 
@@ -99,6 +99,10 @@ class Backend(Protocol):
         self, model: Any, tangents: dict[str, Tensor], dtype: torch.dtype
     ) -> dict[str, Tensor]: ...
     def kv_prefix(self, model: Any) -> bool: ...
+    def raw_masks(
+        self, model: Any, masks: dict[str, Tensor | None]
+    ) -> dict[str, Tensor | None]: ...
+    def tl_view(self, model: Any, raw: dict[str, Tensor]) -> dict[str, Tensor]: ...
 
 
 BACKENDS: list[ModuleType] = [hooked, bridge]
@@ -189,6 +193,18 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
     dtype = compute.compute_dtype() or model.cfg.dtype
     raw = backend_for(model).raw_tangents(model, tangents, dtype)
     return compute.jvp(model, fn, args, raw)
+
+
+def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """Masks over TransformerLens names (``None`` or along the first dimension) as masks over
+    the model's own ``named_parameters()`` (what an optimiser trains)."""
+    return backend_for(model).raw_masks(model, masks)
+
+
+def tl_view(model: Any, raw: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The parameters by TransformerLens name that stored weights ``raw`` (keyed as
+    ``named_parameters()``) amount to."""
+    return backend_for(model).tl_view(model, raw)
 
 
 def kv_prefix(model: Any) -> bool:

@@ -43,7 +43,7 @@ NAME = "transformer_bridge"
 __all__ = [
     "NAME", "W_O", "attention", "check_scorable", "describe", "embed", "handles", "has_mlp",
     "kv_prefix", "mlp", "notes", "on_block", "on_final", "parallel", "parameter_slices",
-    "parameters", "raw_tangents", "signature", "standard_flags", "unembed", "weights_processed",
+    "parameters", "raw_masks", "raw_tangents", "signature", "tl_view", "standard_flags", "unembed", "weights_processed",
     "write_parameters",
 ]  # fmt: skip
 
@@ -129,15 +129,40 @@ def _tied(name: str) -> str:
 
 
 def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
-    """A direction over the stored weights (keyed by ``named_parameters`` names, every alias of
-    shared storage included) whose TransformerLens views are ``tangents``."""
+    """A direction over the stored weights (keyed by ``named_parameters(remove_duplicate=False)``
+    names, every alias of shared storage included) whose TransformerLens views are ``tangents``."""
+    return _to_storage(model, tangents, dtype, strict=True)
+
+
+def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """Trainable-element masks over ``named_parameters()`` from masks over TransformerLens names
+    (``None``: the whole tensor; else a boolean mask along its first dimension)."""
+    params = parameters(model)
+    full = {}
+    for name, m in masks.items():
+        t = params[name]
+        if m is None:
+            full[name] = torch.ones(t.shape, device=t.device)
+        else:
+            full[name] = m.reshape(-1, *([1] * (t.ndim - 1))).expand(t.shape).float()
+    flat = _to_storage(model, full, torch.float32, strict=False)
+    own = dict(model.named_parameters())
+    return {n: (None if bool(v.all()) else v.bool()) for n, v in flat.items() if n in own}
+
+
+def _to_storage(
+    model: Any, values: dict[str, Tensor], dtype: torch.dtype, *, strict: bool
+) -> dict[str, Tensor]:
+    """Tensors shaped like the stored weights whose TransformerLens views are ``values`` (zero
+    where no value is given). ``strict``: non-zero values for parameters the model does not store
+    are an error (else skipped)."""
     params, storages = parameters(model), _raw_storages(model)
     flats: dict[int, Tensor] = {}
     written: list[tuple[str, Tensor, Tensor]] = []
-    for name, d in tangents.items():
+    for name, d in values.items():
         t = params[name]
         if not _stored(t, storages):
-            if bool(d.ne(0).any()):
+            if strict and bool(d.ne(0).any()):
                 raise ValueError(_not_stored(name))
             continue
         storage = t.untyped_storage()
@@ -156,6 +181,29 @@ def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) ->
         flat = flats.get(p.untyped_storage().data_ptr())
         if flat is not None:
             out[raw_name] = flat.as_strided(p.size(), p.stride(), p.storage_offset())
+    return out
+
+
+def tl_view(model: Any, raw: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The parameters (TransformerLens names) that stored weights ``raw`` (keyed as
+    ``named_parameters()``) amount to; parameters the model does not store keep its values."""
+    own = dict(model.named_parameters())
+    flats: dict[int, Tensor] = {}
+    for name, value in raw.items():
+        p = own[name]
+        storage = p.untyped_storage()
+        flat = flats.get(storage.data_ptr())
+        if flat is None:
+            flat = torch.zeros(storage.nbytes() // p.element_size(), dtype=p.dtype, device=p.device)
+            flats[storage.data_ptr()] = flat
+        flat.as_strided(p.size(), p.stride(), p.storage_offset()).copy_(value)
+    out = {}
+    for name, t in parameters(model).items():
+        flat = flats.get(t.untyped_storage().data_ptr())
+        if flat is None:
+            out[name] = t.detach().clone()
+        else:
+            out[name] = flat.as_strided(t.size(), t.stride(), t.storage_offset())
     return out
 
 

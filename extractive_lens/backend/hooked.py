@@ -303,6 +303,16 @@ def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) ->
     return tangents
 
 
+def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """Trainable-element masks over ``named_parameters()``: the same names here."""
+    return masks
+
+
+def tl_view(model: Any, raw: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The parameters (TransformerLens names) stored weights ``raw`` amount to: the same here."""
+    return raw
+
+
 def kv_prefix(model: Any) -> bool:
     """Attention takes a frozen key/value prefix (TransformerLens's frozen KV-cache entry)."""
     return True

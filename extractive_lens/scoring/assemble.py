@@ -98,7 +98,7 @@ def base_metadata(
 ) -> dict[str, Any]:  # fmt: skip
     """What a result must carry to be compared or reproduced (call outside ``computing_in``)."""
     info = B.describe(model)
-    meta = {k: info[k] for k in ("model", "architecture", "dtype", "weights_processed")}
+    meta = {k: info[k] for k in ("model", "architecture", "dtype", "weights_processed", "backend")}
     meta.update(
         diff_norms=diff.norms().to_numpy().tolist(),
         diff_other_norm=diff.other_norm(),
