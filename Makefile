@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast doctest demo lint bench clean
+.PHONY: setup test test-fast test-tl4 doctest demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,16 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests --nbmake examples
+
+# The TransformerBridge tests again under TransformerLens 4.3 (which has no HookedTransformer),
+# in a second environment: .venv-tl4.
+TL4 ?= .venv-tl4
+test-tl4:
+	@test -x $(TL4)/bin/python || $(PYTHON) -m venv $(TL4)
+	$(TL4)/bin/python -m pip install -q --upgrade pip
+	$(TL4)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(TL4)/bin/python -m pip install -q -e . "transformer-lens==4.3.0" pytest
+	$(TL4)/bin/python -m pytest -q tests/test_backend_bridge.py -p no:cacheprovider
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

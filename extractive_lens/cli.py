@@ -45,21 +45,25 @@ def _check_dtype_device(dtype: str, device: str) -> None:
         )
 
 
-def _load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") -> Any:
+def _load_model(
+    name_or_dir: str, dtype: str = "float32", device: str = "cpu", backend: str = "hooked"
+) -> Any:
     """``world`` (the bundled model), a local checkpoint directory, or a hub name."""
     import torch
 
     from extractive_lens.model import load_checkpoint, load_pretrained
 
     _check_dtype_device(dtype, device)
+    if backend not in ("hooked", "bridge"):
+        raise typer.BadParameter(f"--backend must be hooked or bridge, got {backend!r}.")
     dt = getattr(torch, dtype)
     if name_or_dir == "world":
         from extractive_lens.world import load_world_model
 
-        return load_world_model(device=device, dtype=dt)
+        return load_world_model(device=device, dtype=dt, backend=backend)
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
-        return load_checkpoint(path, dtype=dt, device=device)
+        return load_checkpoint(path, dtype=dt, device=device, backend=backend)
     if name_or_dir.startswith((".", "/", "~")) or (
         path.parent != Path(".") and path.parent.is_dir()
     ):
@@ -68,7 +72,7 @@ def _load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") -
             "not a hub name). Check the path; a checkpoint directory holds config.json."
         )
     try:
-        return load_pretrained(name_or_dir, dtype=dt, device=device)
+        return load_pretrained(name_or_dir, dtype=dt, device=device, backend=backend)
     except (ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ValueError(
@@ -113,6 +117,11 @@ def score(
         metavar="DTYPE",
     ),
     device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
+    backend: str = typer.Option(
+        "hooked",
+        help="Load models as TransformerLens HookedTransformers or TransformerBridges.",
+        metavar="hooked|bridge",
+    ),
     batch_size: int = typer.Option(16, min=1, help="Prompts per pass.", metavar="N"),
     kinds: str = typer.Option(
         "informative,upstream,downstream", help="Comma-separated score kinds.", metavar="KIND,..."
@@ -182,11 +191,11 @@ def score(
         raise typer.BadParameter(str(e)) from None
     if (finetuned is None) == (diff is None):
         raise typer.BadParameter("give exactly one of --finetuned DIR or --diff FILE.")
-    base_m = _load_model(base, dtype, device)
+    base_m = _load_model(base, dtype, device, backend)
     if diff is not None:
         delta = WeightDiff.load(diff)
     else:
-        ft_m = _load_model(finetuned, dtype, device)
+        ft_m = _load_model(finetuned, dtype, device, backend)
         delta = WeightDiff.from_models(base_m, ft_m)
         del ft_m
     try:
@@ -310,12 +319,17 @@ def finetune(
         "float32", help="Model dtype (float32, bfloat16, float64).", metavar="DTYPE"
     ),
     device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
+    backend: str = typer.Option(
+        "hooked",
+        help="Load models as TransformerLens HookedTransformers or TransformerBridges.",
+        metavar="hooked|bridge",
+    ),
 ) -> None:
     """Finetune on (prompt, answer) pairs (loss on answer tokens) and save the weight change."""
     from extractive_lens import FinetuneConfig
     from extractive_lens import finetune as run_finetune
 
-    m = _load_model(model, dtype, device)
+    m = _load_model(model, dtype, device, backend)
     batch = _batch(m, data)
     try:
         cfg = FinetuneConfig(
@@ -350,11 +364,16 @@ def rank(
         "float32", help="Model dtype (float32, bfloat16, float64).", metavar="DTYPE"
     ),
     device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
+    backend: str = typer.Option(
+        "hooked",
+        help="Load models as TransformerLens HookedTransformers or TransformerBridges.",
+        metavar="hooked|bridge",
+    ),
 ) -> None:
     """Mean rank of the answer among the candidates (0 = always top; chance (n-1)/2)."""
     from extractive_lens import WeightDiff, mean_rank
 
-    m = _load_model(model, dtype, device)
+    m = _load_model(model, dtype, device, backend)
     batch = _batch(m, data)
     if batch.candidates is None:
         raise typer.BadParameter("rank needs candidates in the data file (a 'candidates' field).")

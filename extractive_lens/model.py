@@ -55,7 +55,9 @@ from extractive_lens.backend import (  # noqa: F401
 from extractive_lens.backend.hooked import VIEW_FLAGS  # noqa: F401
 from extractive_lens.backend.loading import (  # noqa: F401
     ARCHITECTURES,
+    BACKEND_NAMES,
     NO_PROCESSING,
+    as_bridge,
     hf_config_to_tl,
     load_checkpoint,
     load_pretrained,

@@ -25,7 +25,13 @@ VOCAB = 64
 def _save_tokenizer(path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
+    vocab = {
+        "<unk>": 0,
+        "<bos>": 1,
+        "<eos>": 2,
+        "<pad>": 3,
+        **{f"w{i}": i for i in range(4, VOCAB)},
+    }
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     transformers.PreTrainedTokenizerFast(
@@ -55,7 +61,9 @@ def checkpoints(request, tmp_path_factory):
     for i in range(2):
         with torch.no_grad():
             for n, p in hf.named_parameters():
-                p.add_((0.1 if i == 0 and ("norm" in n or "ln" in n) else 0.02) * torch.randn_like(p))
+                p.add_(
+                    (0.1 if i == 0 and ("norm" in n or "ln" in n) else 0.02) * torch.randn_like(p)
+                )
         path = tmp_path_factory.mktemp(f"{arch}{i}")
         hf.save_pretrained(path)
         _save_tokenizer(path)
@@ -115,7 +123,9 @@ def test_native_bridge_scores_equal_hooked_float64():
 def test_hf_bridge_scores_equal_hooked(checkpoints):
     arch = checkpoints[0]
     if arch == "gpt2":  # float64 LayerNorm model: exact to rounding
-        _assert_same_scores(*_hf_pairs(checkpoints, torch.float64), ("paper", "authors_code"), 1e-10)
+        _assert_same_scores(
+            *_hf_pairs(checkpoints, torch.float64), ("paper", "authors_code"), 1e-10
+        )
     else:  # Llama with GQA in float32 (HF computes RMSNorm in float32); scores are ~1e-2
         _assert_same_scores(*_hf_pairs(checkpoints, torch.float32), ("paper",), 5e-6)
 
@@ -189,7 +199,9 @@ def test_exact_downstream_equals_literal_patching_through_bridge_hooks(checkpoin
     bb, bf = _bridge_pair(checkpoints)
     diff = el.WeightDiff.from_models(bb, bf)
     batch = el.make_batch(bb, [([1, 5, 9, 7, 30], [10]), ([1, 8, 6, 40, 7], [11])])  # same length
-    got = el.causal_scores(bb, diff, batch, kinds="downstream", show_progress=False).prompt_values[0]
+    got = el.causal_scores(bb, diff, batch, kinds="downstream", show_progress=False).prompt_values[
+        0
+    ]
     toks = batch.tokens
     _, ft_cache = bf.run_with_cache(toks)
     with torch.no_grad():
@@ -199,8 +211,9 @@ def test_exact_downstream_equals_literal_patching_through_bridge_hooks(checkpoin
         hook_z = f"blocks.{layer}.attn.hook_z"
         # the base layer on the finetuned run's input (the stream replaced at the layer's input)
         resid = ft_cache[f"blocks.{layer}.hook_resid_pre"]
-        with torch.no_grad(), bb.hooks(
-            fwd_hooks=[(f"blocks.{layer}.hook_resid_pre", lambda a, hook, r=resid: r)]
+        with (
+            torch.no_grad(),
+            bb.hooks(fwd_hooks=[(f"blocks.{layer}.hook_resid_pre", lambda a, hook, r=resid: r)]),
         ):
             new_z = bb.run_with_cache(toks)[1][hook_z]
             mid = ft_cache[f"blocks.{layer}.hook_resid_mid"]
@@ -285,7 +298,9 @@ def test_finetune_bridge_restores_and_trains_only_the_selection(checkpoints):
     assert all(torch.equal(raw_before[n], p) for n, p in bb.named_parameters())
     assert all(torch.equal(before[n], t) for n, t in B.parameters(bb).items())
     changed = {n for n, d in diff.deltas.items() if d.ne(0).any()}
-    assert changed and all(n.startswith(("blocks.1.mlp", "blocks.1.ln2", "blocks.0.")) for n in changed)
+    assert changed and all(
+        n.startswith(("blocks.1.mlp", "blocks.1.ln2", "blocks.0.")) for n in changed
+    )
     W_Q = diff.deltas["blocks.0.attn.W_Q"]
     assert W_Q[1].ne(0).any() and W_Q[[0, 2, 3]].eq(0).all()  # head 1 only
     assert diff.metadata["losses"][-1] < diff.metadata["losses"][0]

@@ -24,9 +24,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from extractive_lens.backend import bridge, hooked
+from extractive_lens.backend import bridge, compute, hooked
 from extractive_lens.backend.blocks import LayerRun, run_blocks
-from extractive_lens.backend import compute
 from extractive_lens.backend.compute import (
     computing_in,
     frozen_parameters,

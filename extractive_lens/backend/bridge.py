@@ -109,7 +109,9 @@ def write_parameters(model: Any, values: dict[str, Tensor]) -> None:
         after = parameters(model)
         for name, value in values.items():
             t = after[name]
-            if _stored(t, storages) and not torch.equal(t, value.to(device=t.device, dtype=t.dtype)):
+            if _stored(t, storages) and not torch.equal(
+                t, value.to(device=t.device, dtype=t.dtype)
+            ):
                 raise ValueError(_tied(name))
 
 
@@ -454,7 +456,7 @@ def _attention_kwargs(model: Any, layer: int, x: Tensor, offset: int) -> dict[st
 
 
 def _capture_hooks(model: Any, layer: int, capture: tuple[str, ...], captured: dict) -> list:
-    hooks = []
+    hooks: list[tuple[str, Any]] = []
     for name in capture:
         points = [f"hook_{name}"]
         if name == "k" and hasattr(model.blocks[layer].attn, "hook_rot_k"):

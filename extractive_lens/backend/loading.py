@@ -145,15 +145,27 @@ def tiny_model(
     return model
 
 
+BACKEND_NAMES = ("hooked", "bridge")
+"""What the loaders build (``backend=``): a ``HookedTransformer`` or a ``TransformerBridge``."""
+
+
 def load_pretrained(
-    name: str, *, process_weights: bool = False, **kwargs: Any
-) -> HookedTransformer:
+    name: str, *, process_weights: bool = False, backend: str = "hooked", **kwargs: Any
+) -> Any:
     """Load a hub model by name (needs network access to the model hub).
 
     Unprocessed weights by default (docs/scores.md §1: folding and centering are not linear in the
     weights); ``process_weights=True`` opts in and is recorded in ``model.cfg`` metadata so that
     scores can say so. Base and finetuned models must be loaded the same way.
+    ``backend="bridge"``: a TransformerLens ``TransformerBridge`` (``boot_transformers``, no
+    weight processing; ``kwargs`` are ``dtype`` and ``device``).
     """
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    if backend == "bridge":
+        if process_weights:
+            raise ValueError("backend='bridge' loads unprocessed weights only.")
+        return _boot_bridge(name, tokenizer=None, **kwargs)
     tl = _tl()
     with quiet_transformer_lens():
         if process_weights:
@@ -165,7 +177,7 @@ def load_pretrained(
     return model
 
 
-def _record_processing(model: HookedTransformer, processed: bool) -> None:
+def _record_processing(model: Any, processed: bool) -> None:
     notes(model)["processed"] = bool(processed)
 
 
@@ -419,11 +431,6 @@ def hf_config_to_tl(
         return tl.HookedTransformerConfig(**cfg_dict)
 
 
-BACKEND_NAMES = ("hooked", "bridge")
-"""What ``load_checkpoint(..., backend=...)`` builds: a ``HookedTransformer`` or a
-``TransformerBridge``."""
-
-
 def load_checkpoint(
     path: str | Path,
     *,
@@ -487,7 +494,9 @@ def load_checkpoint(
     return model
 
 
-def _boot_bridge(path: Path, *, dtype: torch.dtype, device: Any, tokenizer: Any) -> Any:
+def _boot_bridge(
+    path: Path | str, *, tokenizer: Any, dtype: torch.dtype = torch.float32, device: Any = None
+) -> Any:
     """``TransformerBridge.boot_transformers`` on a local directory, quietly, with a tokenizer of
     its own (the bridge changes the tokenizer it is given)."""
     import copy
@@ -500,7 +509,7 @@ def _boot_bridge(path: Path, *, dtype: torch.dtype, device: Any, tokenizer: Any)
             str(path), tokenizer=None if tokenizer is None else copy.deepcopy(tokenizer),
             dtype=dtype, device=device,
         )  # fmt: skip
-    model.cfg.model_name = path.name
+    model.cfg.model_name = Path(path).name
     if tokenizer is not None:
         model.cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
     _record_processing(model, processed=False)

@@ -198,9 +198,14 @@ def _recipe(steps: int | None = None) -> dict[str, Any]:
 
 
 def load_world_model(
-    directory: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+    directory: str | Path | None = None,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: str = "hooked",
 ) -> Any:
-    """The bundled world model as a ``HookedTransformer`` (offline; weights ship in the package)."""
+    """The bundled world model as a ``HookedTransformer`` (offline; weights ship in the package),
+    or as a TransformerLens ``TransformerBridge`` with the same weights (``backend="bridge"``)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -225,4 +230,10 @@ def load_world_model(
             f"world model weights do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     model.eval()
+    if backend == "bridge":
+        from extractive_lens.backend.loading import as_bridge
+
+        return as_bridge(model)
+    if backend != "hooked":
+        raise ValueError(f"backend must be 'hooked' or 'bridge', got {backend!r}")
     return model
