@@ -167,6 +167,57 @@ def test_finetune_rank_score_on_world_model(tmp_path):
     assert (tmp_path / "s" / "report.html").exists()
 
 
+def test_backend_bridge_flag(tmp_path):
+    """``--backend bridge`` loads TransformerBridges: the same mean rank as HookedTransformers,
+    and scores recorded as made on a bridge; a bad value is one error line."""
+    from extractive_lens.world import first_hop
+
+    ds = first_hop()
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text(
+        "\n".join(
+            json.dumps(
+                {"prompt": p.prompt, "answer": p.answer, "candidates": list(ds.fact_candidates)}
+            )
+            for p in ds.facts[:6]
+        )
+    )
+    hooked = runner.invoke(app, ["rank", "--model", "world", "--data", str(facts)])
+    bridge = runner.invoke(
+        app, ["rank", "--model", "world", "--data", str(facts), "--backend", "bridge"]
+    )
+    assert hooked.exit_code == 0 and bridge.exit_code == 0, bridge.output
+    assert hooked.output.split("mean rank")[1] == bridge.output.split("mean rank")[1]
+    diff = tmp_path / "d.safetensors"
+    args = ["--data", str(facts), "--backend", "bridge"]
+    res = runner.invoke(
+        app, ["finetune", "--model", "world", "--out", str(diff), "--epochs", "2", *args]
+    )
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "s"
+    res = runner.invoke(
+        app,
+        [
+            "score",
+            "--base",
+            "world",
+            "--diff",
+            str(diff),
+            "--method",
+            "linear",
+            "--out",
+            str(out),
+            *args,
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    from extractive_lens.results import ComponentScores
+
+    assert ComponentScores.load(out / "linear").metadata["backend"] == "transformer_bridge"
+    bad = runner.invoke(app, ["rank", "--model", "world", "--data", str(facts), "--backend", "tl4"])
+    assert bad.exit_code == 2 and "--backend must be hooked or bridge" in bad.output
+
+
 def test_experiment_command(tmp_path):
     res = runner.invoke(app, ["experiment", "layer_freezing", "--quick", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
