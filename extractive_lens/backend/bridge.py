@@ -455,21 +455,47 @@ def _attention_kwargs(model: Any, layer: int, x: Tensor, offset: int) -> dict[st
     return kw
 
 
-def _capture_hooks(model: Any, layer: int, capture: tuple[str, ...], captured: dict) -> list:
-    hooks: list[tuple[str, Any]] = []
-    for name in capture:
-        points = [f"hook_{name}"]
-        if name == "k" and hasattr(model.blocks[layer].attn, "hook_rot_k"):
-            # keys as a cache holds them, after rotary where it fires (later, so it wins); per
-            # position and head their inner products are those before it (a rotation)
-            points.append("hook_rot_k")
+_HOOK_POINTS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
-        def fn(t: Tensor, hook: Any, name: str = name) -> Tensor:
-            captured[name] = t
-            return t
 
-        hooks.extend((f"blocks.{layer}.attn.{point}", fn) for point in points)
-    return hooks
+def _hook_point(model: Any, name: str) -> Any:
+    """The hook point behind a TransformerLens hook name (aliases resolved once per model)."""
+    points = _HOOK_POINTS.get(model)
+    if points is None:
+        points = dict(model.hook_dict)
+        _HOOK_POINTS[model] = points
+    return points.get(name)
+
+
+@contextlib.contextmanager
+def _capturing(model: Any, layer: int, capture: tuple[str, ...]) -> Iterator[dict[str, Tensor]]:
+    """The values at attention hook points ``capture`` of ``layer``, in TransformerLens's shapes,
+    kept on the autograd path (each hook returns what it stored)."""
+    captured: dict[str, Tensor] = {}
+    handles = []
+    try:
+        for name in capture:
+            points = [f"hook_{name}"]
+            if name == "k":
+                # keys as a cache holds them, after rotary where it fires (later, so it wins);
+                # per position and head their inner products are those before it (a rotation)
+                points.append("hook_rot_k")
+            for point in points:
+                hp = _hook_point(model, f"blocks.{layer}.attn.{point}")
+                if hp is None:
+                    continue
+                conv = getattr(hp, "hook_conversion", None)
+
+                def hook(_m: Any, _i: Any, out: Tensor, name: str = name, conv: Any = conv) -> Any:
+                    t = out if conv is None else conv.convert(out)
+                    captured[name] = t
+                    return t if conv is None else conv.revert(t)
+
+                handles.append(hp.register_forward_hook(hook))
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def attention(
@@ -489,13 +515,12 @@ def attention(
     kw = _attention_kwargs(model, layer, x.to(dtype), offset)
     if past_kv is not None:
         kw["past_key_values"] = _Prefix(*(on_block(model, layer, t) for t in past_kv))
-    captured: dict[str, Tensor] = {}
 
     def run(b: Any, x: Tensor) -> Tensor:
         out = b.attn(b.ln1(x), **kw)
         return out[0] if isinstance(out, tuple) else out
 
-    with model.hooks(fwd_hooks=_capture_hooks(model, layer, capture, captured)):
+    with _capturing(model, layer, capture) as captured:
         out = _piece(block, (block.ln1, block.attn), run, x)
     return out, captured
 
