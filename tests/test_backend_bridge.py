@@ -312,3 +312,30 @@ def test_user_hooks_on_a_bridge_are_refused(checkpoints):
     with bb.hooks(fwd_hooks=[("blocks.0.hook_mlp_out", lambda a, hook: a)]):
         with pytest.raises(ValueError, match="hooks attached"):
             el.linear_scores(bb, diff, _batch(bb), show_progress=False)
+
+
+@needs_hooked
+def test_world_model_bridge_runs_experiments_and_views_as_hooked():
+    """The bundled world model as a bridge: layer freezing (with pre-freezing, which names
+    parameters) gives the HookedTransformer's mean ranks; the attention view the same pattern."""
+    from extractive_lens.experiments import layer_freezing
+    from extractive_lens.plotting import attention_view
+    from extractive_lens.world import first_hop, load_world_model
+
+    hooked, bridge = (
+        load_world_model(dtype=torch.float64),
+        load_world_model(dtype=torch.float64, backend="bridge"),
+    )
+    ds = first_hop()
+    small = type(ds)(**{**ds.__dict__, "facts": ds.facts[:4], "implications": ds.implications[:4]})
+    cfg = el.FinetuneConfig(lr=1e-3, epochs=2, batch_size=4)
+    a = layer_freezing(hooked, {"first_hop": small}, cfg, split=0.5).to_dataframe()
+    b = layer_freezing(bridge, {"first_hop": small}, cfg, split=0.5).to_dataframe()
+    assert len(a) == len(b) and (a["condition"] == b["condition"]).all()
+    assert (a["mean_rank"] - b["mean_rank"]).abs().max() < 1e-9
+    batch = small.batches(hooked)[0]
+    x = B.embed(hooked, batch.tokens)
+    pa = B.attention(hooked, 0, x, ("pattern",))[1]["pattern"]
+    pb = B.attention(bridge, 0, x, ("pattern",))[1]["pattern"]
+    assert pa.shape == pb.shape and torch.allclose(pa, pb, atol=1e-12)
+    assert "attention" in attention_view(bridge, batch, 1).local_src.lower()

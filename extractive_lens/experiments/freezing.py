@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from extractive_lens import backend as B
 from extractive_lens.backend.names import param_role
 from extractive_lens.datasets.core import TwoHop
 from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
@@ -109,7 +110,7 @@ def layer_freezing(
             "All": _keep(full, False, False, k),
         }
         if pre:  # frozen part as reverted above: train only the other part
-            names = [n for n, _ in model.named_parameters()]
+            names = list(B.parameters(model))  # TransformerLens names, whatever the class
             conditions["Early (pre)"] = finetune(
                 model, facts, _training(cfg, _part(names, False, k)), show_progress=False
             )
