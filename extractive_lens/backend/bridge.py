@@ -26,7 +26,6 @@ TransformerLens parameter names all the same:
 from __future__ import annotations
 
 import contextlib
-import json
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -34,9 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from extractive_lens.backend import hooked
 from extractive_lens.backend.compute import compute_dtype, upcast_call
 from extractive_lens.backend.hooked import has_mlp, notes, parallel, weights_processed
-from extractive_lens.backend.names import ParamSlice, attn_out_names, slices_for_names
+from extractive_lens.backend.names import ParamSlice, slices_for_names
 
 NAME = "transformer_bridge"
 
@@ -167,12 +167,7 @@ def _to_storage(
             if strict and bool(d.ne(0).any()):
                 raise ValueError(_not_stored(name))
             continue
-        storage = t.untyped_storage()
-        flat = flats.get(storage.data_ptr())
-        if flat is None:
-            flat = torch.zeros(storage.nbytes() // t.element_size(), dtype=dtype, device=t.device)
-            flats[storage.data_ptr()] = flat
-        view = flat.as_strided(t.size(), t.stride(), t.storage_offset())
+        view = _view(_flat(flats, t, dtype), t)
         view.copy_(d.to(device=t.device, dtype=dtype))
         written.append((name, view, d))
     for name, view, d in written:  # tied names must agree
@@ -182,8 +177,23 @@ def _to_storage(
     for raw_name, p in model.named_parameters(remove_duplicate=False):
         flat = flats.get(p.untyped_storage().data_ptr())
         if flat is not None:
-            out[raw_name] = flat.as_strided(p.size(), p.stride(), p.storage_offset())
+            out[raw_name] = _view(flat, p)
     return out
+
+
+def _flat(flats: dict[int, Tensor], t: Tensor, dtype: torch.dtype) -> Tensor:
+    """The zero-initialised flat tensor standing for ``t``'s storage (one per storage)."""
+    storage = t.untyped_storage()
+    flat = flats.get(storage.data_ptr())
+    if flat is None:
+        flat = torch.zeros(storage.nbytes() // t.element_size(), dtype=dtype, device=t.device)
+        flats[storage.data_ptr()] = flat
+    return flat
+
+
+def _view(flat: Tensor, t: Tensor) -> Tensor:
+    """The elements of ``flat`` that ``t`` occupies in its storage, shaped like ``t``."""
+    return flat.as_strided(t.size(), t.stride(), t.storage_offset())
 
 
 def tl_view(model: Any, raw: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -193,32 +203,20 @@ def tl_view(model: Any, raw: dict[str, Tensor]) -> dict[str, Tensor]:
     flats: dict[int, Tensor] = {}
     for name, value in raw.items():
         p = own[name]
-        storage = p.untyped_storage()
-        flat = flats.get(storage.data_ptr())
-        if flat is None:
-            flat = torch.zeros(storage.nbytes() // p.element_size(), dtype=p.dtype, device=p.device)
-            flats[storage.data_ptr()] = flat
-        flat.as_strided(p.size(), p.stride(), p.storage_offset()).copy_(value)
+        _view(_flat(flats, p, p.dtype), p).copy_(value)
     out = {}
     for name, t in parameters(model).items():
         flat = flats.get(t.untyped_storage().data_ptr())
         if flat is None:
             out[name] = t.detach().clone()
         else:
-            out[name] = flat.as_strided(t.size(), t.stride(), t.storage_offset())
+            out[name] = _view(flat, t)
     return out
 
 
 def parameter_slices(model: Any) -> list[ParamSlice]:
     """The ownership partition of every parameter element of ``model`` (docs/scores.md §2)."""
     return slices_for_names(list(parameters(model)), model.cfg.n_heads, model.cfg.n_key_value_heads)
-
-
-SIGNATURE_KEYS = (
-    "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx", "n_key_value_heads",
-    "normalization_type", "positional_embedding_type", "act_fn", "gated_mlp", "parallel_attn_mlp",
-    "attn_only",
-)  # fmt: skip
 
 
 def architecture(model: Any) -> str | None:
@@ -231,28 +229,14 @@ def architecture(model: Any) -> str | None:
 
 
 def signature(model: Any) -> dict[str, Any]:
-    """The configuration fields a base and a finetuned model must share (the same fields as a
-    ``HookedTransformer``'s, so a Δ made on one class applies to the other)."""
-    cfg = model.cfg
-    sig = {k: getattr(cfg, k, None) for k in SIGNATURE_KEYS}
-    sig["original_architecture"] = architecture(model)
-    sig["dtype"] = str(cfg.dtype)
-    sig["processed"] = weights_processed(model)
-    return json.loads(json.dumps(sig, default=str))
+    """The configuration fields a base and a finetuned model must share (those of a
+    ``HookedTransformer``, so a Δ made on one class applies to the other)."""
+    return hooked.signature(model, architecture(model))
 
 
 def describe(model: Any) -> dict[str, Any]:
     """What a result records about the model it was computed on."""
-    from extractive_lens.backend.loading import version
-
-    return {
-        "model": model.cfg.model_name,
-        "architecture": architecture(model),
-        "dtype": str(model.cfg.dtype),
-        "weights_processed": weights_processed(model),
-        "backend": NAME,
-        "transformer_lens": version(),
-    }
+    return hooked.describe(model, architecture(model), NAME)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,5 +534,6 @@ def unembed(model: Any, resid: Tensor) -> Tensor:
 
 
 def W_O(model: Any, layer: int) -> Tensor:
-    """``[head, d_head, d_model]``: the heads' output weights of a layer."""
-    return parameters(model)[attn_out_names(layer)[0]]
+    """``[head, d_head, d_model]``: the heads' output weights of a layer (the attention
+    component's own view; ``parameters`` would rebuild every view of the model)."""
+    return model.blocks[layer].attn.W_O

@@ -78,29 +78,36 @@ def parameters(model: Any) -> dict[str, Tensor]:
 SIGNATURE_KEYS = (
     "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx", "n_key_value_heads",
     "normalization_type", "positional_embedding_type", "act_fn", "gated_mlp", "parallel_attn_mlp",
-    "attn_only", "original_architecture",
+    "attn_only",
 )  # fmt: skip
 
 
-def signature(model: Any) -> dict[str, Any]:
-    """The configuration fields a base and a finetuned model must share."""
+def architecture(model: Any) -> str | None:
+    """The architecture the weights came from (``None`` for a model built from a config)."""
+    return model.cfg.original_architecture
+
+
+def signature(model: Any, arch: str | None = None) -> dict[str, Any]:
+    """The configuration fields a base and a finetuned model must share (``arch``: the
+    architecture, when the model's config does not name it as ``HookedTransformer`` does)."""
     cfg = model.cfg
     sig = {k: getattr(cfg, k, None) for k in SIGNATURE_KEYS}
+    sig["original_architecture"] = architecture(model) if arch is None else arch
     sig["dtype"] = str(cfg.dtype)
     sig["processed"] = weights_processed(model)
     return json.loads(json.dumps(sig, default=str))
 
 
-def describe(model: Any) -> dict[str, Any]:
+def describe(model: Any, arch: str | None = None, backend: str = NAME) -> dict[str, Any]:
     """What a result records about the model it was computed on."""
     from extractive_lens.backend.loading import version
 
     return {
         "model": model.cfg.model_name,
-        "architecture": model.cfg.original_architecture,
+        "architecture": architecture(model) if arch is None else arch,
         "dtype": str(model.cfg.dtype),
         "weights_processed": weights_processed(model),
-        "backend": NAME,
+        "backend": backend,
         "transformer_lens": version(),
     }
 
