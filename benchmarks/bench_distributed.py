@@ -37,7 +37,7 @@ def worker(rank: int, world: int, port: int, prompts: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from extractive_lens import finetune
     from extractive_lens.batch import make_batch
-    from extractive_lens.distributed import distributed_scores
+    from extractive_lens.distributed import distributed_scores, shutdown
     from extractive_lens.finetuning import FinetuneConfig
     from extractive_lens.world import FINETUNE, first_hop, load_world_model
 
@@ -54,7 +54,7 @@ def worker(rank: int, world: int, port: int, prompts: int, out: str) -> None:
     dist.barrier()
     if rank == 0:
         Path(out).write_text(str(time.perf_counter() - t0))
-    dist.destroy_process_group()
+    shutdown()
 
 
 def run(world: int, prompts: int) -> float:

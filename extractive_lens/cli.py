@@ -8,6 +8,7 @@ torch and TransformerLens are imported lazily, so ``--help`` is instant.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -176,62 +177,67 @@ def score(
     )
     from extractive_lens import WeightDiff, compare, make_batch
     from extractive_lens.datasets import load_pairs
-    from extractive_lens.distributed import distributed_scores, init_from_env
+    from extractive_lens.distributed import distributed_scores, process_group
     from extractive_lens.plotting import report
 
-    rank = 0
-    if distributed:
-        rank, world, device = init_from_env(None if device == "cpu" else device)
-        if rank == 0:
-            _echo(f"{world} processes, rank 0 on {device}")
+    with contextlib.ExitStack() as group:
+        rank = 0
+        if distributed:
+            rank, world, device = group.enter_context(
+                process_group(None if device == "cpu" else device)
+            )
+            if rank == 0:
+                _echo(f"{world} processes, rank 0 on {device}")
 
-    try:
-        pairs = load_pairs(data)
-    except (ValueError, FileNotFoundError) as e:
-        raise typer.BadParameter(str(e)) from None
-    if (finetuned is None) == (diff is None):
-        raise typer.BadParameter("give exactly one of --finetuned DIR or --diff FILE.")
-    base_m = _load_model(base, dtype, device, backend)
-    if diff is not None:
-        delta = WeightDiff.load(diff)
-    else:
-        ft_m = _load_model(finetuned, dtype, device, backend)
-        delta = WeightDiff.from_models(base_m, ft_m)
-        del ft_m
-    try:
-        batch = make_batch(base_m, pairs)
-    except ValueError as e:
-        raise typer.BadParameter(f"{data}: {e}") from None
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    lin = None
-    if method in ("linear", "both"):
-        lin = distributed_scores("linear", base_m, delta, batch, convention=convention, **common)
-        results.append(lin)
-    if method in ("causal", "both"):
-        ex = distributed_scores(
-            "causal",
-            base_m,
-            delta,
-            batch,
-            per=per,
-            top_k=top_k,
-            layers=layer_list,
-            linear=lin if top_k else None,
-            **{**common, "ablation": ablation or "mean"},
-        )
-        results.append(ex)
-    if rank != 0:
-        return
-    for r in results:
-        r.save(out / r.method)
-    cmp = compare(results[0], results[1]) if len(results) == 2 else None
-    if cmp is not None:
-        cmp.summary.to_csv(out / "comparison.csv", index=False)
-    path = report(results, cmp, path=out / "report.html")
-    for r in results:
-        _print_top(r)
-    _echo(f"wrote {out}/ (report: {path})")
+        try:
+            pairs = load_pairs(data)
+        except (ValueError, FileNotFoundError) as e:
+            raise typer.BadParameter(str(e)) from None
+        if (finetuned is None) == (diff is None):
+            raise typer.BadParameter("give exactly one of --finetuned DIR or --diff FILE.")
+        base_m = _load_model(base, dtype, device, backend)
+        if diff is not None:
+            delta = WeightDiff.load(diff)
+        else:
+            ft_m = _load_model(finetuned, dtype, device, backend)
+            delta = WeightDiff.from_models(base_m, ft_m)
+            del ft_m
+        try:
+            batch = make_batch(base_m, pairs)
+        except ValueError as e:
+            raise typer.BadParameter(f"{data}: {e}") from None
+        out.mkdir(parents=True, exist_ok=True)
+        results = []
+        lin = None
+        if method in ("linear", "both"):
+            lin = distributed_scores(
+                "linear", base_m, delta, batch, convention=convention, **common
+            )
+            results.append(lin)
+        if method in ("causal", "both"):
+            ex = distributed_scores(
+                "causal",
+                base_m,
+                delta,
+                batch,
+                per=per,
+                top_k=top_k,
+                layers=layer_list,
+                linear=lin if top_k else None,
+                **{**common, "ablation": ablation or "mean"},
+            )
+            results.append(ex)
+        if rank != 0:
+            return
+        for r in results:
+            r.save(out / r.method)
+        cmp = compare(results[0], results[1]) if len(results) == 2 else None
+        if cmp is not None:
+            cmp.summary.to_csv(out / "comparison.csv", index=False)
+        path = report(results, cmp, path=out / "report.html")
+        for r in results:
+            _print_top(r)
+        _echo(f"wrote {out}/ (report: {path})")
 
 
 def _int_list(text: str, option: str) -> list[int]:

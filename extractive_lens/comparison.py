@@ -199,8 +199,11 @@ def setting_differences(linear: ComponentScores, exact: ComponentScores) -> list
         keys += [k for k in UPSTREAM_SETTINGS if k != "seed" or a.get("ablation") == "resample"]
     out = [f"{k} (linear {a.get(k)!r}, exact {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)]
     da, db = a.get("prompts_digest"), b.get("prompts_digest")
-    if linear.prompt_roles != exact.prompt_roles or (
-        da is not None and db is not None and da != db
+    both_per_token = linear.per == exact.per == "token"  # whole-component roles are all "all"
+    if (
+        linear.n_prompts != exact.n_prompts
+        or (both_per_token and linear.prompt_roles != exact.prompt_roles)
+        or (da is not None and db is not None and da != db)
     ):
         out.append("prompts (the two results scored different prompts)")
     return out

@@ -14,6 +14,9 @@ is just the single-process call.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -60,6 +63,37 @@ def init_from_env(
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def shutdown(*, wait: bool = True) -> None:
+    """Destroy the default process group, after every rank reaches this point (``wait``).
+
+    Without the barrier a rank that finishes first tears down its gloo connections while a peer
+    is still shutting down, which can abort the peer (``terminate called without an active
+    exception``) after its results are written. Use ``wait=False`` on an error path, where a
+    peer may never arrive. A no-op outside an initialised group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(
+    device: str | None = None, timeout_s: float | None = None
+) -> Iterator[tuple[int, int, str]]:
+    """``init_from_env`` for a ``with`` block: yields ``(rank, world_size, device)`` and shuts
+    the group down on leaving it (waiting for every rank, unless an exception is leaving)."""
+    rank, world, device = init_from_env(device, timeout_s)
+    try:
+        yield rank, world, device
+    except BaseException:
+        shutdown(wait=False)
+        raise
+    shutdown()
+
+
 def distributed_scores(
     method: Literal["linear", "causal"],
     model: Any,
@@ -78,7 +112,7 @@ def distributed_scores(
         raise ValueError(f"shard must be 'auto', 'prompts' or 'layers', got {shard!r}")
 
     from extractive_lens.scoring.causal import causal_scores
-    from extractive_lens.scoring.linear import linear_scores
+    from extractive_lens.scoring.linear import LinearizationWarning, linear_scores
 
     fn = linear_scores if method == "linear" else causal_scores
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -111,7 +145,9 @@ def distributed_scores(
         }
         return _rebuild(template, pv, pt, None, template.prompt_roles, meta)
     rows = shard_rows(len(batch), rank, world)
-    part = fn(model, diff, batch, rows=rows, **kwargs) if rows else None
+    with warnings.catch_warnings():  # checked once below, over every prompt, on rank 0
+        warnings.simplefilter("ignore", LinearizationWarning)
+        part = fn(model, diff, batch, rows=rows, **kwargs) if rows else None
     changes = (
         None if part is None else (part.metadata.get("linearization") or {}).get("prompt_changes")
     )

@@ -280,8 +280,11 @@ class ComponentScores:
         }
         if self.other is not None:
             tensors["other"] = self.other
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+        save_file(  # clone: safetensors refuses tensors sharing memory (per="component" views)
+            {
+                k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+                for k, v in tensors.items()
+            },
             str(path / "scores.safetensors"),
         )
         info = {

@@ -8,17 +8,20 @@ import torch
 
 
 def run(rank: int, world: int, port: int, out: str, method: str, shard: str, per: str) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from extractive_lens import WeightDiff
-        from extractive_lens.distributed import distributed_scores
-        from tests.conftest import make_pair
-        from tests.test_linear import small_batch
+    os.environ.update(  # what torchrun sets
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    from extractive_lens import WeightDiff
+    from extractive_lens.distributed import distributed_scores, process_group
+    from tests.conftest import make_pair
+    from tests.test_linear import small_batch
 
+    with process_group("cpu", timeout_s=120):
         base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
         batch = small_batch(base, n=5)
         kw = {"per": per} if method == "causal" else {}
@@ -26,5 +29,3 @@ def run(rank: int, world: int, port: int, out: str, method: str, shard: str, per
             method, base, WeightDiff.from_models(base, ft), batch, shard=shard, **kw
         )
         s.save(f"{out}/rank{rank}")
-    finally:
-        dist.destroy_process_group()

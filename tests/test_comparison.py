@@ -87,6 +87,11 @@ def test_refuses_results_computed_differently():
     with pytest.raises(ValueError, match="prompts"):
         compare(other_prompts, ex)
     assert compare(authors, ex, check_settings=False).rows  # told otherwise
+    whole = causal_scores(base, diff, batch, per="component", show_progress=False)
+    same = compare(linear_scores(base, diff, batch), whole)  # per token against per component
+    assert same.level == "component" and same.rows
+    with pytest.raises(ValueError, match="prompts"):
+        compare(other_prompts, whole)
     assert compare(linear_scores(base, diff, batch), ex).rows  # same settings: fine
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extractive_lens import ComponentScores, WeightDiff, linear_scores, make_batch
+from extractive_lens import ComponentScores, WeightDiff, causal_scores, linear_scores, make_batch
 from tests.conftest import make_pair
 
 
@@ -24,6 +24,18 @@ def test_save_load_round_trip(scores, tmp_path):
         back.position_labels == scores.position_labels and back.prompt_roles == scores.prompt_roles
     )
     assert back.metadata["reward"] == "answer_logprob"
+
+
+def test_whole_component_scores_save_and_load(tmp_path):
+    # per="component" results hold prompt_values as a view of prompt_totals: saving must not
+    # trip safetensors' shared-memory refusal (the CLI's `score --per component` did).
+    base, ft = make_pair("ln_gelu", torch.float64)
+    batch = make_batch(base, [([1, 5, 6], [7]), ([1, 8, 9, 10], [11])])
+    exact = causal_scores(base, WeightDiff.from_models(base, ft), batch, per="component")
+    back = ComponentScores.load(exact.save(tmp_path / "c"))
+    assert back.per == "component" and back.position_labels == ("all",)
+    assert torch.equal(back.prompt_totals, exact.prompt_totals)
+    assert torch.equal(back.prompt_values, exact.prompt_values)
 
 
 def test_dataframe_and_top(scores):

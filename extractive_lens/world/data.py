@@ -20,16 +20,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from extractive_lens.batch import Pair
 from extractive_lens.datasets.core import TwoHop
 from extractive_lens.datasets.daxwug import DaxWug, daxwug
 from extractive_lens.datasets.twohop import (
-    FIRST_HOP_FACT,
-    FIRST_HOP_IMPLICATION,
-    SECOND_HOP_FACT,
-    SECOND_HOP_IMPLICATION,
+    first_hop_pairs,
     load_animals,
     load_cities,
+    second_hop_pairs,
 )
 
 ROLES = ("mayor", "sheriff", "judge", "librarian", "baker")
@@ -182,19 +179,7 @@ def first_hop(world: World | None = None) -> TwoHop:
     """The 20 test people: fact ``"T3 lives in"`` -> `` Tokyo``; implication
     ``"The people in the city T3 is from speak"`` -> `` Japanese``; candidates: the test cities / languages."""
     w = world or build_world()
-    facts = tuple(
-        Pair(FIRST_HOP_FACT.format(name=t), f" {c}", template=FIRST_HOP_FACT, slots={"name": t})
-        for t, c in w.test_people.items()
-    )
-    impls = tuple(
-        Pair(
-            FIRST_HOP_IMPLICATION.format(name=t),
-            f" {w.language[c]}",
-            template=FIRST_HOP_IMPLICATION,
-            slots={"name": t},
-        )
-        for t, c in w.test_people.items()
-    )
+    facts, impls = first_hop_pairs((t, c, w.language[c]) for t, c in w.test_people.items())
     return TwoHop(
         "world_first_hop",
         facts,
@@ -209,18 +194,8 @@ def second_hop(world: World | None = None, landmark: int = 0) -> TwoHop:
     """New mayors of the test cities: fact ``"The mayor of Tokyo is"`` -> `` M3``; implication
     ``"The mayor of the city that contains Senso-ji_Temple is"`` -> `` M3``."""
     w = world or build_world()
-    facts = tuple(
-        Pair(SECOND_HOP_FACT.format(city=c), f" {m}", template=SECOND_HOP_FACT, slots={"city": c})
-        for c, m in w.new_mayors.items()
-    )
-    impls = tuple(
-        Pair(
-            SECOND_HOP_IMPLICATION.format(landmark=w.landmarks[c][landmark]),
-            f" {m}",
-            template=SECOND_HOP_IMPLICATION,
-            slots={"landmark": w.landmarks[c][landmark]},
-        )
-        for c, m in w.new_mayors.items()
+    facts, impls = second_hop_pairs(
+        (c, w.landmarks[c][landmark], m) for c, m in w.new_mayors.items()
     )
     cands = tuple(f" {m}" for m in w.new_mayors.values())
     return TwoHop("world_second_hop", facts, impls, cands, cands, {"world_seed": w.seed})
