@@ -168,7 +168,7 @@ def score(
         )
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
     layer_list = _int_list(layers, "--layers") if layers else None
-    common = dict(
+    common: dict[str, Any] = dict(
         reward=reward,
         batch_size=batch_size,
         compute_dtype=compute_dtype,
@@ -493,7 +493,7 @@ ONE_LINE_ERRORS = (
 )
 
 
-def _click_errors(name: str) -> tuple[type, ...]:
+def _click_errors(name: str) -> Any:
     """Click's exception class ``name``, and typer's vendored copy of it where typer has one."""
     import click
 

@@ -15,7 +15,7 @@ is just the single-process call.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -114,7 +114,7 @@ def distributed_scores(
     from extractive_lens.scoring.causal import causal_scores
     from extractive_lens.scoring.linear import LinearizationWarning, linear_scores
 
-    fn = linear_scores if method == "linear" else causal_scores
+    fn: Callable[..., ComponentScores] = linear_scores if method == "linear" else causal_scores
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn(model, diff, batch, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -128,9 +128,10 @@ def distributed_scores(
         all_layers = kwargs.pop("layers", None) or list(range(model.cfg.n_layers))
         mine = all_layers[rank::world]
         part = fn(model, diff, batch, layers=mine or [], **kwargs) if mine else None
-        payload = None if part is None else (part.prompt_values, part.prompt_totals)
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, payload)
+        dist.all_gather_object(
+            gathered, None if part is None else (part.prompt_values, part.prompt_totals)
+        )
         pv = sum(g[0] for g in gathered if g is not None)  # other layers are exactly 0 in each part
         pt = sum(g[1] for g in gathered if g is not None)
         template = (

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from extractive_lens import backend as M
 from extractive_lens.batch import PromptBatch
@@ -60,7 +59,7 @@ class FinetuneConfig:
             raise ValueError("warmup_frac must be in [0, 1)")
 
 
-def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Tensor | None]:
+def _trainable_mask(model: M.ScorableModel, cfg: FinetuneConfig) -> dict[str, torch.Tensor | None]:
     """Per parameter (TransformerLens names): None (fully trainable) or a boolean mask along
     dim 0 / the whole tensor."""
     params = M.parameters(model)
@@ -101,7 +100,7 @@ def _trainable_mask(model: nn.Module, cfg: FinetuneConfig) -> dict[str, torch.Te
 
 
 def finetune(
-    model: nn.Module,
+    model: M.ScorableModel,
     data: PromptBatch,
     config: FinetuneConfig | None = None,
     *,
@@ -155,7 +154,7 @@ def finetune(
 
 
 def _train(
-    model: nn.Module,
+    model: M.ScorableModel,
     data: PromptBatch,
     cfg: FinetuneConfig,
     params: dict,
@@ -228,7 +227,7 @@ def _reset_frozen(params: dict, masks: dict, snapshot: dict) -> None:
 
 
 def _diff(
-    model: nn.Module,
+    model: M.ScorableModel,
     params: dict,
     snapshot: dict,
     cfg: FinetuneConfig,
@@ -251,7 +250,7 @@ def _diff(
 
 
 def rank_trajectory(
-    model: nn.Module,
+    model: M.ScorableModel,
     data: PromptBatch,
     evaluate: dict[str, PromptBatch],
     config: FinetuneConfig | None = None,
@@ -271,29 +270,36 @@ def rank_trajectory(
     return diff, pd.DataFrame(rows, columns=["epoch", "split", "mean_rank"])
 
 
-def mean_rank(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) -> float:
+def mean_rank(model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | None = None) -> float:
     """Mean 0-indexed rank of the answer's first token among the candidates' first tokens, read
     at the last prompt position (docs/scores.md §8); chance is ``(n_candidates - 1) / 2``."""
     return float(ranks(model, batch, diff).float().mean())
 
 
-def ranks(model: nn.Module, batch: PromptBatch, diff: WeightDiff | None = None) -> torch.Tensor:
+def ranks(
+    model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | None = None
+) -> torch.Tensor:
     """Per prompt: the answer's rank among its candidates (0 = the model's top candidate)."""
     check_arguments("mean_rank", model, batch=batch, need_diff=False)
     if diff is not None and not isinstance(diff, WeightDiff):
         raise TypeError(
             f"mean_rank(model, batch, diff): diff must be a WeightDiff or None, got {type(diff).__name__}."
         )
-    if batch.candidates is None:
-        raise ValueError("Ranks need candidate answers: make_batch(..., candidates=[...]).")
+    _candidates(batch)  # before the forward pass
     with torch.no_grad(), diff.applied(model) if diff is not None else contextlib.nullcontext():
         logits = model(batch.tokens.to(model.cfg.device))
     return ranks_from_logits(logits, batch)
 
 
+def _candidates(batch: PromptBatch) -> torch.Tensor:
+    if batch.candidates is None:
+        raise ValueError("Ranks need candidate answers: make_batch(..., candidates=[...]).")
+    return batch.candidates
+
+
 def ranks_from_logits(logits: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
+    cands = _candidates(batch).to(logits.device)
     last = logits[torch.arange(len(batch)), batch.last_prompt_pos.to(logits.device)]
-    cands = batch.candidates.to(logits.device)
     valid = cands >= 0
     cl = last.gather(-1, cands.clamp(min=0))
     ans = last.gather(-1, batch.answer_first.to(logits.device)[:, None])

@@ -17,7 +17,7 @@ from extractive_lens.backend import notes
 from extractive_lens.world.data import World, build_world
 
 WORLD_DIR = Path(__file__).resolve().parent.parent / "data" / "world"
-MODEL_CFG = dict(
+MODEL_CFG: dict[str, Any] = dict(
     n_layers=4,
     d_model=128,
     n_heads=4,
@@ -28,7 +28,7 @@ MODEL_CFG = dict(
     normalization_type="LN",
     positional_embedding_type="standard",
 )
-PRETRAIN = dict(
+PRETRAIN: dict[str, Any] = dict(
     lr=2e-3,
     weight_decay=0.1,
     betas=(0.9, 0.98),
@@ -39,7 +39,7 @@ PRETRAIN = dict(
 )
 WORLD_VERSION = 2  # bump when the corpus changes (cached models of other seeds are retrained)
 # The recipe used to finetune the world model on the 20 test facts (issue 6).
-FINETUNE = dict(lr=1e-3, epochs=20, batch_size=8, optimizer="adam")
+FINETUNE: dict[str, Any] = dict(lr=1e-3, epochs=20, batch_size=8, optimizer="adam")
 
 
 def make_tokenizer(words: list[str], directory: Path) -> Any:
