@@ -1,7 +1,8 @@
 """Speed of this tree against another checkout of extractive_lens, in one run (A/B, alternating).
 
     git worktree add /tmp/el_before <commit>
-    python benchmarks/bench_refactor.py /tmp/el_before [--shapes bundled gpt2-small] [--rounds 3]
+    python benchmarks/bench_refactor.py /tmp/el_before [--shapes bundled gpt2-small]
+        [--scores linear causal] [--rounds 3] [--repeats 3]
 
 Each measurement runs in a fresh subprocess with ``sys.path`` pointing at one tree, alternating
 old, new, old, new ... so that machine noise hits both alike; the median time per tree is
@@ -58,6 +59,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("old", type=Path, help="another checkout (e.g. a git worktree)")
     ap.add_argument("--shapes", nargs="+", default=["bundled", "gpt2-small"])
+    ap.add_argument(
+        "--scores", nargs="+", default=["linear", "causal"], choices=["linear", "causal"]
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -66,7 +70,7 @@ def main() -> None:
 
     rows = []
     for shape in args.shapes:
-        for what in ("linear", "causal"):
+        for what in args.scores:
             old, new = [], []
             for _ in range(args.rounds):
                 old.append(measure(args.old.resolve(), shape, what, args.repeats))
