@@ -35,9 +35,16 @@ ap.add_argument("--nlast", type=int, default=20)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--tag", default="a")
 ap.add_argument("--ftlr", type=float, default=1e-3)
+ap.add_argument(
+    "--bio",
+    action="store_true",
+    help="subject-enrichment pressure: every person has a city, a hobby and a job, each told by "
+    "several templates at varying distances from the name (test people: hobby and job only)",
+)
 args = ap.parse_args()
 torch.set_num_threads(1)
 
+import extractive_lens.world.data as WD  # noqa: E402
 import extractive_lens.world.model as WM  # noqa: E402
 from extractive_lens import FinetuneConfig, finetune, linear_scores, mean_rank  # noqa: E402
 from extractive_lens.world.data import build_world, first_hop, second_hop  # noqa: E402
@@ -73,6 +80,50 @@ def world_v3(seed, nfirst, nlast):
     )
 
 
+JOBS = ("baker", "teacher", "doctor", "pilot", "farmer", "lawyer", "nurse", "chef")
+CITY = (
+    "{p} lives in {c} .",
+    "{p} moved to {c} last year .",
+    "{p} has a house in {c} .",
+    "The home of {p} is {c} .",
+    "{p} , who likes {h} , lives in {c} .",
+)
+HOBBY = ("{p} likes {h} .", "{p} enjoys {h} .", "{p} , who works as a {j} , likes {h} .")
+JOB = ("{p} works as a {j} .", "{p} is a {j} by trade .", "The job of {p} is {j} .")
+
+
+@dataclasses.dataclass(frozen=True)
+class BioWorld(WD.World):
+    """The v2 world whose people have biographies: several attributes, several templates each."""
+
+    job: dict = dataclasses.field(default_factory=dict)
+
+    def corpus(self, rng, implications=True):
+        out = [s for s in super().corpus(rng, implications) if not self._person_line(s)]
+        for p in (*self.home, *self.test_people):
+            c, h, j = self.home.get(p), self.hobby[p], self.job[p]
+            lines = [t.format(p=p, h=h, j=j) for t in (*HOBBY, *JOB)]
+            if c is not None:  # test people's cities are the new facts
+                lines += [t.format(p=p, c=c, h=h) for t in CITY]
+                if implications and p in self.with_implication:
+                    lines.append(f"The people in the city {p} is from speak {self.language[c]} .")
+            out += lines
+        rng.shuffle(out)
+        return out
+
+    def _person_line(self, s):
+        words = s.split()
+        lead = " ".join(words[:2])
+        return lead in self.home or lead in self.test_people or "city" in words and "from" in words
+
+
+def bio_world(w, seed):
+    rng = np.random.default_rng(seed + 2000)
+    job = {p: JOBS[int(rng.integers(len(JOBS)))] for p in (*w.home, *w.test_people)}
+    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
+    return BioWorld(**fields, job=job)
+
+
 WM.MODEL_CFG = dict(
     WM.MODEL_CFG,
     n_layers=args.layers,
@@ -82,6 +133,10 @@ WM.MODEL_CFG = dict(
 )
 WM.PRETRAIN = dict(WM.PRETRAIN, steps=args.steps, lr=args.lr)
 w = world_v3(args.seed, args.nfirst, args.nlast)
+if args.bio:
+    w = bio_world(w, args.seed)
+    sample = w.corpus(np.random.default_rng(0))
+    print(f"[{args.tag}] bio corpus: {len(sample)} sentences, e.g. {sample[:3]}", flush=True)
 t0 = time.time()
 model = WM.train_world_model(args.seed, world=w, show_progress=False)
 train_s = time.time() - t0

@@ -66,3 +66,20 @@ def test_two_processes_match_single_process(tmp_path, method, shard, per):
             assert a["relative_gap"] == pytest.approx(b["relative_gap"], abs=1e-12)
         assert got.metadata["prompts_digest"] == single.metadata["prompts_digest"]
         assert got.metadata["distributed"]["world_size"] == 2
+
+
+def test_process_group_shuts_down_on_exit_and_on_error(monkeypatch):
+    import torch.distributed as dist
+
+    from extractive_lens.distributed import process_group
+
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with process_group("cpu", timeout_s=30) as (rank, world, device):
+        assert (rank, world, device) == (0, 1, "cpu") and dist.is_initialized()
+    assert not dist.is_initialized()
+    monkeypatch.setenv("MASTER_PORT", str(_port()))
+    with pytest.raises(RuntimeError, match="boom"), process_group("cpu", timeout_s=30):
+        raise RuntimeError("boom")  # no barrier on the way out: a peer may never arrive
+    assert not dist.is_initialized()
