@@ -191,19 +191,35 @@ class WeightDiff:
             if components is None and layers is None
             else self.restricted(components, layers=layers)
         )
+        with diff._set(model, diff.deltas, scale):
+            yield model
+
+    def resumed_at(self, model: ScorableModel, layer: int) -> contextlib.AbstractContextManager:
+        """``applied(model)`` for a forward pass resumed at block ``layer``: the embeddings and the
+        blocks before it (which such a pass never runs) keep their weights, so less is written
+        and restored (on GPT-2 the embedding alone is a quarter of the parameters)."""
+        keep = {}
+        for name, d in self.deltas.items():
+            role = B.param_role(name)
+            if role.part != "embed" and (role.layer is None or role.layer >= layer):
+                keep[name] = d
+        return self._set(model, keep, 1.0)
+
+    def _set(
+        self, model: ScorableModel, deltas: Mapping[str, Tensor], scale: float
+    ) -> contextlib.AbstractContextManager:
         self.check_compatible(model)
         params = B.parameters(model)
 
         def new_values() -> dict[str, Tensor]:
             out = {}
-            for name, d in diff.deltas.items():
+            for name, d in deltas.items():
                 p = params[name].detach()
                 d = d.to(p.device)
                 out[name] = (p.to(d.dtype) + (d if scale == 1.0 else scale * d)).to(p.dtype)
             return out
 
-        with weights_set(model, new_values):
-            yield model
+        return weights_set(model, new_values)
 
     def check_compatible(self, model: ScorableModel) -> None:
         """Raise a clear error unless this Δ fits ``model`` (architecture, names, shapes)."""

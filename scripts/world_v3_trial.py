@@ -87,8 +87,14 @@ CITY = (
     "{p} has a house in {c} .",
     "The home of {p} is {c} .",
     "{p} , who likes {h} , lives in {c} .",
+    "Everyone knows that {p} lives in {c} .",
 )
-HOBBY = ("{p} likes {h} .", "{p} enjoys {h} .", "{p} , who works as a {j} , likes {h} .")
+HOBBY = (
+    "{p} likes {h} .",
+    "{p} enjoys {h} .",
+    "{p} , who works as a {j} , likes {h} .",
+    "Everyone knows that {p} likes {h} .",
+)
 JOB = ("{p} works as a {j} .", "{p} is a {j} by trade .", "The job of {p} is {j} .")
 
 

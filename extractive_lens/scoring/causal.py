@@ -213,7 +213,7 @@ class CausalChunk:
         def keep_kv(step: B.LayerRun) -> None:
             kv[step.layer] = (step.captured["k"], step.captured["v"])
 
-        with torch.no_grad(), self.diff.applied(self.model):
+        with torch.no_grad(), self.diff.resumed_at(self.model, layer):
             post = mlp_out = None
             if part == "mid":
                 mlp_out = B.mlp(self.model, layer, stream)
@@ -239,7 +239,11 @@ class CausalChunk:
             jobs = jobs[jobs[:, 2] <= last[jobs[:, 0]]]
             out = ctx.reward[:, None, None].expand(b, n_comp, pos).clone()
         jobs = jobs.to(dev)
-        applied = self.diff.applied(self.model) if ctx.finetuned else contextlib.nullcontext()
+        applied = (
+            self.diff.resumed_at(self.model, ctx.layer)
+            if ctx.finetuned
+            else contextlib.nullcontext()
+        )
         max_batch = self.options.max_batch
         with torch.no_grad(), applied:
             for i in range(0, len(jobs), max_batch):
