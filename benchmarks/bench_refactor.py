@@ -79,6 +79,16 @@ def main() -> None:
             rows.append(dict(shape=shape, scores=what, old_s=o, new_s=n, new_over_old=n / o))
             print(table(rows[-1:], list(rows[-1])), flush=True)
     print(table(rows, ["shape", "scores", "old_s", "new_s", "new_over_old"]))
+    # keep the rows of earlier runs that this run did not measure (each row says how it was run)
+    for r in rows:
+        r.update(rounds=args.rounds, repeats=args.repeats)
+    from benchmarks.common import RESULTS
+
+    earlier = RESULTS / "bench_refactor.json"
+    if earlier.exists():
+        done = {(r["shape"], r["scores"]) for r in rows}
+        old_rows = json.loads(earlier.read_text()).get("rows", [])
+        rows = [r for r in old_rows if (r["shape"], r["scores"]) not in done] + rows
     print("wrote", write("bench_refactor", {"old": str(args.old), "rows": rows}))
 
 

@@ -312,6 +312,15 @@ def test_score_options_and_report_command(tmp_path):
         and ex.metadata["layers"] == [0, 1]
         and ex.metadata["ablation"] == "zero"
     )
+    whole = tmp_path / "whole"  # per component: saved, and compared with the per-token linear
+    res = runner.invoke(
+        app,
+        ["score", "--base", "world", "--diff", str(diff), "--data", str(facts), "--method",
+         "both", "--kinds", "informative", "--per", "component", "--out", str(whole)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert ComponentScores.load(whole / "causal").per == "component"
+    assert (whole / "comparison.csv").exists()
     (out / "report.html").unlink()
     res = runner.invoke(app, ["report", str(out), "--title", "re-rendered"])
     assert res.exit_code == 0, res.output
