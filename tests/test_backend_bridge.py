@@ -339,3 +339,55 @@ def test_world_model_bridge_runs_experiments_and_views_as_hooked():
     pb = B.attention(bridge, 0, x, ("pattern",))[1]["pattern"]
     assert pa.shape == pb.shape and torch.allclose(pa, pb, atol=1e-12)
     assert "attention" in attention_view(bridge, batch, 1).local_src.lower()
+
+
+def _plain_world_logits(tokens: torch.Tensor) -> torch.Tensor:
+    """The world model's forward pass written out in plain torch from its weight file (GPT-2
+    style: learned positions, pre-LayerNorm, exact GELU), independent of TransformerLens."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from extractive_lens.world.model import WORLD_DIR
+
+    w = {k: v.double() for k, v in load_file(str(WORLD_DIR / "model.safetensors")).items()}
+    cfg = json.loads((WORLD_DIR / "world.json").read_text())["cfg"]
+
+    def ln(x, name):
+        x = x - x.mean(-1, keepdim=True)
+        return x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w[f"{name}.w"] + w[f"{name}.b"]
+
+    n = tokens.shape[1]
+    x = w["embed.W_E"][tokens] + w["pos_embed.W_pos"][:n]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for layer in range(cfg["n_layers"]):
+        p = f"blocks.{layer}"
+        h = ln(x, f"{p}.ln1")
+        q, k, v = (
+            torch.einsum("bsd,hde->bhse", h, w[f"{p}.attn.W_{m}"]) + w[f"{p}.attn.b_{m}"][:, None]
+            for m in "QKV"
+        )
+        scores = (q @ k.transpose(-1, -2) / cfg["d_head"] ** 0.5).masked_fill(~causal, -1e30)
+        z = scores.softmax(-1) @ v
+        x = x + torch.einsum("bhse,hed->bsd", z, w[f"{p}.attn.W_O"]) + w[f"{p}.attn.b_O"]
+        m = torch.nn.functional.gelu(ln(x, f"{p}.ln2") @ w[f"{p}.mlp.W_in"] + w[f"{p}.mlp.b_in"])
+        x = x + m @ w[f"{p}.mlp.W_out"] + w[f"{p}.mlp.b_out"]
+    return ln(x, "ln_final") @ w["unembed.W_U"] + w["unembed.b_U"]
+
+
+def test_world_model_loads_as_a_bridge_without_hooked_transformer():
+    """``load_world_model(backend="bridge")`` boots a native bridge from the weight file alone (the
+    TransformerLens 4 path, where it is also the default): its logits are the world model's."""
+    from extractive_lens.world import first_hop, load_world_model
+
+    bridge = load_world_model(backend="bridge", dtype=torch.float64)
+    assert type(bridge).__name__ == "TransformerBridge"
+    facts, _ = first_hop().batches(bridge)
+    with torch.no_grad():
+        got = bridge(facts.tokens)
+    want = _plain_world_logits(facts.tokens)
+    assert (got - want).abs().max() < 1e-9 * want.abs().max()
+    assert type(load_world_model()).__name__ == (
+        "HookedTransformer" if HOOKED else "TransformerBridge"
+    )
+    assert el.mean_rank(bridge, facts) > 5  # the 20 new facts are unknown before finetuning

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from extractive_lens.backend.hooked import notes
 
@@ -58,6 +59,11 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def has_hooked() -> bool:
+    """Whether the installed TransformerLens has ``HookedTransformer`` (3.x; 4.0 removed it)."""
+    return version().startswith(("0.", "1.", "2.", "3."))
 
 
 def _tl():
@@ -200,6 +206,46 @@ def build(
     return model
 
 
+def native_bridge(
+    cfg: dict[str, Any],
+    tokenizer: Any,
+    parameters: dict[str, Tensor],
+    *,
+    notes_: dict[str, Any] | None = None,
+    device: str | torch.device | None = "cpu",
+    dtype: torch.dtype = torch.float32,
+    model_name: str = "custom",
+) -> Any:
+    """A TransformerLens native ``TransformerBridge`` (``boot_native``, offline) with this
+    configuration and these weights (TransformerLens names), in eval mode. Needs no
+    ``HookedTransformer``, so it works on TransformerLens 4 too."""
+    import copy
+
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from extractive_lens.backend import bridge as bridge_backend
+
+    cfg = dict(cfg, dtype=dtype, device=device, init_weights=False, architecture=None)
+    cfg.update(original_architecture=None)
+    with quiet_transformer_lens(), quiet_transformers():
+        tok = None if tokenizer is None else copy.deepcopy(tokenizer)  # the bridge mutates it
+        out = TransformerBridge.boot_native(
+            TransformerBridgeConfig.from_dict(cfg), tokenizer=tok, device=device, dtype=dtype,
+            model_name=model_name,
+        )  # fmt: skip
+    parameters = dict(parameters)
+    head = out.unembed.original_component
+    if "bias" in dict(head.named_buffers(recurse=False)) and "unembed.b_U" in parameters:
+        # TransformerLens 4 gives the native head a fixed bias (a buffer, not a weight)
+        with torch.no_grad():
+            head.bias.copy_(parameters.pop("unembed.b_U"))
+    bridge_backend.write_parameters(out, parameters)
+    notes(out).update(copy.deepcopy(notes_ or {}))
+    out.eval()
+    return out
+
+
 def as_bridge(model: HookedTransformer) -> Any:
     """A TransformerLens ``TransformerBridge`` with ``model``'s configuration, weights, tokenizer
     and notes: TransformerLens's native architecture, booted offline (``boot_native``).
@@ -208,27 +254,14 @@ def as_bridge(model: HookedTransformer) -> Any:
     >>> type(bridge).__name__
     'TransformerBridge'
     """
-    import copy
-
-    from transformer_lens.config import TransformerBridgeConfig
-    from transformer_lens.model_bridge import TransformerBridge
-
-    from extractive_lens.backend import bridge as bridge_backend
     from extractive_lens.backend import hooked
 
     if not hooked.handles(model):
         raise TypeError(f"as_bridge converts a HookedTransformer, not a {type(model).__name__}.")
-    cfg_dict = model.cfg.to_dict()
-    cfg_dict.update(init_weights=False, architecture=None, original_architecture=None)
-    with quiet_transformer_lens(), quiet_transformers():
-        tok = None if model.tokenizer is None else copy.deepcopy(model.tokenizer)
-        out = TransformerBridge.boot_native(
-            TransformerBridgeConfig.from_dict(cfg_dict), tokenizer=tok, device=model.cfg.device,
-            dtype=model.cfg.dtype, model_name=model.cfg.model_name,
-        )  # fmt: skip
-    bridge_backend.write_parameters(out, hooked.parameters(model))
-    notes(out).update(copy.deepcopy(notes(model)))
-    out.eval()
+    out = native_bridge(
+        model.cfg.to_dict(), model.tokenizer, hooked.parameters(model), notes_=notes(model),
+        device=model.cfg.device, dtype=model.cfg.dtype, model_name=model.cfg.model_name,
+    )  # fmt: skip
     probe = torch.arange(min(8, model.cfg.n_ctx), device=model.cfg.device)[None] % model.cfg.d_vocab
     with torch.no_grad():
         want, got = model(probe), out(probe)

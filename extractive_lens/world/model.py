@@ -202,15 +202,20 @@ def load_world_model(
     *,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
-    backend: str = "hooked",
+    backend: str | None = None,
 ) -> Any:
-    """The bundled world model as a ``HookedTransformer`` (offline; weights ship in the package),
-    or as a TransformerLens ``TransformerBridge`` with the same weights (``backend="bridge"``)."""
+    """The bundled world model (offline; weights ship in the package) as a ``HookedTransformer``
+    (``backend="hooked"``) or as a TransformerLens native ``TransformerBridge`` with the same
+    weights (``backend="bridge"``). ``None``: a HookedTransformer where TransformerLens has one
+    (3.x), else a bridge (4.x)."""
     import transformers
     from safetensors.torch import load_file
 
-    from extractive_lens.backend.loading import build
+    from extractive_lens.backend.loading import BACKEND_NAMES, build, has_hooked, native_bridge
 
+    backend = backend or ("hooked" if has_hooked() else "bridge")
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
     directory = Path(directory) if directory is not None else WORLD_DIR
     if not (directory / "model.safetensors").exists():
         raise FileNotFoundError(
@@ -218,22 +223,24 @@ def load_world_model(
         )
     meta = json.loads((directory / "world.json").read_text())
     tok = transformers.AutoTokenizer.from_pretrained(directory)
+    state = {
+        k: v.to(dtype)
+        for k, v in load_file(str(directory / "model.safetensors")).items()
+        if not k.endswith(("IGNORE", "mask"))  # HookedTransformer buffers, not weights
+    }
+    world_notes = {"world": meta.get("world", {})}
+    if backend == "bridge":
+        return native_bridge(
+            meta["cfg"], tok, state, notes_=world_notes, device=device, dtype=dtype,
+            model_name=meta["model_name"],
+        )  # fmt: skip
     cfg = dict(meta["cfg"], dtype=dtype, device=device, model_name=meta["model_name"])
-    model = build(cfg, tok, notes_={"world": meta.get("world", {})}, default_padding_side="right")
-    state = load_file(str(directory / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(
-        {k: v.to(dtype) for k, v in state.items()}, strict=False
-    )
+    model = build(cfg, tok, notes_=world_notes, default_padding_side="right")
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith(("IGNORE", "mask"))]
     if missing or unexpected:
         raise ValueError(
             f"world model weights do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     model.eval()
-    if backend == "bridge":
-        from extractive_lens.backend.loading import as_bridge
-
-        return as_bridge(model)
-    if backend != "hooked":
-        raise ValueError(f"backend must be 'hooked' or 'bridge', got {backend!r}")
     return model
