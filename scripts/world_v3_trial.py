@@ -28,6 +28,7 @@ import torch
 ap = argparse.ArgumentParser()
 ap.add_argument("--layers", type=int, default=6)
 ap.add_argument("--dmodel", type=int, default=128)
+ap.add_argument("--heads", type=int, default=4, help="attention heads (d_head = dmodel / heads)")
 ap.add_argument("--steps", type=int, default=1200)
 ap.add_argument("--lr", type=float, default=2e-3)
 ap.add_argument("--nfirst", type=int, default=32)
@@ -135,7 +136,8 @@ WM.MODEL_CFG = dict(
     n_layers=args.layers,
     d_model=args.dmodel,
     d_mlp=4 * args.dmodel,
-    d_head=args.dmodel // 4,
+    n_heads=args.heads,
+    d_head=args.dmodel // args.heads,
 )
 WM.PRETRAIN = dict(WM.PRETRAIN, steps=args.steps, lr=args.lr)
 w = world_v3(args.seed, args.nfirst, args.nlast)
