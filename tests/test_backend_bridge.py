@@ -11,13 +11,13 @@ import torch
 
 import extractive_lens as el
 from extractive_lens import backend as B
-from extractive_lens.backend.loading import as_bridge, load_checkpoint, version
+from extractive_lens.backend.loading import as_bridge, has_hooked, load_checkpoint
 from extractive_lens.rewards import answer_logprob
 from tests.conftest import make_pair
 
 transformers = pytest.importorskip("transformers")
 
-HOOKED = version().startswith("3.")  # TransformerLens 4 removed HookedTransformer
+HOOKED = has_hooked()  # TransformerLens 4 removed HookedTransformer
 needs_hooked = pytest.mark.skipif(not HOOKED, reason="TransformerLens 4 has no HookedTransformer")
 VOCAB = 64
 
