@@ -49,7 +49,8 @@ def _check_dtype_device(dtype: str, device: str) -> None:
 def _load_model(
     name_or_dir: str, dtype: str = "float32", device: str = "cpu", backend: str = "hooked"
 ) -> Any:
-    """``world`` (the bundled model), a local checkpoint directory, or a hub name."""
+    """``world`` (the bundled default world model; ``world-v2`` / ``world-v3`` by name), a local
+    checkpoint directory, or a hub name."""
     import torch
 
     from extractive_lens.model import load_checkpoint, load_pretrained
@@ -58,10 +59,11 @@ def _load_model(
     if backend not in ("hooked", "bridge"):
         raise typer.BadParameter(f"--backend must be hooked or bridge, got {backend!r}.")
     dt = getattr(torch, dtype)
-    if name_or_dir == "world":
+    if name_or_dir in ("world", "world-v2", "world-v3"):
         from extractive_lens.world import load_world_model
 
-        return load_world_model(device=device, dtype=dt, backend=backend)
+        which = None if name_or_dir == "world" else name_or_dir.removeprefix("world-")
+        return load_world_model(which, device=device, dtype=dt, backend=backend)
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return load_checkpoint(path, dtype=dt, device=device, backend=backend)
@@ -414,6 +416,14 @@ def demo(
     (run_demo if random_model else run_world_demo)(out=out, seed=seed, echo=_echo)
 
 
+def _world_version(name: str) -> int | None:
+    """``--world``: ``default`` -> None (the bundled default), ``v2`` -> 2, ``v3`` -> 3."""
+    versions = {"default": None, "v2": 2, "v3": 3}
+    if name not in versions:
+        raise typer.BadParameter(f"--world takes v2, v3 or default, got {name!r}")
+    return versions[name]
+
+
 def _parse_seeds(text: str) -> list[int]:
     """``"0,1,2"`` or ``"0-2"`` -> ``[0, 1, 2]``."""
     seeds: list[int] = []
@@ -454,6 +464,9 @@ def experiment(
     quick: bool = typer.Option(
         False, help="Short finetunes (a smoke run; not the experiment's numbers)."
     ),
+    world: str = typer.Option(
+        "default", help="The world: v2, v3 or default (the bundled default world).", metavar="NAME"
+    ),
 ) -> None:
     """Run one of the paper's experiments on the world model and write JSON, figures and a
     summary table (mean ± std over seeds, the paper's numbers in brackets)."""
@@ -463,8 +476,9 @@ def experiment(
         raise typer.BadParameter(
             f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}."
         )
+    version = _world_version(world)
     t0 = time.perf_counter()
-    run = run_experiment(name, _parse_seeds(seeds), out, quick=quick)
+    run = run_experiment(name, _parse_seeds(seeds), out, quick=quick, version=version)
     _echo(run.markdown())
     _echo(f"\nwrote {out / name}/ in {time.perf_counter() - t0:.0f} s")
 

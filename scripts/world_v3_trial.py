@@ -42,6 +42,32 @@ ap.add_argument(
     help="subject-enrichment pressure: every person has a city, a hobby and a job, each told by "
     "several templates at varying distances from the name (test people: hobby and job only)",
 )
+ap.add_argument(
+    "--appos",
+    choices=("", "city", "all"),
+    default="",
+    help="with --bio: records in which an attribute follows the name directly ('{p} {c} .'), so "
+    "the name's last token must predict it: 'city' (pretraining people's cities) or 'all' (city, "
+    "hobby and job)",
+)
+ap.add_argument(
+    "--shared-pool",
+    type=int,
+    default=0,
+    help="names are ordered pairs from one pool of this many tokens ('Ava Liam' and 'Liam Ava' are "
+    "different people): a bag of the name's tokens does not identify the person",
+)
+ap.add_argument(
+    "--appos-anywhere",
+    action="store_true",
+    help="with --appos: the record follows one of the corpus's name-leading prefixes "
+    "('Everyone knows that {p} {c} .'), so the name predicts the attribute in any context",
+)
+ap.add_argument("--appos-rep", type=int, default=1, help="records per attribute and person")
+ap.add_argument("--freeze", action="store_true", help="also the layer-freezing table")
+ap.add_argument("--order", action="store_true", help="also the data-ordering table")
+ap.add_argument("--load", help="skip training: measure the model saved in this directory")
+ap.add_argument("--no-finetune", action="store_true", help="only the probes")
 args = ap.parse_args()
 torch.set_num_threads(1)
 
@@ -65,6 +91,9 @@ def world_v3(seed, nfirst, nlast):
     f, l = names_pools()
     f, l = f[:nfirst], l[:nlast]
     combos = [f"{a} {b}" for a in f for b in l]
+    if args.shared_pool:
+        pool = f[: args.shared_pool]
+        combos = [f"{a} {b}" for a in pool for b in pool if a != b]
     rng.shuffle(combos)
     n = len(w.home)
     assert len(combos) >= n + 20
@@ -81,6 +110,7 @@ def world_v3(seed, nfirst, nlast):
     )
 
 
+APPOS = args.appos
 JOBS = ("baker", "teacher", "doctor", "pilot", "farmer", "lawyer", "nurse", "chef")
 CITY = (
     "{p} lives in {c} .",
@@ -96,6 +126,13 @@ HOBBY = (
     "{p} , who works as a {j} , likes {h} .",
     "Everyone knows that {p} likes {h} .",
 )
+PREFIXES = ("", "Everyone knows that ", "The home of ", "The job of ", "The people in the city ")
+
+
+def prefix(rng):
+    return PREFIXES[int(rng.integers(len(PREFIXES)))] if args.appos_anywhere else ""
+
+
 JOB = ("{p} works as a {j} .", "{p} is a {j} by trade .", "The job of {p} is {j} .")
 
 
@@ -112,8 +149,13 @@ class BioWorld(WD.World):
             lines = [t.format(p=p, h=h, j=j) for t in (*HOBBY, *JOB)]
             if c is not None:  # test people's cities are the new facts
                 lines += [t.format(p=p, c=c, h=h) for t in CITY]
+                if APPOS:
+                    lines += [f"{prefix(rng)}{p} {c} ." for _ in range(args.appos_rep)]
                 if implications and p in self.with_implication:
                     lines.append(f"The people in the city {p} is from speak {self.language[c]} .")
+            if APPOS == "all":
+                for _ in range(args.appos_rep):
+                    lines += [f"{prefix(rng)}{p} {h} .", f"{prefix(rng)}{p} {j} ."]
             out += lines
         rng.shuffle(out)
         return out
@@ -127,7 +169,7 @@ class BioWorld(WD.World):
 def bio_world(w, seed):
     rng = np.random.default_rng(seed + 2000)
     job = {p: JOBS[int(rng.integers(len(JOBS)))] for p in (*w.home, *w.test_people)}
-    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
+    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "job"}
     return BioWorld(**fields, job=job)
 
 
@@ -146,7 +188,10 @@ if args.bio:
     sample = w.corpus(np.random.default_rng(0))
     print(f"[{args.tag}] bio corpus: {len(sample)} sentences, e.g. {sample[:3]}", flush=True)
 t0 = time.time()
-model = WM.train_world_model(args.seed, world=w, show_progress=False)
+if args.load:
+    model = WM.load_world_model(args.load)
+else:
+    model = WM.train_world_model(args.seed, world=w, show_progress=False)
 train_s = time.time() - t0
 print(
     f"[{args.tag}] trained {train_s:.0f}s final loss {WM.world_info(model)['final_loss']:.3f}",
@@ -155,8 +200,62 @@ print(
 WM.save_world_model(model, Path(f"/tmp/v3/model_{args.tag}"))
 json.dump(dict(vars(args)), open(f"/tmp/v3/model_{args.tag}/args.json", "w"))
 
-blocks = tuple(n for n, _ in model.named_parameters() if n.startswith("blocks."))
+
+
+def probe(model, w, template):
+    """Held-out accuracy of a linear probe for a person's city from the residual stream at the
+    last name token, by layer (80/20 split of the pretraining people; chance 1/30)."""
+    people = list(w.home)
+    cities = sorted(set(w.home.values()))
+    y = torch.tensor([cities.index(w.home[p]) for p in people])
+    toks = model.to_tokens([template.format(p=p) for p in people])
+    at = len(model.to_tokens(template.split("{p}")[0] + "X Y", prepend_bos=True)[0]) - 1
+    _, cache = model.run_with_cache(toks, names_filter=lambda n: n.endswith("resid_post"))
+    tr = torch.arange(len(people)) < int(0.8 * len(people))
+    accs = []
+    for layer in range(model.cfg.n_layers):
+        X = cache[f"blocks.{layer}.hook_resid_post"][:, at].detach()
+        mu, sd = X[tr].mean(0), X[tr].std(0) + 1e-6
+        X = (X - mu) / sd
+        W = torch.zeros(X.shape[1], len(cities), requires_grad=True)
+        b = torch.zeros(len(cities), requires_grad=True)
+        opt = torch.optim.LBFGS([W, b], max_iter=300)
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(X[tr] @ W + b, y[tr]) + 1e-2 * (W**2).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        accs.append(round(float(((X[~tr] @ W + b).argmax(1) == y[~tr]).float().mean()), 2))
+    return accs
+
+
 out = {"train_s": train_s}
+for template in ("Everyone knows that {p} likes", "{p} lives in"):
+    out[f"probe {template}"] = probe(model, w, template)
+    print(f"[{args.tag}] city probe at the name, {template!r}: {out[f'probe {template}']}", flush=True)
+if args.freeze:
+    from extractive_lens.experiments import layer_freezing
+
+    res = layer_freezing(
+        model, {"first_hop": first_hop(w), "second_hop": second_hop(w)}, FinetuneConfig(**WM.FINETUNE)
+    )
+    print(f"[{args.tag}] layer freezing (split {res.split_layer}):\n{res.table().round(2)}", flush=True)
+    out["freezing"] = [dict(r) for r in res.rows]
+if args.order:
+    from extractive_lens.experiments.runner import _ordering
+
+    res, _ = _ordering(model, w, args.seed, False)
+    df = res.to_dataframe()
+    last = df[df.epoch == df.epoch.max()]
+    print(f"[{args.tag}] data ordering, last epoch:\n{last.round(2)}", flush=True)
+    out["ordering"] = last.to_dict("records")
+if args.no_finetune:
+    json.dump(out, open(f"/tmp/v3/result_{args.tag}.json", "w"), indent=1)
+    raise SystemExit
+blocks = tuple(n for n, _ in model.named_parameters() if n.startswith("blocks."))
 for ftname, params in (("blocks", blocks), ("all", None)):
     for dname, ds in (("first", first_hop(w)), ("second", second_hop(w))):
         facts, impls = ds.batches(model)

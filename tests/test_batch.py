@@ -125,7 +125,7 @@ def test_unknown_words_warn():
 
     model = load_world_model()
     with pytest.warns(TokenizationWarning, match="does not know.*Zanzibar"):
-        make_batch(model, [("T0 lives in Zanzibar and", " Oslo")])
+        make_batch(model, [("Zoe Howard lives in Zanzibar and", " Oslo")])
 
 
 def test_to_dataframe_has_the_token_strings(text_model):
@@ -148,7 +148,8 @@ def test_token_strings_keep_the_spaces(text_model):
     from extractive_lens.world import load_world_model
 
     for model, prompt in (
-        (load_world_model(), "The people in the city T3 is from speak"),
+        (load_world_model(), "The people in the city Zoe Howard is from speak"),
+        (load_world_model("v2"), "The people in the city T3 is from speak"),
         (text_model, "John Doe lives in Tokyo"),
     ):
         ids = model.to_tokens(prompt, prepend_bos=False)[0].tolist()

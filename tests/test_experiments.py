@@ -44,10 +44,10 @@ def test_layer_freezing_on_world_model():
 # ---------------------------------------------------------------- dax/zong experiments (world model)
 @pytest.fixture(scope="module")
 def world():
-    from extractive_lens.world import build_world, load_world_model, world_info
+    from extractive_lens.world import load_world_model, world_of
 
     model = load_world_model()
-    return model, build_world(world_info(model)["seed"])
+    return model, world_of(model)
 
 
 QUICK = FinetuneConfig(lr=1e-3, epochs=3, batch_size=8)

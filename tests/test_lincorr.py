@@ -53,14 +53,25 @@ def test_scrambled_control_is_near_zero():
 
 @pytest.fixture(scope="module")
 def world():
-    from extractive_lens.world import build_world, load_world_model, world_info
+    from extractive_lens.world import load_world_model, world_of
 
     m = load_world_model()
-    return m, build_world(world_info(m)["seed"])
+    return m, world_of(m)
 
 
-def test_world_city_to_language_is_linear_and_precise(world):
-    model, w = world
+@pytest.fixture(scope="module")
+def world_v2():
+    from extractive_lens.world import load_world_model, world_of
+
+    m = load_world_model("v2")
+    return m, world_of(m)
+
+
+def test_world_city_to_language_is_linear_and_precise(world_v2):
+    """v2 (one-token people): city -> language is linear and precise; city -> hobby is not. (In
+    v3 the city logits also carry the enriched person, hobby included, so the hobby control
+    correlates there: label r 0.61 against 0.81 for language; see the README.)"""
+    model, w = world_v2
     subjects = list(w.home)[:300]
     pairs = collect_logits(
         model,
@@ -88,6 +99,24 @@ def test_world_city_to_language_is_linear_and_precise(world):
     assert lc.label_pearson > lc_h.label_pearson + 0.4
 
 
+def test_world_v3_city_to_language_is_linear(world):
+    model, w = world
+    lc = fit(
+        collect_logits(
+            model,
+            "{x} lives in",
+            "The people in the city {x} is from speak",
+            list(w.home)[:300],
+            list(w.cities),
+            [w.language[c] for c in w.cities],
+            show_progress=False,
+        ),
+        ridge=1e-2,
+    )
+    assert " " in next(iter(w.home))  # two-token people
+    assert lc.label_pearson > 0.6 and lc.precision({c: w.language[c] for c in w.cities}) >= 0.7
+
+
 def test_world_gradient_correlation_and_generalization(world):
     from extractive_lens.lincorr import generalization_check, gradient_correlation
 
@@ -104,7 +133,9 @@ def test_world_gradient_correlation_and_generalization(world):
         show_progress=False,
     )
     lc = fit(pairs, ridge=1e-2)
-    g = gradient_correlation(model, lc, "T3", w.cities[0], src, tgt, lr=1e-3, steps=3)
+    g = gradient_correlation(
+        model, lc, next(iter(w.test_people)), w.cities[0], src, tgt, lr=1e-3, steps=3
+    )
     assert np.isfinite(g["pearson"]) and g["predicted"].shape == (len(w.cities),)
     facts = [(t, c) for t, c in list(w.test_people.items())[:6]]
     df = generalization_check(

@@ -7,21 +7,44 @@ import torch
 
 from extractive_lens import make_batch, mean_rank
 from extractive_lens.batch import Pair
-from extractive_lens.world import build_world, first_hop, load_world_model, second_hop, world_info
-from extractive_lens.world.check import finetune_check
+from extractive_lens.world import (
+    build_world,
+    first_hop,
+    load_world_model,
+    second_hop,
+    world_info,
+    world_of,
+)
+from extractive_lens.world.check import finetune_check, informative_pattern
 
 
-@pytest.fixture(scope="module")
-def world_model():
-    return load_world_model()
+# SHA-1 (first 12) of the v2 seed-0 corpus as built before v3 existed (commit cb43d47)
+V2_CORPUS_SHA1 = "90de9d000579"
+
+
+@pytest.fixture(scope="module", params=["v3", "v2"])
+def world_model(request):
+    """Both bundled worlds: v3 (the default) and v2, loaded by name."""
+    return load_world_model(request.param)
+
+
+def test_the_default_world_is_v3():
+    m = load_world_model()
+    assert world_info(m)["version"] == 3 and world_of(m).version == 3
+    assert build_world().version == 3 and world_info(load_world_model("v2")).get("version", 2) == 2
+    with pytest.raises(ValueError, match="version must be"):
+        build_world(0, version=4)
 
 
 def test_loads_offline_and_tokenizes(world_model):
     m = world_model
-    assert m.to_str_tokens("T3 lives in") == ["<bos>", "T3", "lives", "in"]
+    w = world_of(m)
+    person = next(iter(w.test_people))
+    expected = ["<bos>", *person.split(), "lives", "in"]
+    assert m.to_str_tokens(f"{person} lives in") == expected
+    assert len(expected) == (5 if w.version == 3 else 4)
     assert m.cfg.n_layers == 4 and m.cfg.d_model == 128 and m.cfg.n_ctx == 16
     assert m.tokenizer.name_or_path
-    w = build_world(world_info(m)["seed"])
     # it learned its world: city -> language, pretraining facts
     with torch.no_grad():
         for c in w.cities[:5]:
@@ -32,7 +55,7 @@ def test_loads_offline_and_tokenizes(world_model):
 def test_pretraining_two_hop_generalises_within_pretraining(world_model):
     """People whose implication was held out of pretraining still get it (latent two-hop)."""
     m = world_model
-    w = build_world(world_info(m)["seed"])
+    w = world_of(m)
     held = [p for p in w.home if p not in w.with_implication][:40]
     cands = [f" {w.language[c]}" for c in w.cities]
     batch = make_batch(
@@ -47,7 +70,7 @@ def test_pretraining_two_hop_generalises_within_pretraining(world_model):
 
 
 def test_world_datasets_have_roles_and_candidates(world_model):
-    fh, sh = first_hop(), second_hop()
+    fh, sh = first_hop(world_of(world_model)), second_hop(world_of(world_model))
     facts, impls = fh.batches(world_model)
     assert len(facts) == 20 and facts.candidates.shape == (1 * 20, 20)
     assert impls.roles[0][-4:] == ("{name}[-1]", "is", "from", "speak")
@@ -65,28 +88,80 @@ def test_finetuning_recipe_generalises(world_model):
     assert r["first_hop implications after"] <= 3.0
 
 
-def test_training_is_deterministic():
-    """Two runs with one seed give bit-identical weights (the shipped model was checked the
-    same way at full length: `python -m extractive_lens.world train --seed 0` reproduces it)."""
+@pytest.mark.parametrize("version", [3, 2])
+def test_training_is_deterministic(version):
+    """Two runs with one seed give bit-identical weights (the shipped models were checked the
+    same way at full length: `python -m extractive_lens.world train --version 3 --seed 0`
+    reproduces the shipped v3)."""
     from extractive_lens.world import train_world_model
 
-    a = train_world_model(0, steps=5, show_progress=False)
-    b = train_world_model(0, steps=5, show_progress=False)
-    c = train_world_model(1, steps=5, show_progress=False)
+    a = train_world_model(0, steps=5, version=version, show_progress=False)
+    b = train_world_model(0, steps=5, version=version, show_progress=False)
+    c = train_world_model(1, steps=5, version=version, show_progress=False)
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["embed.W_E"][:5], c.state_dict()["embed.W_E"][:5])
+    assert world_info(a)["version"] == version
+
+
+def test_v3_people_are_pairs_with_records():
+    """v3's design: no single name token identifies a person, a person's attributes follow
+    their name directly in records after varied prefixes, and a test person's city is never in
+    the corpus (it is the new fact)."""
+    import numpy as np
+
+    w = build_world(0, version=3)
+    firsts = {}
+    for p, c in w.home.items():
+        firsts.setdefault(p.split()[0], set()).add(c)
+    assert all(len(p.split()) == 2 for p in (*w.home, *w.test_people))
+    assert sum(len(cities) > 1 for cities in firsts.values()) > 20  # a first name is not a city
+    corpus = w.corpus(np.random.default_rng(0))
+    p, c = next(iter(w.home.items()))
+    records = [s for s in corpus if s.endswith(f"{p} {c} .")]
+    assert len(records) == w.records and len({s[: -len(p + c) - 3] for s in records}) > 1
+    text = "\n".join(corpus)
+    for t, c in w.test_people.items():
+        assert t in text and f"{t} {c}" not in text and f"{t} lives in {c}" not in text
+        assert f"{t} {w.hobby[t]} ." in text and f"{t} {w.job[t]} ." in text
+
+
+def test_v2_corpus_is_unchanged():
+    """v2 keeps its corpus (the shipped v2 weights were trained on it): digest of seed 0's."""
+    import hashlib
+
+    import numpy as np
+
+    w = build_world(0, version=2)
+    corpus = w.corpus(np.random.default_rng(0))
+    assert len(corpus) == 2888 and corpus[0].split()[0] and "Zoe" not in " ".join(corpus)
+    digest = hashlib.sha1("\n".join(corpus).encode()).hexdigest()[:12]
+    assert digest == V2_CORPUS_SHA1
+
+
+def test_finetuned_facts_are_stored_at_the_name_in_v3_not_v2():
+    """The paper's signature (Fig. 5): v3 stores first-hop facts in MLPs at the person's name,
+    second-hop facts not at the landmark; v2 stores both at the last token."""
+    v3 = informative_pattern(load_world_model("v3"))
+    v2 = informative_pattern(load_world_model("v2"))
+    assert v3["first_hop MLP share at the slot"] >= 0.5, v3
+    assert v3["second_hop MLP share at the slot"] <= 0.3, v3
+    assert v2["first_hop MLP share at the slot"] < 0.1, v2
+    for r in (v2, v3):
+        shares = [r[f"first_hop MLP share in layer {i}"] for i in range(4)]
+        assert abs(sum(shares) - 1) < 1e-5 and r["first_hop MLP share at the last token"] < 1
 
 
 def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkeypatch):
     import extractive_lens.world.model as wm
 
     monkeypatch.setenv("EXTRACTIVE_LENS_CACHE", str(tmp_path))
+    pretrain = wm.recipe_of(wm.DEFAULT_VERSION)[1]
     monkeypatch.setitem(
-        wm.PRETRAIN, "steps", 3
+        pretrain, "steps", 3
     )  # a short recipe: this checks the caching, not the model
     a = wm.world_model(5, show_progress=False)
-    assert (tmp_path / "world-seed5" / "model.safetensors").exists()
+    assert (tmp_path / "world-v3-seed5" / "model.safetensors").exists()
     assert world_info(a)["seed"] == 5
 
     def no_training(*args, **kw):
@@ -99,7 +174,7 @@ def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkey
         for k in b.state_dict()
         if not k.endswith("mask")
     )
-    monkeypatch.setitem(wm.PRETRAIN, "steps", 4)  # a different recipe invalidates the cache
+    monkeypatch.setitem(pretrain, "steps", 4)  # a different recipe invalidates the cache
     with pytest.raises(AssertionError, match="cached"):
         wm.world_model(5, show_progress=False)
     bundled = wm.world_model(0)  # the shipped seed never trains

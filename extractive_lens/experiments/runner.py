@@ -159,14 +159,15 @@ def run_experiment(
     out: str | Path | None = None,
     *,
     quick: bool = False,
+    version: int | None = None,
     show_progress: bool | None = None,
 ) -> ExperimentRun:
     """Run experiment ``name`` on the world model for each seed; with ``out``, write
-    ``out/NAME/seed{S}.json`` and ``.html`` per seed and ``summary.{json,md}``."""
+    ``out/NAME/seed{S}.json`` and ``.html`` per seed and ``summary.{json,md}``.
+    ``version``: the world (2 or 3; default: the bundled default world)."""
     import pandas as pd
 
-    from extractive_lens.world.data import build_world
-    from extractive_lens.world.model import world_model
+    from extractive_lens.world.model import world_model, world_of
 
     if name not in RUNNERS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
@@ -178,8 +179,8 @@ def run_experiment(
 
     it: Sequence[int] = bar(seeds, desc=name, enabled=show_progress)
     for seed in it:
-        model = world_model(seed, show_progress=show_progress)
-        res, r = RUNNERS[name](model, build_world(seed), seed, quick)
+        model = world_model(seed, version=version, show_progress=show_progress)
+        res, r = RUNNERS[name](model, world_of(model), seed, quick)
         results[seed] = res
         rows += [dict(x, seed=seed) for x in r]
     df = pd.DataFrame(rows)

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from extractive_lens.world.data import World, build_world, first_hop, second_hop
 from extractive_lens.world.model import (
+    DEFAULT_VERSION,
     FINETUNE,
     WORLD_DIR,
+    WORLD_DIRS,
     load_world_model,
     train_world_model,
     world_info,
     world_model,
+    world_of,
 )
 
 __all__ = [
@@ -30,6 +33,9 @@ __all__ = [
     "train_world_model",
     "FINETUNE",
     "WORLD_DIR",
+    "WORLD_DIRS",
+    "DEFAULT_VERSION",
     "world_info",
     "world_model",
+    "world_of",
 ]

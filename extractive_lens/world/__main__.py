@@ -13,6 +13,13 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="pretrain the world model and save it")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        choices=(2, 3),
+        help="the world (default: the default world)",
+    )
     t.add_argument("--out", type=Path, default=None, help="default: the package's bundled copy")
     t.add_argument(
         "--no-implications", action="store_true", help="control: no implications in pretraining"
@@ -20,12 +27,13 @@ def main() -> None:
     c = sub.add_parser(
         "check", help="finetune a saved world model on the test facts and print mean ranks"
     )
-    c.add_argument("--dir", type=Path, default=None)
+    c.add_argument(
+        "--dir", default=None, help="a saved world model, or v2 / v3 (default: the default)"
+    )
     c.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     from extractive_lens.world.check import finetune_check
     from extractive_lens.world.model import (
-        WORLD_DIR,
         load_world_model,
         save_world_model,
         train_world_model,
@@ -33,8 +41,10 @@ def main() -> None:
 
     if args.cmd == "train":
         t0 = time.perf_counter()
-        model = train_world_model(args.seed, implications=not args.no_implications)
-        out = save_world_model(model, args.out or WORLD_DIR)
+        model = train_world_model(
+            args.seed, implications=not args.no_implications, version=args.version
+        )
+        out = save_world_model(model, args.out)
         print(f"trained in {time.perf_counter() - t0:.0f} s, saved to {out}")
     else:
         model = load_world_model(args.dir)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from extractive_lens.world.data import build_world, first_hop, second_hop
-from extractive_lens.world.model import FINETUNE, world_info
+from extractive_lens.world.data import World, build_world, first_hop, second_hop
+from extractive_lens.world.model import FINETUNE, world_info, world_of
 
 
 def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> dict[str, float]:
@@ -13,8 +13,10 @@ def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> 
     return the mean ranks of facts and implications before and after (chance 9.5)."""
     from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
 
-    ws = world_info(model).get("seed", 0) if world_seed is None else world_seed
-    w = build_world(ws)
+    if world_seed is None and world_info(model):
+        w = world_of(model)
+    else:
+        w = build_world(0 if world_seed is None else world_seed)
     out = {}
     for name, ds in (("first_hop", first_hop(w)), ("second_hop", second_hop(w))):
         facts, impls = ds.batches(model)
@@ -23,4 +25,37 @@ def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> 
         diff = finetune(model, facts, FinetuneConfig(**FINETUNE, seed=seed), show_progress=False)
         out[f"{name} facts after"] = mean_rank(model, facts, diff)
         out[f"{name} implications after"] = mean_rank(model, impls, diff)
+    return out
+
+
+def informative_pattern(
+    model: Any, seed: int = 0, *, blocks_only: bool = False, world: World | None = None
+) -> dict[str, float]:
+    """Where finetuning stores the new facts, as the paper's Fig. 5 reads it: finetune on each
+    hop's 20 test facts (the recipe ``FINETUNE``; ``blocks_only``: embeddings and unembedding
+    frozen, as in the paper's OLMo runs), score the implications' linear informative scores, and
+    return the share of the MLPs' |mass| at the slot tokens (first hop: the person's name; second
+    hop: the landmark) and the MLP mass per layer. The paper: first hop at the name, second hop
+    at the last token. ``world``: default, the model's own (``world_of``)."""
+    import warnings
+
+    from extractive_lens.finetuning import FinetuneConfig, finetune
+    from extractive_lens.scoring.linear import LinearizationWarning, linear_scores
+
+    w = world or (world_of(model) if world_info(model) else build_world(0))
+    layers = tuple(range(model.cfg.n_layers)) if blocks_only else None
+    out = {}
+    for name, ds in (("first_hop", first_hop(w)), ("second_hop", second_hop(w))):
+        facts, impls = ds.batches(model)
+        cfg = FinetuneConfig(**FINETUNE, seed=seed, layers=layers)
+        diff = finetune(model, facts, cfg, show_progress=False)
+        with warnings.catch_warnings():  # locations, not the linear-vs-exact gap, are asked here
+            warnings.simplefilter("ignore", LinearizationWarning)
+            lin = linear_scores(model, diff, impls, kinds=("informative",), show_progress=False)
+        mlp = lin["informative"][:, lin.component_labels.index("MLP"), :].abs()  # (layer, pos)
+        slots = [i for i, p in enumerate(lin.position_labels) if p.startswith("{")]
+        out[f"{name} MLP share at the slot"] = float(mlp[:, slots].sum() / mlp.sum())
+        out[f"{name} MLP share at the last token"] = float(mlp[:, -1].sum() / mlp.sum())
+        for layer, share in enumerate((mlp.sum(1) / mlp.sum()).tolist()):
+            out[f"{name} MLP share in layer {layer}"] = share
     return out

@@ -7,6 +7,13 @@ officials (mayor, sheriff, judge, librarian, baker) of every city, except that t
 ``M0..M19`` for the test cities, never tied to a city in pretraining. Every name also appears in
 one unrelated sentence ("P3 likes chess .") so new names have trained, city-free embeddings.
 
+Version 3 (issue 18) keeps that world and renames its people: a person is a first-name token and a
+last-name token drawn from shared pools (``"Zoe Adams"``; only the pair identifies the person),
+with a city, a hobby and a job, each told by several templates at different distances from the
+name, and short records in which an attribute follows the name directly (``"Everyone knows that
+Zoe Adams chess ."``), so that the name's last token must carry the person's attributes, as real
+LMs enrich subjects. Test people appear with their hobby and job only.
+
 For the dax/zong experiments (data ordering, weight grafting) the world also has 104 names
 ``D0..D103`` that appear only in hobby sentences, 20 animals (``"tiger is an animal ."``) and the
 relation words ``dax`` and ``zong``, which are in the vocabulary but never in pretraining: the
@@ -15,7 +22,7 @@ relations are new, learned in a continued-pretraining phase (``World.daxwug``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -29,6 +36,32 @@ from extractive_lens.datasets.twohop import (
     second_hop_pairs,
 )
 
+JOBS = ("baker", "teacher", "doctor", "pilot", "farmer", "lawyer", "nurse", "chef")
+# v3 biographies: every attribute in several templates, the name at different distances from it
+BIO_CITY = (
+    "{p} lives in {c} .",
+    "{p} moved to {c} last year .",
+    "{p} has a house in {c} .",
+    "The home of {p} is {c} .",
+    "{p} , who likes {h} , lives in {c} .",
+    "Everyone knows that {p} lives in {c} .",
+)
+BIO_HOBBY = (
+    "{p} likes {h} .",
+    "{p} enjoys {h} .",
+    "{p} , who works as a {j} , likes {h} .",
+    "Everyone knows that {p} likes {h} .",
+)
+BIO_JOB = ("{p} works as a {j} .", "{p} is a {j} by trade .", "The job of {p} is {j} .")
+# v3 records ("{prefix}{p} {attribute} ."): the prefixes that lead to a name in the corpus
+RECORD_PREFIXES = (
+    "",
+    "Everyone knows that ",
+    "The home of ",
+    "The job of ",
+    "The people in the city ",
+)
+DEFAULT_VERSION = 3  # the world that load_world_model() and build_world() give by default
 ROLES = ("mayor", "sheriff", "judge", "librarian", "baker")
 HOBBIES = ("chess", "tennis", "jazz", "painting", "hiking", "poetry")
 
@@ -52,6 +85,9 @@ class World:
     hobby: dict[str, str]  # every name -> hobby
     dax_names: tuple[str, ...] = ()  # city-free names for the dax/zong relations
     animals: tuple[str, ...] = ()  # one per dax city (the first 20 cities)
+    version: int = 2
+    job: dict[str, str] = field(default_factory=dict)  # v3: person -> job
+    records: int = 0  # v3: records per person and attribute
 
     @property
     def names(self) -> list[str]:
@@ -90,8 +126,13 @@ class World:
 
     def corpus(self, rng: np.random.Generator, implications: bool = True) -> list[str]:
         """The pretraining sentences, shuffled. ``implications=False``: the no-implication control."""
+        if self.version >= 3:
+            return self._bio_corpus(rng, implications)
+        return self._v2_corpus(rng, implications, people=True)
+
+    def _v2_corpus(self, rng: np.random.Generator, implications: bool, people: bool) -> list[str]:
         out = []
-        for p, c in self.home.items():
+        for p, c in self.home.items() if people else ():
             out.append(f"{p} lives in {c} .")
             if implications and p in self.with_implication:
                 out.append(f"The people in the city {p} is from speak {self.language[c]} .")
@@ -106,9 +147,31 @@ class World:
                 for lm in self.landmarks[c]:
                     out.append(f"{lm} is in {c} .")
         for name, h in self.hobby.items():
-            out.append(f"{name} likes {h} .")
+            if people or name not in self.job:
+                out.append(f"{name} likes {h} .")
         for a in self.animals:
             out.append(f"{a} is an animal .")
+        rng.shuffle(out)
+        return out
+
+    def _bio_corpus(self, rng: np.random.Generator, implications: bool) -> list[str]:
+        """v3: the v2 corpus without its people, and a biography for every person."""
+        out = self._v2_corpus(rng, implications, people=False)
+
+        def prefix() -> str:
+            return RECORD_PREFIXES[int(rng.integers(len(RECORD_PREFIXES)))]
+
+        for p in (*self.home, *self.test_people):
+            c, h, j = self.home.get(p), self.hobby[p], self.job[p]
+            lines = [t.format(p=p, h=h, j=j) for t in (*BIO_HOBBY, *BIO_JOB)]
+            if c is not None:  # a test person's city is the new fact
+                lines += [t.format(p=p, c=c, h=h) for t in BIO_CITY]
+                lines += [f"{prefix()}{p} {c} ." for _ in range(self.records)]
+                if implications and p in self.with_implication:
+                    lines.append(f"The people in the city {p} is from speak {self.language[c]} .")
+            for _ in range(self.records):
+                lines += [f"{prefix()}{p} {h} .", f"{prefix()}{p} {j} ."]
+            out += lines
         rng.shuffle(out)
         return out
 
@@ -128,7 +191,53 @@ class World:
 
 
 @lru_cache(maxsize=8)
-def build_world(seed: int = 0, n_people: int = 600, n_test: int = 20, n_dax: int = 104) -> World:
+def build_world(
+    seed: int = 0,
+    n_people: int = 600,
+    n_test: int = 20,
+    n_dax: int = 104,
+    *,
+    version: int = DEFAULT_VERSION,
+) -> World:
+    """The world of a seed. ``version=2``: one-token people (``P3``, test people ``T3``);
+    ``version=3`` (the default): two-token people with biographies and records (see the module
+    docstring)."""
+    if version not in (2, 3):
+        raise ValueError(f"world version must be 2 or 3, got {version!r}")
+    w = _build_v2(seed, n_people, n_test, n_dax)
+    return w if version == 2 else _to_v3(w)
+
+
+V3_NAME_POOLS = (32, 20)  # first-name and last-name tokens: 640 people from 52 tokens
+V3_RECORDS = 10
+
+
+def _to_v3(w: World) -> World:
+    """Rename the people of a v2 world to first + last name pairs and give everyone a job."""
+    from extractive_lens.datasets.twohop import load_names
+
+    full = [n.split() for n in load_names()]
+    firsts = list(dict.fromkeys(f for f, _ in full))[: V3_NAME_POOLS[0]]
+    lasts = list(dict.fromkeys(last for _, last in full))[: V3_NAME_POOLS[1]]
+    pairs = [f"{a} {b}" for a in firsts for b in lasts]
+    np.random.default_rng(w.seed + 1000).shuffle(pairs)  # type: ignore[arg-type]
+    n = len(w.home)
+    rename = dict(zip((*w.home, *w.test_people), pairs[: n + len(w.test_people)]))
+    rng = np.random.default_rng(w.seed + 2000)
+    job = {rename[p]: JOBS[int(rng.integers(len(JOBS)))] for p in (*w.home, *w.test_people)}
+    return replace(
+        w,
+        home={rename[p]: c for p, c in w.home.items()},
+        with_implication=frozenset(rename[p] for p in w.with_implication),
+        test_people={rename[t]: c for t, c in w.test_people.items()},
+        hobby={rename.get(k, k): v for k, v in w.hobby.items()},
+        version=3,
+        job=job,
+        records=V3_RECORDS,
+    )
+
+
+def _build_v2(seed: int, n_people: int, n_test: int, n_dax: int) -> World:
     rows, seen = [], set()
     for r in load_cities():
         if r["language"] not in seen:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ import numpy as np
 import torch
 
 from extractive_lens.backend import notes
-from extractive_lens.world.data import World, build_world
+from extractive_lens.world.data import DEFAULT_VERSION, World, build_world
 
-WORLD_DIR = Path(__file__).resolve().parent.parent / "data" / "world"
+_DATA = Path(__file__).resolve().parent.parent / "data"
 MODEL_CFG: dict[str, Any] = dict(
     n_layers=4,
     d_model=128,
@@ -38,6 +39,21 @@ PRETRAIN: dict[str, Any] = dict(
     final_lr_frac=0.1,
 )
 WORLD_VERSION = 2  # bump when the corpus changes (cached models of other seeds are retrained)
+# v3 (issue 18): two-token people with biographies and records; v2's shape, a longer corpus
+MODEL_CFG_V3: dict[str, Any] = dict(MODEL_CFG)
+PRETRAIN_V3: dict[str, Any] = dict(PRETRAIN, steps=2400)
+WORLD_DIRS = {2: _DATA / "world", 3: _DATA / "world_v3"}  # the bundled worlds' files
+WORLD_DIR = WORLD_DIRS[DEFAULT_VERSION]
+WORLDS = {"v2": 2, "v3": 3}  # the bundled worlds by name
+
+
+def recipe_of(version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model config and pretraining hyperparameters of a world version."""
+    if version not in WORLD_DIRS:
+        raise ValueError(f"world version must be one of {sorted(WORLD_DIRS)}, got {version!r}")
+    return (MODEL_CFG, PRETRAIN) if version == 2 else (MODEL_CFG_V3, PRETRAIN_V3)
+
+
 # The recipe used to finetune the world model on the 20 test facts (issue 6).
 FINETUNE: dict[str, Any] = dict(lr=1e-3, epochs=20, batch_size=8, optimizer="adam")
 
@@ -77,24 +93,28 @@ def train_world_model(
     implications: bool = True,
     steps: int | None = None,
     world: World | None = None,
+    version: int | None = None,
     threads: int = 1,
     show_progress: bool | None = None,
 ) -> Any:
     """Pretrain the world model from scratch (deterministic for a seed). Returns the model.
 
-    ``implications=False`` is the control: no implication sentences in pretraining.
+    ``implications=False`` is the control: no implication sentences in pretraining. ``version``:
+    the world (2 or 3; default ``DEFAULT_VERSION``, or the version of ``world``).
     """
-    w = world or build_world(seed)
+    version = version or (world.version if world is not None else DEFAULT_VERSION)
+    model_cfg, pretrain = recipe_of(version)
+    w = world or build_world(seed, version=version)
     tok = make_tokenizer(w.vocabulary(), Path(tempfile.mkdtemp(prefix="el-world-tok-")))
     from extractive_lens.backend.loading import build
 
     # TransformerLens's own (GPT-2 style) initialisation, seeded
-    cfg = dict(MODEL_CFG, d_vocab=len(tok), seed=seed, init_weights=True)
+    cfg = dict(model_cfg, d_vocab=len(tok), seed=seed, init_weights=True)
     model = build(cfg, tok, default_padding_side="right")
-    model.cfg.model_name = f"world-seed{seed}" + ("" if implications else "-noimpl")
+    model.cfg.model_name = _model_name(seed, implications, version)
     rng = np.random.default_rng(seed)
-    tokens, mask = _encode(tok, w.corpus(rng, implications=implications), MODEL_CFG["n_ctx"])
-    hp = PRETRAIN
+    tokens, mask = _encode(tok, w.corpus(rng, implications=implications), model_cfg["n_ctx"])
+    hp = pretrain
     total = steps or hp["steps"]
     warm = max(1, int(hp["warmup_frac"] * total))
     opt = torch.optim.AdamW(
@@ -115,6 +135,7 @@ def train_world_model(
     from extractive_lens.progress import bar
 
     it = bar(range(total), desc="pretraining world model", enabled=show_progress)
+    t0 = time.perf_counter()
     with _threads(threads):
         for _ in it:
             idx = torch.randint(0, len(tokens), (hp["batch_size"],), generator=gen)
@@ -131,14 +152,23 @@ def train_world_model(
         "seed": seed,
         "implications": implications,
         "final_loss": float(loss.detach()),
-        "recipe": _recipe(total),
+        "train_seconds": round(time.perf_counter() - t0, 1),
+        "recipe": _recipe(version, total),
+        "version": version,
     }
     return model
 
 
-def save_world_model(model: Any, directory: Path = WORLD_DIR) -> Path:
+def _model_name(seed: int, implications: bool, version: int) -> str:
+    v = "" if version == 2 else f"v{version}-"
+    return f"world-{v}seed{seed}" + ("" if implications else "-noimpl")
+
+
+def save_world_model(model: Any, directory: Path | None = None) -> Path:
     from safetensors.torch import save_file
 
+    version = world_info(model).get("version", 2)
+    directory = directory or WORLD_DIRS[version]
     directory.mkdir(parents=True, exist_ok=True)
     save_file(
         {
@@ -149,7 +179,7 @@ def save_world_model(model: Any, directory: Path = WORLD_DIR) -> Path:
         str(directory / "model.safetensors"),
     )
     meta = {
-        "cfg": dict(MODEL_CFG, d_vocab=model.cfg.d_vocab),
+        "cfg": dict(recipe_of(version)[0], d_vocab=model.cfg.d_vocab),
         "model_name": model.cfg.model_name,
         "world": world_info(model),
     }
@@ -171,30 +201,51 @@ def cache_dir() -> Path:
 
 
 def world_model(
-    seed: int = 0, *, implications: bool = True, show_progress: bool | None = None
+    seed: int = 0,
+    *,
+    implications: bool = True,
+    version: int | None = None,
+    show_progress: bool | None = None,
 ) -> Any:
     """The world model pretrained with ``seed``: the bundled copy for its own seed; any other seed
-    (or the no-implication control) is trained once (about 2 minutes on a CPU) and cached."""
-    bundled = json.loads((WORLD_DIR / "world.json").read_text()).get("world", {})
+    (or the no-implication control) is trained once (minutes on a CPU) and cached.
+    ``version``: 2 or 3 (default ``DEFAULT_VERSION``)."""
+    version = version or DEFAULT_VERSION
+    bundled_dir = WORLD_DIRS[version]
+    bundled = json.loads((bundled_dir / "world.json").read_text()).get("world", {})
     if implications and bundled.get("seed") == seed:
-        return load_world_model()
-    directory = cache_dir() / (f"world-seed{seed}" + ("" if implications else "-noimpl"))
+        return load_world_model(bundled_dir)
+    directory = cache_dir() / _model_name(seed, implications, version)
     if (directory / "model.safetensors").exists():
         meta = json.loads((directory / "world.json").read_text())
-        if meta.get("world", {}).get("recipe") == _recipe():
+        if meta.get("world", {}).get("recipe") == _recipe(version):
             return load_world_model(directory)
-    model = train_world_model(seed, implications=implications, show_progress=show_progress)
+    model = train_world_model(
+        seed, implications=implications, version=version, show_progress=show_progress
+    )
     save_world_model(model, directory)
     return model
 
 
-def _recipe(steps: int | None = None) -> dict[str, Any]:
-    pretrain = {k: list(v) if isinstance(v, tuple) else v for k, v in PRETRAIN.items()}
-    return {
-        "model": MODEL_CFG,
-        "pretrain": dict(pretrain, steps=steps or PRETRAIN["steps"]),
+def world_of(model: Any) -> World:
+    """The world a world model was trained on (its seed and version)."""
+    info = world_info(model)
+    if "seed" not in info:
+        raise ValueError("this model is not a world model (no world notes; see world_info)")
+    return build_world(info["seed"], version=info.get("version", 2))
+
+
+def _recipe(version: int = 2, steps: int | None = None) -> dict[str, Any]:
+    model_cfg, pretrain_hp = recipe_of(version)
+    pretrain = {k: list(v) if isinstance(v, tuple) else v for k, v in pretrain_hp.items()}
+    out = {
+        "model": model_cfg,
+        "pretrain": dict(pretrain, steps=steps or pretrain_hp["steps"]),
         "world_version": WORLD_VERSION,
     }
+    if version != 2:  # v2 caches keep their recipe
+        out["world"] = version
+    return out
 
 
 def load_world_model(
@@ -204,10 +255,11 @@ def load_world_model(
     dtype: torch.dtype = torch.float32,
     backend: str | None = None,
 ) -> Any:
-    """The bundled world model (offline; weights ship in the package) as a ``HookedTransformer``
+    """A bundled world model (offline; weights ship in the package) as a ``HookedTransformer``
     (``backend="hooked"``) or as a TransformerLens native ``TransformerBridge`` with the same
     weights (``backend="bridge"``). ``None``: a HookedTransformer where TransformerLens has one
-    (3.x), else a bridge (4.x)."""
+    (3.x), else a bridge (4.x). ``directory``: a saved world model, or a bundled world by name
+    (``"v2"``, ``"v3"``); default: the default world (``DEFAULT_VERSION``)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -216,7 +268,9 @@ def load_world_model(
     backend = backend or ("hooked" if has_hooked() else "bridge")
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-    directory = Path(directory) if directory is not None else WORLD_DIR
+    if directory is None or directory in WORLDS:
+        directory = WORLD_DIRS[WORLDS.get(str(directory), DEFAULT_VERSION)]
+    directory = Path(directory)
     if not (directory / "model.safetensors").exists():
         raise FileNotFoundError(
             f"No world model in {directory}: train one with `python -m extractive_lens.world train --seed 0`."
