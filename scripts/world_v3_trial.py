@@ -201,7 +201,6 @@ WM.save_world_model(model, Path(f"/tmp/v3/model_{args.tag}"))
 json.dump(dict(vars(args)), open(f"/tmp/v3/model_{args.tag}/args.json", "w"))
 
 
-
 def probe(model, w, template):
     """Held-out accuracy of a linear probe for a person's city from the residual stream at the
     last name token, by layer (80/20 split of the pretraining people; chance 1/30)."""
@@ -235,14 +234,21 @@ def probe(model, w, template):
 out = {"train_s": train_s}
 for template in ("Everyone knows that {p} likes", "{p} lives in"):
     out[f"probe {template}"] = probe(model, w, template)
-    print(f"[{args.tag}] city probe at the name, {template!r}: {out[f'probe {template}']}", flush=True)
+    print(
+        f"[{args.tag}] city probe at the name, {template!r}: {out[f'probe {template}']}", flush=True
+    )
 if args.freeze:
     from extractive_lens.experiments import layer_freezing
 
     res = layer_freezing(
-        model, {"first_hop": first_hop(w), "second_hop": second_hop(w)}, FinetuneConfig(**WM.FINETUNE)
+        model,
+        {"first_hop": first_hop(w), "second_hop": second_hop(w)},
+        FinetuneConfig(**WM.FINETUNE),
     )
-    print(f"[{args.tag}] layer freezing (split {res.split_layer}):\n{res.table().round(2)}", flush=True)
+    print(
+        f"[{args.tag}] layer freezing (split {res.split_layer}):\n{res.table().round(2)}",
+        flush=True,
+    )
     out["freezing"] = [dict(r) for r in res.rows]
 if args.order:
     from extractive_lens.experiments.runner import _ordering

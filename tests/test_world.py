@@ -17,7 +17,6 @@ from extractive_lens.world import (
 )
 from extractive_lens.world.check import finetune_check, informative_pattern
 
-
 # SHA-1 (first 12) of the v2 seed-0 corpus as built before v3 existed (commit cb43d47)
 V2_CORPUS_SHA1 = "90de9d000579"
 
