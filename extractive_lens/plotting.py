@@ -107,13 +107,15 @@ def _heatmap_trace(
     what: str,
     unit: str,
     tokens: list[str] | None = None,
+    lim: float | None = None,
     **kw: Any,
 ) -> go.Heatmap:
     """A diverging heat map centred at 0 (blue = helps the answer). ``tokens``: per column, the
-    tokens found at that position, shown on hover."""
+    tokens found at that position, shown on hover. ``lim``: the colour scale's ±limit (default:
+    this map's largest |value|)."""
     import plotly.graph_objects as go
 
-    lim = float(np.abs(z).max()) or 1.0
+    lim = lim or float(np.abs(z).max()) or 1.0
     extra = {}
     where = "%{x}"
     if tokens is not None:
@@ -237,6 +239,48 @@ def overview(scores: ComponentScores) -> go.Figure:
         title=f"{scores.method} scores, mean over {scores.n_prompts} prompts ({unit})",
         template="plotly_white",
         height=330 * len(scores.kinds) + 140,
+    )
+    return fig
+
+
+def side_by_side(
+    results: dict[str, ComponentScores], kind: ScoreKind = "informative", part: Part = "mlp"
+) -> go.Figure:
+    """Heat maps of several results side by side on one colour scale, e.g. the paper's Fig. 5:
+    ``side_by_side({"first hop": lin1, "second hop": lin2})``. Each panel keeps its own token
+    positions; layer 0 at the bottom; blue helps the answer."""
+    from plotly.subplots import make_subplots
+
+    if not results:
+        raise ValueError("side_by_side needs at least one result")
+    if part in ("heads", "all_heads"):
+        raise ValueError("side_by_side shows layer × position maps: part 'mlp' or 'attn'")
+    panels = {name: panel(s, kind, part) for name, s in results.items()}
+    lim = max(float(np.abs(z).max()) for z, _, _ in panels.values()) or 1.0
+    what = "MLP" if part == "mlp" else "attention (heads summed)"
+    fig = make_subplots(
+        rows=1,
+        cols=len(results),
+        subplot_titles=[f"{name} · {kind} · {what}" for name in results],
+        horizontal_spacing=0.08,
+        shared_yaxes=True,
+    )
+    units = {score_unit(s) for s in results.values()}
+    unit = units.pop() if len(units) == 1 else "score"
+    for c, (name, s) in enumerate(results.items(), start=1):
+        z, x, y = panels[name]
+        trace = _heatmap_trace(
+            z, x, y, kind, f"{what} ({name})", unit, tokens=_column_tokens(s),
+            showscale=c == len(results), lim=lim,
+        )  # fmt: skip
+        fig.add_trace(trace, row=1, col=c)
+        fig.update_xaxes(row=1, col=c, title_text=POSITION_AXIS, **_position_axis(s))
+    fig.update_yaxes(title_text="layer", row=1, col=1)
+    fig.update_layout(
+        title=f"where the {kind} scores sit ({unit}; one colour scale)",
+        template="plotly_white",
+        height=560,
+        width=max(700, 430 * len(results)),
     )
     return fig
 

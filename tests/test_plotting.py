@@ -61,6 +61,25 @@ def test_heatmap_contents(scored):
     assert "score" in tr.hovertemplate and "layer" in tr.hovertemplate
 
 
+def test_side_by_side_shares_one_colour_scale(scored):
+    """The Fig. 5 view: one panel per result, each its own data, one colour scale for all."""
+    from extractive_lens.plotting import side_by_side
+
+    lin, ex = scored
+    fig = side_by_side({"linear": lin, "exact": ex}, "downstream", part="attn")
+    a, b = fig.data
+    assert np.allclose(np.array(a.z), lin["downstream"][:, :-1, :].sum(1).numpy())
+    assert np.allclose(np.array(b.z), ex["downstream"][:, :-1, :].sum(1).numpy())
+    lim = max(np.abs(np.array(a.z)).max(), np.abs(np.array(b.z)).max())
+    assert a.zmax == b.zmax == pytest.approx(lim) and a.zmin == -a.zmax
+    assert [t.showscale for t in fig.data] == [False, True]
+    assert [x.text.split(" ·")[0] for x in fig.layout.annotations] == ["linear", "exact"]
+    with pytest.raises(ValueError, match="at least one"):
+        side_by_side({})
+    with pytest.raises(ValueError, match="'mlp' or 'attn'"):
+        side_by_side({"a": lin}, part="heads")
+
+
 def test_overview_and_comparison(scored):
     lin, ex = scored
     fig = overview(lin)
