@@ -64,6 +64,10 @@ def _load_model(
 
         which = None if name_or_dir == "world" else name_or_dir.removeprefix("world-")
         return load_world_model(which, device=device, dtype=dt, backend=backend)
+    if name_or_dir.startswith("world-") and not Path(name_or_dir).exists():
+        raise typer.BadParameter(
+            f"unknown bundled world {name_or_dir!r}: use world (the default, v3), world-v2 or world-v3."
+        )
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return load_checkpoint(path, dtype=dt, device=device, backend=backend)

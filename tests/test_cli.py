@@ -230,6 +230,34 @@ def test_experiment_command(tmp_path):
         app, ["experiment", "layer_freezing", "--seeds", "a,b", "--out", str(tmp_path)]
     )
     assert bad.exit_code != 0 and "--seeds" in bad.output
+    bad = runner.invoke(
+        app, ["experiment", "layer_freezing", "--world", "v4", "--out", str(tmp_path)]
+    )
+    assert bad.exit_code == 2 and "--world takes v2, v3 or default" in bad.output
+
+
+def test_the_world_by_name(tmp_path):
+    """``--model world`` is the default world (v3, two-token people); ``world-v2`` the old one."""
+    from extractive_lens.world import build_world, first_hop
+
+    for model, world in (
+        ("world", build_world(0, version=3)),
+        ("world-v2", build_world(0, version=2)),
+    ):
+        ds = first_hop(world)
+        data = tmp_path / f"{model}.jsonl"
+        data.write_text(
+            "\n".join(
+                json.dumps(
+                    {"prompt": p.prompt, "answer": p.answer, "candidates": list(ds.fact_candidates)}
+                )
+                for p in ds.facts
+            )
+        )
+        res = runner.invoke(app, ["rank", "--model", model, "--data", str(data)])
+        assert res.exit_code == 0 and "unknown" not in res.output.lower(), res.output
+    bad = runner.invoke(app, ["rank", "--model", "world-v9", "--data", str(data)])
+    assert bad.exit_code != 0 and "world-v9" in bad.output
 
 
 def test_parse_seeds():
