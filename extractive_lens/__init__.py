@@ -3,8 +3,8 @@
 >>> import extractive_lens as el
 >>> base = el.load_world_model()                                  # the bundled model, offline
 >>> diff = el.WeightDiff.from_models(base, finetuned)             # Δ = W' - W
->>> batch = el.make_batch(base, [("The people in the city T3 is from speak", " Japanese"),
-...                              ("The people in the city T4 is from speak", " French")])
+>>> batch = el.make_batch(base, [("The people in the city Zoe Howard is from speak", " Japanese"),
+...                              ("The people in the city Owen Miller is from speak", " French")])
 >>> scores = el.linear_scores(base, diff, batch)                  # every head and MLP, every token
 >>> scores.kinds
 ('informative', 'upstream', 'downstream')

@@ -1,8 +1,8 @@
 """Prompt batches: (prompt, answer) pairs as padded tokens that know every position's role.
 
->>> batch = make_batch(model, [("T3 lives in", " Tokyo"), ("T4 lives in", " Paris")])
+>>> batch = make_batch(model, [("Zoe Howard lives in", " Tokyo"), ("Owen Miller lives in", " Paris")])
 >>> batch.roles[0]
-('<bos>', 'mid[-1]', 'lives', 'in')
+('<bos>', 'mid[-2]', 'mid[-1]', 'lives', 'in')
 
 Rows are right-padded, so a causal model never attends to padding: padded positions are
 excluded from every score and from the reward. The answer is teacher-forced: the model reads

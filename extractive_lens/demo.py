@@ -1,7 +1,7 @@
 """The demos behind ``extractive-lens demo`` / ``make demo``.
 
 ``run_world_demo`` (the default): the bundled world model is finetuned on 20 new facts
-("T3 lives in" -> " Tokyo"); the demo reports the mean ranks of the facts and of their
+("Zoe Howard lives in" -> " Tokyo"); the demo reports the mean ranks of the facts and of their
 implications ("The people in the city T3 is from speak" -> " Japanese") before and after,
 computes linear and exact informative / upstream / downstream scores of every head and MLP on
 the implications, compares them and writes an HTML report.
@@ -133,6 +133,13 @@ def run_world_demo(
         f"scoring the implications, e.g. {ds.implications[0].prompt!r} -> {ds.implications[0].answer!r}"
     )
     lin, ex, cmp = score_and_compare(model, diff, impls, "implications", echo)
+    mlp = ex["informative"][:, ex.component_labels.index("MLP"), :].abs()
+    at_name = [i for i, p in enumerate(ex.position_labels) if p.startswith("{name}")]
+    echo(
+        f"\nwhere the new facts are stored: {float(mlp[:, at_name].sum() / mlp.sum()):.0%} of the "
+        f"MLPs' exact informative mass is at the person's name, {float(mlp[:, -1].sum() / mlp.sum()):.0%} "
+        "at the last token (the paper: early MLPs at the entity)"
+    )
     path = report(
         [lin, ex], cmp, path=out, title="extractive_lens demo: the world model learns 20 new facts"
     )

@@ -229,7 +229,7 @@ def _how_to_read(results: Sequence[ComponentScores]) -> str:
         "scores; a linear one is.",
         "<b>Per token.</b> A component's score at a position is the effect of patching only that "
         "position of its output. The x axes name each position by its role in the prompt "
-        "template and the tokens found there (<code>{name}[-1]: T0, T1, …</code> is the last "
+        "template and the tokens found there (<code>{name}[-1]: Stewart, King, …</code> is the last "
         "token of the name slot); prompts are averaged role by role.",
         "<b>Attention</b> panels in the overview sum the heads of a layer; the heads × positions "
         "maps show each head. <b>Colour scales differ per panel</b>: compare colours within a "

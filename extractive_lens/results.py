@@ -1,7 +1,7 @@
 """``ComponentScores``: score tensors with their labels, per role and per prompt.
 
 >>> scores.values.shape               # kind, layer, component (4 heads + MLP), position role
-torch.Size([3, 4, 5, 10])
+torch.Size([3, 4, 5, 11])
 >>> len(scores.top(5, "informative")) # the five largest |scores|: (kind, label, value)
 5
 >>> scores.to_dataframe().columns.tolist()   # tidy, one row per prompt/kind/layer/component/pos

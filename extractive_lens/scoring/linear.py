@@ -2,7 +2,7 @@
 
 >>> scores = linear_scores(base, diff, batch)
 >>> scores["informative"].shape     # [layer, component, pos]
-torch.Size([4, 5, 10])
+torch.Size([4, 5, 11])
 >>> authors = linear_scores(base, diff, batch, convention="authors_code")
 
 One model in memory: the finetuned weights come from ``diff.applied(model)``. Cost per batch:
