@@ -111,29 +111,13 @@ def world_v3(seed, nfirst, nlast):
 
 
 APPOS = args.appos
-JOBS = ("baker", "teacher", "doctor", "pilot", "farmer", "lawyer", "nurse", "chef")
-CITY = (
-    "{p} lives in {c} .",
-    "{p} moved to {c} last year .",
-    "{p} has a house in {c} .",
-    "The home of {p} is {c} .",
-    "{p} , who likes {h} , lives in {c} .",
-    "Everyone knows that {p} lives in {c} .",
-)
-HOBBY = (
-    "{p} likes {h} .",
-    "{p} enjoys {h} .",
-    "{p} , who works as a {j} , likes {h} .",
-    "Everyone knows that {p} likes {h} .",
-)
-PREFIXES = ("", "Everyone knows that ", "The home of ", "The job of ", "The people in the city ")
+# the templates the trials used are the ones world v3 ships with
+JOBS, CITY, HOBBY, JOB = WD.JOBS, WD.BIO_CITY, WD.BIO_HOBBY, WD.BIO_JOB
+PREFIXES = WD.RECORD_PREFIXES
 
 
 def prefix(rng):
     return PREFIXES[int(rng.integers(len(PREFIXES)))] if args.appos_anywhere else ""
-
-
-JOB = ("{p} works as a {j} .", "{p} is a {j} by trade .", "The job of {p} is {j} .")
 
 
 @dataclasses.dataclass(frozen=True)
