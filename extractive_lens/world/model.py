@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from extractive_lens.backend import notes
-from extractive_lens.world.data import DEFAULT_VERSION, World, build_world
+from extractive_lens.world.data import DEFAULT_VERSION, V3_RECORDS, World, build_world
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
 MODEL_CFG: dict[str, Any] = dict(
@@ -245,6 +245,7 @@ def _recipe(version: int = 2, steps: int | None = None) -> dict[str, Any]:
     }
     if version != 2:  # v2 caches keep their recipe
         out["world"] = version
+        out["records"] = V3_RECORDS
     return out
 
 
