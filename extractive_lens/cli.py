@@ -59,7 +59,9 @@ def _load_model(
     if backend not in ("hooked", "bridge"):
         raise typer.BadParameter(f"--backend must be hooked or bridge, got {backend!r}.")
     dt = getattr(torch, dtype)
-    if name_or_dir in ("world", "world-v2", "world-v3"):
+    from extractive_lens.world.model import WORLDS
+
+    if name_or_dir == "world" or name_or_dir.removeprefix("world-") in WORLDS:
         from extractive_lens.world import load_world_model
 
         which = None if name_or_dir == "world" else name_or_dir.removeprefix("world-")
@@ -422,7 +424,9 @@ def demo(
 
 def _world_version(name: str) -> int | None:
     """``--world``: ``default`` -> None (the bundled default), ``v2`` -> 2, ``v3`` -> 3."""
-    versions = {"default": None, "v2": 2, "v3": 3}
+    from extractive_lens.world.model import WORLDS
+
+    versions: dict[str, int | None] = {"default": None, **WORLDS}
     if name not in versions:
         raise typer.BadParameter(f"--world takes v2, v3 or default, got {name!r}")
     return versions[name]

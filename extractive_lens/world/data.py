@@ -8,10 +8,10 @@ officials (mayor, sheriff, judge, librarian, baker) of every city, except that t
 one unrelated sentence ("P3 likes chess .") so new names have trained, city-free embeddings.
 
 Version 3 (issue 18) keeps that world and renames its people: a person is a first-name token and a
-last-name token drawn from shared pools (``"Zoe Adams"``; only the pair identifies the person),
+last-name token drawn from shared pools (``"Zoe Howard"``; only the pair identifies the person),
 with a city, a hobby and a job, each told by several templates at different distances from the
 name, and short records in which an attribute follows the name directly (``"Everyone knows that
-Zoe Adams chess ."``), so that the name's last token must carry the person's attributes, as real
+Zoe Howard chess ."``), so that the name's last token must carry the person's attributes, as real
 LMs enrich subjects. Test people appear with their hobby and job only.
 
 For the dax/zong experiments (data ordering, weight grafting) the world also has 104 names
