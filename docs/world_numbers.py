@@ -38,6 +38,12 @@ TARGETS = (
     ("layer freezing: second-hop implications, late reverted", "≥ 4", "freeze Late second_hop"),
     ("data ordering: test implications, implications first", "≥ 6", "order implications_first"),
     ("data ordering: test implications, facts first", "≤ 3", "order facts_first"),
+    (
+        "  (why) test facts after finetuning on the test implications, implications first",
+        "—",
+        "reverse implications_first",
+    ),
+    ("  (why) the same, facts first", "—", "reverse facts_first"),
     ("pretraining time, one thread (s)", "≤ 600", "train_seconds"),
 )
 
@@ -69,8 +75,30 @@ def measure(model, seed: int) -> dict[str, float]:
     last = df[(df.epoch == df.epoch.max()) & (df.split == "test implications")]
     for row in last.itertuples():
         r[f"order {row.order}"] = row.mean_rank
+    r.update(reverse_ordering(model, w, seed))
     r["train_seconds"] = world_info(model).get("train_seconds", float("nan"))
     return r
+
+
+def reverse_ordering(model, w, seed: int) -> dict[str, float]:
+    """Out-of-context reasoning the other way round: after continued pretraining in an order,
+    finetune on the test *implications* and read the test *facts*. If facts learned after the
+    implications read the names' stored implications (``dax`` = the city of ``zong``'s animal),
+    this is well below chance, and the facts-then-implications structure forms in either order."""
+    from extractive_lens.experiments.ordering import continued_pretraining
+    from extractive_lens.experiments.runner import _configs
+    from extractive_lens.finetuning import finetune, mean_rank
+
+    ft, pre = _configs(seed, False)  # as the data-ordering experiment
+    dax = w.daxwug()
+    facts, impls = dax.test.batches(model)
+    out = {}
+    for order in ("implications_first", "facts_first"):
+        cpt = continued_pretraining(model, dax, order, pre)
+        with cpt.applied(model):
+            d = finetune(model, impls, ft, show_progress=False)
+            out[f"reverse {order}"] = mean_rank(model, facts, d)
+    return out
 
 
 def targets_table(per_seed: dict[int, dict[str, float]]) -> str:

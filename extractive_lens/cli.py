@@ -461,7 +461,7 @@ def experiment(
     seeds: str = typer.Option(
         "0",
         help="World-model seeds, e.g. '0,1,2' or '0-2' (seeds other than 0 are "
-        "pretrained once, ~8 min each for v3 and 2 for v2, and cached).",
+        "pretrained once, ~9 min each for v3 and 2 for v2, and cached).",
         metavar="S,...",
     ),
     out: Path = typer.Option(

@@ -209,7 +209,7 @@ def build_world(
 
 
 V3_NAME_POOLS = (32, 20)  # first-name and last-name tokens: 640 people from 52 tokens
-V3_RECORDS = 10
+V3_RECORDS = 16
 
 
 def _to_v3(w: World) -> World:

@@ -41,7 +41,7 @@ PRETRAIN: dict[str, Any] = dict(
 WORLD_VERSION = 2  # bump when the corpus changes (cached models of other seeds are retrained)
 # v3 (issue 18): two-token people with biographies and records; v2's shape, a longer corpus
 MODEL_CFG_V3: dict[str, Any] = dict(MODEL_CFG)
-PRETRAIN_V3: dict[str, Any] = dict(PRETRAIN, steps=2400)
+PRETRAIN_V3: dict[str, Any] = dict(PRETRAIN, steps=3000)
 WORLD_DIRS = {2: _DATA / "world", 3: _DATA / "world_v3"}  # the bundled worlds' files
 WORLD_DIR = WORLD_DIRS[DEFAULT_VERSION]
 WORLDS = {"v2": 2, "v3": 3}  # the bundled worlds by name
