@@ -268,6 +268,8 @@ def _restore(model: Any, state: dict[str, Any]) -> None:
     import torch
     import torch.autograd.forward_ad as fwAD
 
+    if not state:  # interrupted inside the snapshot, before anything was changed: nothing to undo
+        return
     if state["level"] < 0:
         reset_forward_ad()
     while getattr(fwAD, "_current_level", -1) > state["level"]:

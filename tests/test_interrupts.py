@@ -108,6 +108,17 @@ def run_traced(fn, n):
         sys.settrace(None)
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """These tests inject what Ctrl-C raises, KeyboardInterrupt, which presupposes Python's own
+    SIGINT handler. A process that ignores SIGINT (a test runner's parent can leave it SIG_IGN)
+    never raises it, and there a shield has nothing to defer; install the default for the test."""
+    found = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)
+
+
 @pytest.fixture(scope="module")
 def setting():
     base, ft = make_pair(
@@ -286,3 +297,24 @@ def test_an_open_window_never_re_arms_a_closed_shield():
         window.__enter__()
     window.__exit__(None, None, None)  # late, after the shield closed
     assert signal.getsignal(signal.SIGINT) is original
+
+
+def test_an_interrupt_inside_the_snapshot_leaves_nothing_to_undo(setting, monkeypatch):
+    """An interrupt while a public call is still reading the model's state (nothing changed yet)
+    surfaces as the KeyboardInterrupt, not as an error of the restore, and the next call works."""
+    import extractive_lens.interrupts as I
+
+    base, diff, batch = setting
+    before = snapshot(base)
+    reference = linear_scores(base, diff, batch, show_progress=False)
+
+    def interrupted(model):
+        raise KeyboardInterrupt("while reading the state")
+
+    monkeypatch.setattr(I, "_snapshot", interrupted)
+    with pytest.raises(KeyboardInterrupt, match="while reading the state"):
+        linear_scores(base, diff, batch, show_progress=False)
+    monkeypatch.undo()
+    assert_unchanged(base, before, "interrupted in the snapshot")
+    again = linear_scores(base, diff, batch, show_progress=False)
+    assert torch.equal(again.prompt_values, reference.prompt_values)
