@@ -5,7 +5,6 @@ colour scale. ``python docs/world_fig5.py [docs/world_fig5.png] [--html fig5.htm
 from __future__ import annotations
 
 import argparse
-import warnings
 
 import torch
 
@@ -18,20 +17,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     import extractive_lens as el
-    from extractive_lens.scoring.linear import LinearizationWarning
-    from extractive_lens.world import FINETUNE, first_hop, load_world_model, second_hop, world_of
+    from extractive_lens.world import load_world_model
+    from extractive_lens.world.check import informative_by_hop
 
-    model = load_world_model(args.world)
-    w = world_of(model)
-    results = {}
-    for name, ds in (("first hop", first_hop(w)), ("second hop", second_hop(w))):
-        facts, impls = ds.batches(model)
-        diff = el.finetune(model, facts, el.FinetuneConfig(**FINETUNE), show_progress=False)
-        with warnings.catch_warnings():  # where the mass is, not the linear-vs-exact gap
-            warnings.simplefilter("ignore", LinearizationWarning)
-            results[name] = el.linear_scores(
-                model, diff, impls, kinds=("informative",), show_progress=False
-            )
+    by_hop = informative_by_hop(load_world_model(args.world))
+    results = {name.replace("_", " "): lin for name, lin in by_hop.items()}
     fig = el.plotting.side_by_side(results)
     if args.html:
         fig.write_html(args.html, include_plotlyjs=True)

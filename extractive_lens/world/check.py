@@ -28,15 +28,13 @@ def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> 
     return out
 
 
-def informative_pattern(
+def informative_by_hop(
     model: Any, seed: int = 0, *, blocks_only: bool = False, world: World | None = None
-) -> dict[str, float]:
-    """Where finetuning stores the new facts, as the paper's Fig. 5 reads it: finetune on each
-    hop's 20 test facts (the recipe ``FINETUNE``; ``blocks_only``: embeddings and unembedding
-    frozen, as in the paper's OLMo runs), score the implications' linear informative scores, and
-    return the share of the MLPs' |mass| at the slot tokens (first hop: the person's name; second
-    hop: the landmark) and the MLP mass per layer. The paper: first hop at the name, second hop
-    at the last token. ``world``: default, the model's own (``world_of``)."""
+) -> dict[str, Any]:
+    """Finetune on each hop's 20 test facts (the recipe ``FINETUNE``; ``blocks_only``: embeddings
+    and unembedding frozen, as in the paper's OLMo runs) and score the implications' linear
+    informative scores: ``{"first_hop": ScoreResult, "second_hop": ScoreResult}``. ``world``:
+    default, the model's own (``world_of``)."""
     import warnings
 
     from extractive_lens.finetuning import FinetuneConfig, finetune
@@ -51,7 +49,21 @@ def informative_pattern(
         diff = finetune(model, facts, cfg, show_progress=False)
         with warnings.catch_warnings():  # locations, not the linear-vs-exact gap, are asked here
             warnings.simplefilter("ignore", LinearizationWarning)
-            lin = linear_scores(model, diff, impls, kinds=("informative",), show_progress=False)
+            out[name] = linear_scores(
+                model, diff, impls, kinds=("informative",), show_progress=False
+            )
+    return out
+
+
+def informative_pattern(
+    model: Any, seed: int = 0, *, blocks_only: bool = False, world: World | None = None
+) -> dict[str, float]:
+    """Where finetuning stores the new facts, as the paper's Fig. 5 reads it
+    (``informative_by_hop``): the share of the MLPs' |linear informative mass| on the
+    implications at the slot tokens (first hop: the person's name; second hop: the landmark) and
+    the MLP mass per layer. The paper: first hop at the name, second hop at the last token."""
+    out = {}
+    for name, lin in informative_by_hop(model, seed, blocks_only=blocks_only, world=world).items():
         mlp = lin["informative"][:, lin.component_labels.index("MLP"), :].abs()  # (layer, pos)
         slots = [i for i, p in enumerate(lin.position_labels) if p.startswith("{")]
         out[f"{name} MLP share at the slot"] = float(mlp[:, slots].sum() / mlp.sum())
