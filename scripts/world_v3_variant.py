@@ -3,9 +3,10 @@ docs/world_v3_trials.md).
 
     python scripts/world_v3_variant.py --seed 2 --records 16 --steps 3000           # ~9 min
     python scripts/world_v3_variant.py --seed 0 --landmarks two --freeze             # + freezing
+    python scripts/world_v3_variant.py --seed 0 --layers 6 --steps 2800 --trim --freeze
 
 The world is ``build_world(seed, version=3)`` with the changes asked for: records per attribute,
-pretraining steps, layers, two-token landmarks from shared pools (``"Golden Bridge"``: only the
+pretraining steps, layers (``--trim``: sentences cut to the longest, ~20% faster), two-token landmarks from shared pools (``"Golden Bridge"``: only the
 pair identifies the landmark), or the template sets tried. Prints the informative pattern
 (``informative_pattern``: MLP share at the slot, per layer) and the finetuning check, and with
 ``--freeze`` the layer-freezing table. The model is saved to ``--out`` (default
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: MODEL_CFG_V3's")
     ap.add_argument("--landmarks", choices=("one", "two"), default="one")
     ap.add_argument("--templates", choices=("shipped", "lean", "more"), default="shipped")
+    ap.add_argument("--trim", action="store_true", help="train on sentences cut to the longest")
     ap.add_argument("--freeze", action="store_true", help="also the layer-freezing table")
     ap.add_argument("--tag", default="variant")
     ap.add_argument("--out", default=None)
@@ -89,6 +91,15 @@ def main() -> None:
             setattr(wd, k, getattr(wd, k) + v)
     if args.steps:
         wm.PRETRAIN_V3["steps"] = args.steps
+    if args.trim:  # drop the padding columns no sentence reaches: causal attention makes it the
+        encode = wm._encode  # same model with other float sums, ~20% faster per step
+
+        def trimmed(tok, sentences, n_ctx):  # type: ignore[no-untyped-def]
+            tokens, mask = encode(tok, sentences, n_ctx)
+            n = int(mask.sum(1).max())
+            return tokens[:, :n], mask[:, :n]
+
+        wm._encode = trimmed
     if args.layers:
         wm.MODEL_CFG_V3["n_layers"] = args.layers
     w = wd.build_world(args.seed, version=3)
