@@ -6,8 +6,11 @@ docs/world_v3_trials.md).
     python scripts/world_v3_variant.py --seed 0 --layers 6 --steps 2800 --trim --freeze
 
 The world is ``build_world(seed, version=3)`` with the changes asked for: records per attribute,
-pretraining steps, layers (``--trim``: sentences cut to the longest, ~20% faster), two-token landmarks from shared pools (``"Golden Bridge"``: only the
-pair identifies the landmark), or the template sets tried. Prints the informative pattern
+pretraining steps, layers, two-token landmarks from shared pools (``"Golden Bridge"``: only the
+pair identifies the landmark), or the template sets tried. ``--trim`` cuts every training
+sentence to the longest (13 of 16 tokens): causal attention makes it the same model up to float
+sums (logits within 1e-5 of 22 on the shipped model), 0.207 against 0.256 s per step with 6
+layers, one thread, measured once. Prints the informative pattern
 (``informative_pattern``: MLP share at the slot, per layer) and the finetuning check, and with
 ``--freeze`` the layer-freezing table. The model is saved to ``--out`` (default
 ``/tmp/v3/variant_TAG``).
@@ -91,8 +94,8 @@ def main() -> None:
             setattr(wd, k, getattr(wd, k) + v)
     if args.steps:
         wm.PRETRAIN_V3["steps"] = args.steps
-    if args.trim:  # drop the padding columns no sentence reaches: causal attention makes it the
-        encode = wm._encode  # same model with other float sums, ~20% faster per step
+    if args.trim:  # drop the padding columns no sentence reaches
+        encode = wm._encode
 
         def trimmed(tok, sentences, n_ctx):  # type: ignore[no-untyped-def]
             tokens, mask = encode(tok, sentences, n_ctx)
