@@ -9,8 +9,8 @@ The world is ``build_world(seed, version=3)`` with the changes asked for: record
 pretraining steps, layers, two-token landmarks from shared pools (``"Golden Bridge"``: only the
 pair identifies the landmark), or the template sets tried. ``--trim`` cuts every training
 sentence to the longest (13 of 16 tokens): causal attention makes it the same model up to float
-sums (logits within 1e-5 of 22 on the shipped model), 0.207 against 0.256 s per step with 6
-layers, one thread, measured once. Prints the informative pattern
+sums (checked once on the shipped model: logits agree within 1.1e-5), and the 6-layer runs take
+0.22–0.23 s per step against 0.25 untrimmed (the trials' own training times). Prints the informative pattern
 (``informative_pattern``: MLP share at the slot, per layer) and the finetuning check, and with
 ``--freeze`` the layer-freezing table. The model is saved to ``--out`` (default
 ``/tmp/v3/variant_TAG``).
