@@ -3,17 +3,18 @@ docs/world_v3_trials.md).
 
     python scripts/world_v3_variant.py --seed 2 --records 16 --steps 3000           # ~9 min
     python scripts/world_v3_variant.py --seed 0 --landmarks two --freeze             # + freezing
-    python scripts/world_v3_variant.py --seed 0 --layers 6 --steps 2800 --trim --freeze
+    python scripts/world_v3_variant.py --seed 0 --layers 6 --steps 2500 --trim --freeze --order
 
 The world is ``build_world(seed, version=3)`` with the changes asked for: records per attribute,
 pretraining steps, layers, two-token landmarks from shared pools (``"Golden Bridge"``: only the
 pair identifies the landmark), or the template sets tried. ``--trim`` cuts every training
 sentence to the longest (13 of 16 tokens): causal attention makes it the same model up to float
 sums (checked once on the shipped model: logits agree within 1.1e-5), and the 6-layer runs take
-0.22–0.23 s per step against 0.25 untrimmed (the trials' own training times). Prints the informative pattern
-(``informative_pattern``: MLP share at the slot, per layer) and the finetuning check, and with
-``--freeze`` the layer-freezing table. The model is saved to ``--out`` (default
-``/tmp/v3/variant_TAG``).
+0.22–0.23 s per step against 0.25 untrimmed (the trials' own training times). Prints the
+informative pattern (``informative_pattern``: MLP share at the slot, per layer) and the
+finetuning check, and with
+``--freeze`` the layer-freezing table, with ``--order`` the data-ordering ranks. The model is
+saved to ``--out`` (default ``/tmp/v3/variant_TAG``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--templates", choices=("shipped", "lean", "more"), default="shipped")
     ap.add_argument("--trim", action="store_true", help="train on sentences cut to the longest")
     ap.add_argument("--freeze", action="store_true", help="also the layer-freezing table")
+    ap.add_argument("--order", action="store_true", help="also data ordering (test implications)")
     ap.add_argument("--tag", default="variant")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -128,6 +130,10 @@ def main() -> None:
         cfg = FinetuneConfig(**wm.FINETUNE, seed=args.seed)
         hops = {"first_hop": wd.first_hop(w), "second_hop": wd.second_hop(w)}
         print(layer_freezing(model, hops, cfg).table().round(2).to_string(), flush=True)
+    if args.order:
+        from extractive_lens.experiments.runner import _ordering
+
+        print(_ordering(model, w, args.seed, False)[0].final().round(2).to_string(), flush=True)
 
 
 if __name__ == "__main__":
