@@ -5,7 +5,7 @@ python docs/world_numbers.py --world v3 --seeds 0,1,2   # one thread; ~12 min pe
 python docs/world_numbers.py --world v2 --only table     # the v2 finetuning table alone
 
 Per seed: the world model of that seed (the shipped one for seed 0, others trained once and
-cached), finetuned with the recipe ``FINETUNE`` seeded with the seed.
+cached), finetuned with its world's recipe (``finetune_recipes``) seeded with the seed.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def measure(model, seed: int) -> dict[str, float]:
     from extractive_lens.experiments import layer_freezing
     from extractive_lens.experiments.runner import _ordering
     from extractive_lens.finetuning import FinetuneConfig
-    from extractive_lens.world import FINETUNE, first_hop, second_hop, world_info, world_of
+    from extractive_lens.world import finetune_recipes, first_hop, second_hop, world_info, world_of
     from extractive_lens.world.check import finetune_check, informative_pattern
 
     w = world_of(model)
@@ -64,7 +64,7 @@ def measure(model, seed: int) -> dict[str, float]:
     freezing = layer_freezing(
         model,
         {"first_hop": first_hop(w), "second_hop": second_hop(w)},
-        FinetuneConfig(**FINETUNE, seed=seed),
+        FinetuneConfig(**finetune_recipes(w.version)[0], seed=seed),
         pre=False,
     )
     for row in freezing.rows:
@@ -89,7 +89,7 @@ def reverse_ordering(model, w, seed: int) -> dict[str, float]:
     from extractive_lens.experiments.runner import _configs
     from extractive_lens.finetuning import finetune, mean_rank
 
-    ft, pre = _configs(seed, False)  # as the data-ordering experiment
+    ft, pre = _configs(seed, False, w.version)  # as the data-ordering experiment
     dax = w.daxwug()
     facts, impls = dax.test.batches(model)
     out = {}

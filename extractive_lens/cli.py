@@ -315,7 +315,12 @@ def finetune(
     out: Path = typer.Option(
         Path("diff.safetensors"), help="Where to save the weight change.", metavar="PATH"
     ),
-    lr: float = typer.Option(1e-3, help="Learning rate.", metavar="RATE"),
+    lr: float | None = typer.Option(
+        None,
+        help="Learning rate [default: a bundled world's own recipe (v3 3e-4, v2 1e-3), else 1e-3].",
+        metavar="RATE",
+        show_default=False,
+    ),
     epochs: int = typer.Option(20, min=1, help="Passes over the facts.", metavar="N"),
     batch_size: int = typer.Option(8, min=1, help="Facts per step.", metavar="N"),
     optimizer: str = typer.Option("adam", help="adam or adamw.", metavar="adam|adamw"),
@@ -345,6 +350,11 @@ def finetune(
 
     m = _load_model(model, dtype, device, backend)
     batch = _batch(m, data)
+    if lr is None:
+        from extractive_lens.world.model import finetune_recipes, world_info
+
+        version = world_info(m).get("version", 2) if world_info(m) else None
+        lr = finetune_recipes(version)[0]["lr"] if version is not None else 1e-3
     try:
         cfg = FinetuneConfig(
             lr=lr,
@@ -361,7 +371,7 @@ def finetune(
     delta = run_finetune(m, batch, cfg)
     delta.save(out)
     _echo(
-        f"finetuned {model} on {len(batch)} examples; saved Δ (‖Δ‖ = {delta.norm():.4g}) to {out}"
+        f"finetuned {model} on {len(batch)} examples (lr {lr:g}); saved Δ (‖Δ‖ = {delta.norm():.4g}) to {out}"
     )
 
 

@@ -102,7 +102,7 @@ def run_world_demo(
 ) -> dict[str, Any]:
     from extractive_lens import FinetuneConfig, finetune, mean_rank
     from extractive_lens.plotting import report
-    from extractive_lens.world import FINETUNE, first_hop, load_world_model
+    from extractive_lens.world import FINETUNE, first_hop, load_world_model  # the default world's
 
     t0 = time.perf_counter()
     model = load_world_model()

@@ -76,6 +76,10 @@ import extractive_lens.world.model as WM  # noqa: E402
 from extractive_lens import FinetuneConfig, finetune, linear_scores, mean_rank  # noqa: E402
 from extractive_lens.world.data import build_world, first_hop, second_hop  # noqa: E402
 
+# the trials' finetuning and continued-pretraining recipe (lr 1e-3, v2's; v3 now ships 3e-4)
+WM.FINETUNES[3] = WM.FINETUNES[2]
+WM.CONTINUED_PRETRAINING[3] = WM.CONTINUED_PRETRAINING[2]
+
 
 def names_pools():
     t = resources.files("extractive_lens.data").joinpath("names.csv").read_text()
@@ -227,7 +231,7 @@ if args.freeze:
     res = layer_freezing(
         model,
         {"first_hop": first_hop(w), "second_hop": second_hop(w)},
-        FinetuneConfig(**WM.FINETUNE),
+        FinetuneConfig(**WM.FINETUNES[2]),
     )
     print(
         f"[{args.tag}] layer freezing (split {res.split_layer}):\n{res.table().round(2)}",
@@ -249,7 +253,7 @@ blocks = tuple(n for n, _ in model.named_parameters() if n.startswith("blocks.")
 for ftname, params in (("blocks", blocks), ("all", None)):
     for dname, ds in (("first", first_hop(w)), ("second", second_hop(w))):
         facts, impls = ds.batches(model)
-        cfg = FinetuneConfig(**dict(WM.FINETUNE, lr=args.ftlr), parameters=params)
+        cfg = FinetuneConfig(**dict(WM.FINETUNES[2], lr=args.ftlr), parameters=params)
         diff = finetune(model, facts, cfg, show_progress=False)
         r = dict(
             fb=mean_rank(model, facts),

@@ -78,6 +78,12 @@ def main() -> None:
     ap.add_argument("--trim", action="store_true", help="train on sentences cut to the longest")
     ap.add_argument("--freeze", action="store_true", help="also the layer-freezing table")
     ap.add_argument("--order", action="store_true", help="also data ordering (test implications)")
+    ap.add_argument(
+        "--finetune-lr",
+        type=float,
+        default=1e-3,
+        help="lr of finetuning and continued pretraining (the trials': 1e-3; v3 ships 3e-4)",
+    )
     ap.add_argument("--tag", default="variant")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -96,6 +102,7 @@ def main() -> None:
             setattr(wd, k, getattr(wd, k) + v)
     if args.steps:
         wm.PRETRAIN_V3["steps"] = args.steps
+    wm.FINETUNES[3]["lr"] = wm.CONTINUED_PRETRAINING[3]["lr"] = args.finetune_lr
     if args.trim:  # drop the padding columns no sentence reaches
         encode = wm._encode
 
@@ -127,7 +134,7 @@ def main() -> None:
     if args.freeze:
         from extractive_lens.finetuning import FinetuneConfig
 
-        cfg = FinetuneConfig(**wm.FINETUNE, seed=args.seed)
+        cfg = FinetuneConfig(**wm.FINETUNES[3], seed=args.seed)
         hops = {"first_hop": wd.first_hop(w), "second_hop": wd.second_hop(w)}
         print(layer_freezing(model, hops, cfg).table().round(2).to_string(), flush=True)
     if args.order:

@@ -139,6 +139,7 @@ def test_finetune_rank_score_on_world_model(tmp_path):
         ],
     )
     assert res.exit_code == 0, res.output
+    assert "(lr 0.0003)" in res.output  # the bundled v3 world's own finetuning lr by default
     before = runner.invoke(app, ["rank", "--model", "world", "--data", str(facts)])
     after = runner.invoke(
         app, ["rank", "--model", "world", "--data", str(facts), "--diff", str(diff)]

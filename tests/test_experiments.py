@@ -226,3 +226,41 @@ def test_pre_rows_train_the_parts_the_post_rows_revert():
         kept = set(_keep(full, early, not early, 2).deltas)
         assert moved and moved <= kept, sorted(moved - kept)
         assert ("unembed.W_U" in moved) == (not early) and ("embed.W_E" in moved) == early
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "version, finetune_lr, pretrain_lr",
+    [(2, 1e-3, 1e-3), (3, 3e-4, 3e-4)],  # README, "The bundled world model": each world's recipe
+)
+def test_experiments_use_their_worlds_recipe(monkeypatch, version, finetune_lr, pretrain_lr):
+    """Layer freezing and data ordering finetune a world model with that world's learning rates
+    (v3: 3e-4 for the test facts and for continued pretraining; v2: 1e-3), whatever the default."""
+    from dataclasses import replace
+
+    from extractive_lens.experiments import freezing, ordering
+    from extractive_lens.experiments.runner import run_experiment
+
+    seen: dict[str, list[float]] = {"facts": [], "pretraining": []}
+
+    def spy(kind, real):
+        def wrapped(model, batch, config, **kw):
+            seen[kind].append(config.lr)
+            return real(model, batch, replace(config, epochs=1), **kw)  # the lr is what is asked
+
+        return wrapped
+
+    def spy_trajectory(model, data, evaluate, config, **kw):
+        seen["facts"].append(config.lr)
+        return real_trajectory(model, data, evaluate, replace(config, epochs=1), **kw)
+
+    real_trajectory = ordering.rank_trajectory
+    monkeypatch.setattr(freezing, "finetune", spy("facts", freezing.finetune))
+    monkeypatch.setattr(ordering, "finetune", spy("pretraining", ordering.finetune))
+    monkeypatch.setattr(ordering, "rank_trajectory", spy_trajectory)
+    run_experiment("layer_freezing", seeds=(0,), quick=True, version=version)
+    n_freezing = len(seen["facts"])
+    run_experiment("data_ordering", seeds=(0,), quick=True, version=version)
+    assert len(seen["facts"]) > n_freezing  # the test facts' finetuning after each order
+    assert seen["facts"] and set(seen["facts"]) == {finetune_lr}
+    assert seen["pretraining"] and set(seen["pretraining"]) == {pretrain_lr}

@@ -33,7 +33,8 @@ from extractive_lens.weight_diff import WeightDiff
 
 Order = Literal["joint", "facts_first", "implications_first", "no_implications"]
 ORDERS: tuple[Order, ...] = ("joint", "facts_first", "implications_first", "no_implications")
-# The continued-pretraining phase used for the world model (epochs per phase for sequential orders).
+# The default continued-pretraining phase (epochs per phase for sequential orders); the world models'
+# own are ``extractive_lens.world.finetune_recipes(version)[1]``.
 PRETRAIN_PHASE = FinetuneConfig(lr=1e-3, epochs=20, batch_size=16)
 
 

@@ -5,7 +5,8 @@
 >>> print(run.markdown())  # the README table  # doctest: +SKIP
 
 Seed ``s`` means: the world model pretrained with seed ``s`` (seed 0 ships; others are trained
-once and cached, see ``world_model``), its world's datasets, and finetuning seeded with ``s``.
+once and cached, see ``world_model``), its world's datasets, and its world's finetuning recipe
+(``finetune_recipes``) seeded with ``s``.
 ``quick=True`` shortens every finetune (CI and notebook smoke runs; the numbers are not the
 experiment's).
 """
@@ -21,7 +22,7 @@ from typing import Any
 from extractive_lens.experiments.freezing import PAPER_TABLE_2, layer_freezing
 from extractive_lens.experiments.grafting import PAPER_TABLE_3, weight_grafting
 from extractive_lens.experiments.localization import localization
-from extractive_lens.experiments.ordering import PRETRAIN_PHASE, data_ordering
+from extractive_lens.experiments.ordering import data_ordering
 from extractive_lens.finetuning import FinetuneConfig
 
 EXPERIMENTS = ("layer_freezing", "data_ordering", "weight_grafting", "localization")
@@ -59,11 +60,13 @@ class ExperimentRun:
         return "\n".join(lines)
 
 
-def _configs(seed: int, quick: bool) -> tuple[FinetuneConfig, FinetuneConfig]:
-    from extractive_lens.world.model import FINETUNE
+def _configs(seed: int, quick: bool, version: int) -> tuple[FinetuneConfig, FinetuneConfig]:
+    """The world version's finetuning recipe and continued-pretraining phase, seeded."""
+    from extractive_lens.world.model import finetune_recipes
 
-    ft = FinetuneConfig(**FINETUNE, seed=seed)
-    pre = replace(PRETRAIN_PHASE, seed=seed)
+    finetune, pretrain = finetune_recipes(version)
+    ft = FinetuneConfig(**finetune, seed=seed)
+    pre = FinetuneConfig(**pretrain, seed=seed)
     if quick:
         ft, pre = replace(ft, epochs=3), replace(pre, epochs=3)
     return ft, pre
@@ -72,7 +75,7 @@ def _configs(seed: int, quick: bool) -> tuple[FinetuneConfig, FinetuneConfig]:
 def _freezing(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list[dict]]:
     from extractive_lens.world.data import first_hop, second_hop
 
-    ft, _ = _configs(seed, quick)
+    ft, _ = _configs(seed, quick, world.version)
     res = layer_freezing(
         model, {"first_hop": first_hop(world), "second_hop": second_hop(world)}, ft
     )
@@ -97,7 +100,7 @@ def _freezing(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list
 
 
 def _ordering(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list[dict]]:
-    ft, pre = _configs(seed, quick)
+    ft, pre = _configs(seed, quick, world.version)
     res = data_ordering(model, world.daxwug(), ft, pretrain_config=pre)
     df = res.to_dataframe()
     last = df["epoch"].max()
@@ -115,7 +118,7 @@ def _ordering(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list
 
 
 def _grafting(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list[dict]]:
-    ft, _ = _configs(seed, quick)
+    ft, _ = _configs(seed, quick, world.version)
     res = weight_grafting(model, world.daxwug(), ft)
     cols = ("ImplF'", "ImplF", "F'")
     rows = [
@@ -133,7 +136,7 @@ def _grafting(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list
 
 
 def _localization(model: Any, world: Any, seed: int, quick: bool) -> tuple[Any, list[dict]]:
-    ft, _ = _configs(seed, quick)
+    ft, _ = _configs(seed, quick, world.version)
     dax = world.daxwug()
     res = localization(model, dax, weight_grafting(model, dax, ft), ft)
     st = res.stats()

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from extractive_lens.world.data import World, build_world, first_hop, second_hop
-from extractive_lens.world.model import FINETUNE, world_info, world_of
+from extractive_lens.world.model import finetune_recipes, world_info, world_of
 
 
 def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> dict[str, float]:
-    """Finetune on the 20 first-hop and 20 second-hop test facts (the recipe ``FINETUNE``) and
+    """Finetune on the 20 first-hop and 20 second-hop test facts (the world's recipe,
+    ``finetune_recipes``) and
     return the mean ranks of facts and implications before and after (chance 9.5)."""
     from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
 
@@ -22,7 +23,8 @@ def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> 
         facts, impls = ds.batches(model)
         out[f"{name} facts before"] = mean_rank(model, facts)
         out[f"{name} implications before"] = mean_rank(model, impls)
-        diff = finetune(model, facts, FinetuneConfig(**FINETUNE, seed=seed), show_progress=False)
+        cfg = FinetuneConfig(**finetune_recipes(w.version)[0], seed=seed)
+        diff = finetune(model, facts, cfg, show_progress=False)
         out[f"{name} facts after"] = mean_rank(model, facts, diff)
         out[f"{name} implications after"] = mean_rank(model, impls, diff)
     return out
@@ -31,7 +33,7 @@ def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> 
 def informative_by_hop(
     model: Any, seed: int = 0, *, blocks_only: bool = False, world: World | None = None
 ) -> dict[str, Any]:
-    """Finetune on each hop's 20 test facts (the recipe ``FINETUNE``; ``blocks_only``: embeddings
+    """Finetune on each hop's 20 test facts (the world's recipe; ``blocks_only``: embeddings
     and unembedding frozen, as in the paper's OLMo runs) and score the implications' linear
     informative scores: ``{"first_hop": ScoreResult, "second_hop": ScoreResult}``. ``world``:
     default, the model's own (``world_of``)."""
@@ -45,7 +47,7 @@ def informative_by_hop(
     out = {}
     for name, ds in (("first_hop", first_hop(w)), ("second_hop", second_hop(w))):
         facts, impls = ds.batches(model)
-        cfg = FinetuneConfig(**FINETUNE, seed=seed, layers=layers)
+        cfg = FinetuneConfig(**finetune_recipes(w.version)[0], seed=seed, layers=layers)
         diff = finetune(model, facts, cfg, show_progress=False)
         with warnings.catch_warnings():  # locations, not the linear-vs-exact gap, are asked here
             warnings.simplefilter("ignore", LinearizationWarning)

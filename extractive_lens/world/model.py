@@ -54,8 +54,27 @@ def recipe_of(version: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return (MODEL_CFG, PRETRAIN) if version == 2 else (MODEL_CFG_V3, PRETRAIN_V3)
 
 
-# The recipe used to finetune the world model on the 20 test facts (issue 6).
-FINETUNE: dict[str, Any] = dict(lr=1e-3, epochs=20, batch_size=8, optimizer="adam")
+# How a world model is finetuned on its 20 test facts (issue 6) and, for data ordering, how its
+# continued pretraining on the dax/zong training names runs, per world version. v3's lr 3e-4 (both
+# phases) is from the recipe sweep in docs/world_v3_trials.md: with 1e-3 the last block learns part
+# of the first hop and implications-first ordering still generalizes.
+FINETUNES: dict[int, dict[str, Any]] = {
+    2: dict(lr=1e-3, epochs=20, batch_size=8, optimizer="adam"),
+    3: dict(lr=3e-4, epochs=20, batch_size=8, optimizer="adam"),
+}
+CONTINUED_PRETRAINING: dict[int, dict[str, Any]] = {
+    2: dict(lr=1e-3, epochs=20, batch_size=16),
+    3: dict(lr=3e-4, epochs=20, batch_size=16),
+}
+FINETUNE = FINETUNES[DEFAULT_VERSION]  # the default world's finetuning recipe
+
+
+def finetune_recipes(version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A world version's finetuning recipe (the test facts) and continued-pretraining phase (data
+    ordering), as ``FinetuneConfig`` keyword arguments."""
+    if version not in FINETUNES:
+        raise ValueError(f"world version must be one of {sorted(FINETUNES)}, got {version!r}")
+    return FINETUNES[version], CONTINUED_PRETRAINING[version]
 
 
 def make_tokenizer(words: list[str], directory: Path) -> Any:
