@@ -353,8 +353,8 @@ def finetune(
     if lr is None:
         from extractive_lens.world.model import finetune_recipes, world_info
 
-        version = world_info(m).get("version", 2) if world_info(m) else None
-        lr = finetune_recipes(version)[0]["lr"] if version is not None else 1e-3
+        info = world_info(m)  # {} for models that are not a bundled world
+        lr = finetune_recipes(info.get("version", 2))[0]["lr"] if info else 1e-3
     try:
         cfg = FinetuneConfig(
             lr=lr,

@@ -10,8 +10,8 @@ from extractive_lens.world.model import finetune_recipes, world_info, world_of
 
 def finetune_check(model: Any, seed: int = 0, world_seed: int | None = None) -> dict[str, float]:
     """Finetune on the 20 first-hop and 20 second-hop test facts (the world's recipe,
-    ``finetune_recipes``) and
-    return the mean ranks of facts and implications before and after (chance 9.5)."""
+    ``finetune_recipes``) and return the mean ranks of facts and implications before and after
+    (chance 9.5)."""
     from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
 
     if world_seed is None and world_info(model):
