@@ -12,9 +12,9 @@ sentence to the longest (13 of 16 tokens): causal attention makes it the same mo
 sums (checked once on the shipped model: logits agree within 1.1e-5), and the 6-layer runs take
 0.22–0.23 s per step against 0.25 untrimmed (the trials' own training times). Prints the
 informative pattern (``informative_pattern``: MLP share at the slot, per layer) and the
-finetuning check, and with
-``--freeze`` the layer-freezing table, with ``--order`` the data-ordering ranks. The model is
-saved to ``--out`` (default ``/tmp/v3/variant_TAG``).
+finetuning check, with ``--freeze`` the layer-freezing table and with ``--order`` the
+data-ordering ranks, all finetuned at ``--finetune-lr`` (default 1e-3, the trials' recipe; v3
+ships 3e-4). The model is saved to ``--out`` (default ``/tmp/v3/variant_TAG``).
 """
 
 from __future__ import annotations
