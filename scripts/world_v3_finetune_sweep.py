@@ -39,6 +39,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--models", default="", help="saved world models (directories) instead")
+    ap.add_argument(
+        "--landmarks",
+        choices=("one", "two"),
+        default="one",
+        help="two: the saved models were trained with world_v3_variant.py --landmarks two",
+    )
     ap.add_argument("--pre", action="store_true", help="also the pre-frozen layer-freezing rows")
     ap.add_argument("--recipe", default="", help="FinetuneConfig overrides, e.g. lr=3e-4,epochs=60")
     ap.add_argument("--share", action="store_true", help="also the MLP informative shares")
@@ -61,6 +67,10 @@ def main() -> None:
         t0 = time.time()
         model = load_world_model(source) if args.models else world_model(source, version=3)
         w = world_of(model)
+        if args.landmarks == "two":
+            from world_v3_variant import two_token_landmarks
+
+            w = two_token_landmarks(w)
         seed = w.seed
         cfg = FinetuneConfig(**FINETUNES[3], seed=seed)
         res = layer_freezing(

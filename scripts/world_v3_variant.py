@@ -4,10 +4,13 @@ docs/world_v3_trials.md).
     python scripts/world_v3_variant.py --seed 2 --records 16 --steps 3000           # ~9 min
     python scripts/world_v3_variant.py --seed 0 --landmarks two --freeze             # + freezing
     python scripts/world_v3_variant.py --seed 0 --layers 6 --steps 2500 --trim --freeze --order
+    python scripts/world_v3_variant.py --seed 0 --landmarks two --officials 4 --trim --freeze \
+        --order --finetune-lr 3e-4
 
 The world is ``build_world(seed, version=3)`` with the changes asked for: records per attribute,
 pretraining steps, layers, two-token landmarks from shared pools (``"Golden Bridge"``: only the
-pair identifies the landmark), or the template sets tried. ``--trim`` cuts every training
+pair identifies the landmark), every official's sentences (by city and by landmark) several times
+(``--officials``), or the template sets tried. ``--trim`` cuts every training
 sentence to the longest (13 of 16 tokens): causal attention makes it the same model up to float
 sums (checked once on the shipped model: logits agree within 1.1e-5), and the 6-layer runs take
 0.22–0.23 s per step against 0.25 untrimmed (the trials' own training times). Prints the
@@ -24,6 +27,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +46,17 @@ LANDMARK_ADJ = (
     "Marble",
 )
 LANDMARK_NOUN = ("Bridge", "Tower", "Temple", "Palace", "Garden", "Market", "Fountain", "Castle")
+
+
+def two_token_landmarks(world: Any) -> Any:
+    """``world`` with every city's two landmarks drawn from the adjective x noun pairs (seeded by
+    the world's seed; the trials' ``--landmarks two``)."""
+    pairs = [f"{a} {n}" for a in LANDMARK_ADJ for n in LANDMARK_NOUN]
+    np.random.default_rng(world.seed + 3000).shuffle(pairs)  # type: ignore[arg-type]
+    lms = {c: (pairs[2 * i], pairs[2 * i + 1]) for i, c in enumerate(world.cities)}
+    return dataclasses.replace(world, landmarks=lms)
+
+
 # template sets of the trials "one template per attribute" (lean) and "3 more" (rich)
 LEAN: dict[str, tuple[str, ...]] = {
     "BIO_CITY": ("{p} lives in {c} .",),
@@ -75,6 +90,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: MODEL_CFG_V3's")
     ap.add_argument("--landmarks", choices=("one", "two"), default="one")
     ap.add_argument("--templates", choices=("shipped", "lean", "more"), default="shipped")
+    ap.add_argument(
+        "--officials",
+        type=int,
+        default=1,
+        help="each official's sentences (by city and by landmark) this many times",
+    )
     ap.add_argument("--trim", action="store_true", help="train on sentences cut to the longest")
     ap.add_argument("--freeze", action="store_true", help="also the layer-freezing table")
     ap.add_argument("--order", action="store_true", help="also data ordering (test implications)")
@@ -117,11 +138,19 @@ def main() -> None:
     w = wd.build_world(args.seed, version=3)
     if args.records is not None:
         w = dataclasses.replace(w, records=args.records)
+    if args.officials > 1:  # more of the second hop's pretraining relations
+        corpus = wd.World.corpus
+
+        def more_officials(self, rng, implications=True):  # type: ignore[no-untyped-def]
+            out = corpus(self, rng, implications)
+            extra = [s for s in out if s.split()[1] in wd.ROLES and " is in " not in s]
+            out += extra * (args.officials - 1)
+            rng.shuffle(out)
+            return out
+
+        wd.World.corpus = more_officials  # type: ignore[method-assign]
     if args.landmarks == "two":
-        pairs = [f"{a} {n}" for a in LANDMARK_ADJ for n in LANDMARK_NOUN]
-        np.random.default_rng(args.seed + 3000).shuffle(pairs)  # type: ignore[arg-type]
-        lms = {c: (pairs[2 * i], pairs[2 * i + 1]) for i, c in enumerate(w.cities)}
-        w = dataclasses.replace(w, landmarks=lms)
+        w = two_token_landmarks(w)
     wc.world_of = lambda model: w  # the checks read this world, not the package's default
 
     t0 = time.time()
