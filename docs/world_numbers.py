@@ -36,6 +36,11 @@ TARGETS = (
     ),
     ("layer freezing: first-hop implications, early reverted", "≥ 7", "freeze Early first_hop"),
     ("layer freezing: second-hop implications, late reverted", "≥ 4", "freeze Late second_hop"),
+    (
+        "  (why) second hop's city at the implication's last token after block 0",
+        "—",
+        "bridge after block 0",
+    ),
     ("data ordering: test implications, implications first", "≥ 6", "order implications_first"),
     ("data ordering: test implications, facts first", "≤ 3", "order facts_first"),
     (
@@ -53,7 +58,7 @@ def measure(model, seed: int) -> dict[str, float]:
     from extractive_lens.experiments.runner import _ordering
     from extractive_lens.finetuning import FinetuneConfig
     from extractive_lens.world import finetune_recipes, first_hop, second_hop, world_info, world_of
-    from extractive_lens.world.check import finetune_check, informative_pattern
+    from extractive_lens.world.check import bridge_arrival, finetune_check, informative_pattern
 
     w = world_of(model)
     r = dict(finetune_check(model, seed=seed))
@@ -70,6 +75,7 @@ def measure(model, seed: int) -> dict[str, float]:
     for row in freezing.rows:
         if row["split"] == "implications":
             r[f"freeze {row['condition']} {row['dataset']}"] = row["mean_rank"]
+    r["bridge after block 0"] = bridge_arrival(model)[1]  # why late reverted stays low
     ordering, _ = _ordering(model, w, seed, False)
     df = ordering.to_dataframe()
     last = df[(df.epoch == df.epoch.max()) & (df.split == "test implications")]

@@ -4,14 +4,13 @@ freezing; docs/world_v3_trials.md, "Where the bridge arrives").
     python scripts/world_v3_bridge.py --seeds 0,1,2 [--version 2]
     python scripts/world_v3_bridge.py --models /tmp/v3/variant_l6t25 --landmarks two
 
-For every city, the residual stream at the last token of the implication prompt ``"The {role} of
-the city that contains {landmark} is"`` is compared with that of the fact prompt ``"The {role} of
-{city} is"``, after the embeddings (column 0) and after every block: both sets centred over the
-cities, cosine similarity, and the share of implication prompts whose nearest fact prompt is their
-own city's (chance 1/30), over the five roles and both landmarks; and the mean ranks of a landmark's
-city (``"{landmark} is in"``) and of the official in the pretraining sentences that compose the two
-relations (``"The sheriff of the city that contains {landmark} is"``, every role but mayor). A finetuned update to a block
-can serve the implication only where its input already holds the city as the fact's does; in the
+Prints, per world model, ``extractive_lens.world.check.bridge_arrival`` (after the embeddings and
+after every block, the share of implication prompts ``"The {role} of the city that contains
+{landmark} is"`` whose last-token residual is nearest to their own city's fact prompt ``"The
+{role} of {city} is"``; chance 1/30), and the mean ranks of a landmark's city (``"{landmark} is
+in"``) and of the official in the pretraining sentences that compose the two relations (``"The
+sheriff of the city that contains {landmark} is"``, every role but mayor). A finetuned block can
+serve the implication only where its input already holds the city as the fact's does; in the
 paper the second hop needs the late layers because the bridge arrives there.
 """
 
@@ -21,28 +20,6 @@ import argparse
 import json
 
 import torch
-
-
-def last_token_residuals(model, prompts: list[str]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """[prompt, embeddings + blocks, d_model] at the last token (prompts of one length)."""
-    tokens = model.to_tokens(prompts)
-    names = ["blocks.0.hook_resid_pre"] + [
-        f"blocks.{b}.hook_resid_post" for b in range(model.cfg.n_layers)
-    ]
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
-    return torch.stack([cache[n][:, -1] for n in names], dim=1)
-
-
-def own_city_match(fact: torch.Tensor, implication: torch.Tensor) -> list[float]:
-    """Per layer, the share of implication rows whose nearest fact row (centred cosine) is theirs."""
-    out = []
-    for layer in range(fact.shape[1]):
-        f = fact[:, layer] - fact[:, layer].mean(0)
-        i = implication[:, layer] - implication[:, layer].mean(0)
-        sim = torch.nn.functional.normalize(i, dim=-1) @ torch.nn.functional.normalize(f, dim=-1).T
-        out.append((sim.argmax(1) == torch.arange(len(f))).float().mean().item())
-    return out
 
 
 def _rank(model, prompt: str, candidates: list[int], answer: int) -> int:  # type: ignore[no-untyped-def]
@@ -61,6 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from extractive_lens.world import load_world_model, world_model, world_of
+    from extractive_lens.world.check import bridge_arrival
     from extractive_lens.world.data import ROLES
 
     sources = args.models.split(",") if args.models else [int(s) for s in args.seeds.split(",")]
@@ -73,19 +51,7 @@ def main() -> None:
             from world_v3_variant import two_token_landmarks
 
             w = two_token_landmarks(w)
-        shares = []
-        for role in ROLES:
-            fact = last_token_residuals(model, [f"The {role} of {c} is" for c in w.cities])
-            for k in (0, 1):
-                impl = last_token_residuals(
-                    model,
-                    [
-                        f"The {role} of the city that contains {w.landmarks[c][k]} is"
-                        for c in w.cities
-                    ],
-                )
-                shares.append(own_city_match(fact, impl))
-        mean = torch.tensor(shares).mean(0).tolist()
+        mean = bridge_arrival(model, w)
         # does the model know both relations, and the pretraining sentences that compose them?
         cities = [model.to_single_token(f" {c}") for c in w.cities]
         known = [

@@ -178,3 +178,54 @@ def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkey
         wm.world_model(5, show_progress=False)
     bundled = wm.world_model(0)  # the shipped seed never trains
     assert world_info(bundled)["seed"] == 0
+
+
+def _nearest_own_city_reference(model, world):
+    """bridge_arrival recomputed from TransformerLens's own cache, batched, in numpy."""
+    import numpy as np
+
+    names = ["blocks.0.hook_resid_pre"] + [
+        f"blocks.{b}.hook_resid_post" for b in range(model.cfg.n_layers)
+    ]
+
+    def last(prompts):
+        _, cache = model.run_with_cache(model.to_tokens(prompts), names_filter=names.__contains__)
+        return np.stack([cache[n][:, -1].double().numpy() for n in names])  # stage, city, d
+
+    hits = []
+    for role in ("mayor", "sheriff", "judge", "librarian", "baker"):
+        fact = last([f"The {role} of {c} is" for c in world.cities])
+        for k in (0, 1):
+            lms = [world.landmarks[c][k] for c in world.cities]
+            impl = last([f"The {role} of the city that contains {lm} is" for lm in lms])
+            for stage in range(len(names)):
+                f = fact[stage] - fact[stage].mean(0)
+                i = impl[stage] - impl[stage].mean(0)
+                f /= np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-12)
+                i /= np.maximum(np.linalg.norm(i, axis=1, keepdims=True), 1e-12)
+                hits.append((stage, np.mean((i @ f.T).argmax(1) == np.arange(len(f)))))
+    return [float(np.mean([h for s, h in hits if s == stage])) for stage in range(len(names))]
+
+
+def test_bridge_arrival_matches_a_hooked_reference(world_model):
+    """The second hop's city is at the implication's last token after block 0 in both worlds
+    (the README's reason why the second hop does not need the late layers)."""
+    from extractive_lens.world.check import bridge_arrival
+
+    w = world_of(world_model)
+    shares = bridge_arrival(world_model)
+    assert shares == pytest.approx(_nearest_own_city_reference(world_model, w), abs=1e-6)
+    assert len(shares) == world_model.cfg.n_layers + 1
+    assert shares[0] < 0.1 and shares[1] > 0.8, shares  # chance after the embeddings
+
+
+def test_bridge_arrival_pairs_each_landmark_with_its_own_city():
+    """Landmarks handed to the wrong cities: the implication's city is no longer the fact's."""
+    from dataclasses import replace
+
+    from extractive_lens.world.check import bridge_arrival
+
+    m = load_world_model()
+    w = world_of(m)
+    shifted = dict(zip(w.cities, [w.landmarks[c] for c in (*w.cities[1:], w.cities[0])]))
+    assert max(bridge_arrival(m, replace(w, landmarks=shifted))[1:]) < 0.1

@@ -1,10 +1,11 @@
-"""The world model's finetuning check: mean ranks of facts and implications before and after."""
+"""The world model's checks: mean ranks of facts and implications before and after finetuning,
+where finetuning stores the new facts, and where the second hop's bridge reaches the last token."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from extractive_lens.world.data import World, build_world, first_hop, second_hop
+from extractive_lens.world.data import ROLES, World, build_world, first_hop, second_hop
 from extractive_lens.world.model import finetune_recipes, world_info, world_of
 
 
@@ -73,3 +74,53 @@ def informative_pattern(
         for layer, share in enumerate((mlp.sum(1) / mlp.sum()).tolist()):
             out[f"{name} MLP share in layer {layer}"] = share
     return out
+
+
+def bridge_arrival(model: Any, world: World | None = None) -> list[float]:
+    """Where the second hop's bridge (the city) reaches the last token: one share per stage,
+    after the embeddings and after each block.
+
+    For every city, the residual stream at the last token of the implication prompt ``"The
+    {role} of the city that contains {landmark} is"`` is compared with that of the fact prompt
+    ``"The {role} of {city} is"`` (both centred over the cities, cosine similarity); the share is
+    the fraction of implication prompts whose nearest fact prompt is their own city's (chance: one
+    over the number of cities), over every role and both landmarks. A block's finetuned update
+    can serve the implication only from the stage where the implication already holds the city
+    as the fact does: in the paper that is the middle layers, so the second hop needs the late
+    ones; in the bundled worlds it is block 0. ``world``: default, the model's own."""
+    import torch
+
+    from extractive_lens import backend as B
+    from extractive_lens.backend.blocks import run_blocks
+
+    w = world or (world_of(model) if world_info(model) else build_world(0))
+
+    def last_token(prompts: list[str]) -> torch.Tensor:  # [stage, prompt, d_model]
+        rows = []
+        with torch.no_grad():
+            for prompt in prompts:  # one at a time: no padding to mind
+                x = B.embed(model, model.to_tokens(prompt))
+                stages = [x[0, -1]]
+                run_blocks(model, x, observe=lambda run: stages.append(run.post[0, -1]))
+                rows.append(torch.stack([s.cpu().float() for s in stages]))
+        return torch.stack(rows, dim=1)
+
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.normalize(x - x.mean(1, keepdim=True), dim=-1)
+
+    own = torch.arange(len(w.cities))
+    shares = []
+    for role in ROLES:
+        fact = unit(last_token([f"The {role} of {c} is" for c in w.cities]))
+        for k in range(2):
+            implication = unit(
+                last_token(
+                    [
+                        f"The {role} of the city that contains {w.landmarks[c][k]} is"
+                        for c in w.cities
+                    ]
+                )
+            )
+            nearest = (implication @ fact.transpose(1, 2)).argmax(-1)  # [stage, implication]
+            shares.append((nearest == own).float().mean(-1))
+    return torch.stack(shares).mean(0).tolist()
