@@ -391,3 +391,9 @@ def test_world_model_loads_as_a_bridge_without_hooked_transformer():
         "HookedTransformer" if HOOKED else "TransformerBridge"
     )
     assert el.mean_rank(bridge, facts) > 5  # the 20 new facts are unknown before finetuning
+    from extractive_lens.world.check import bridge_arrival  # runs on the backend's block runner
+
+    shares = bridge_arrival(bridge)
+    assert shares[0] < 0.1 and shares[1] > 0.8, shares
+    if HOOKED:
+        assert shares == pytest.approx(bridge_arrival(load_world_model(dtype=torch.float64)))
