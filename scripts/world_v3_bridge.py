@@ -22,13 +22,6 @@ import json
 import torch
 
 
-def _rank(model, prompt: str, candidates: list[int], answer: int) -> int:  # type: ignore[no-untyped-def]
-    """0-indexed rank of ``candidates[answer]`` among ``candidates`` at the prompt's last token."""
-    with torch.no_grad():
-        logits = model(model.to_tokens(prompt))[0, -1, candidates]
-    return int((logits > logits[answer]).sum())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0", help="shipped/cached v3 world models")
@@ -37,6 +30,7 @@ def main() -> None:
     ap.add_argument("--landmarks", choices=("one", "two"), default="one")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    from extractive_lens import make_batch, mean_rank
     from extractive_lens.world import load_world_model, world_model, world_of
     from extractive_lens.world.check import bridge_arrival
     from extractive_lens.world.data import ROLES
@@ -53,25 +47,24 @@ def main() -> None:
             w = two_token_landmarks(w)
         mean = bridge_arrival(model, w)
         # does the model know both relations, and the pretraining sentences that compose them?
-        cities = [model.to_single_token(f" {c}") for c in w.cities]
-        known = [
-            _rank(model, f"{lm} is in", cities, i)
-            for i, c in enumerate(w.cities)
-            for lm in w.landmarks[c]
-        ]
+        cities = [f" {c}" for c in w.cities]
+        lm_city = [(f"{lm} is in", f" {c}") for c in w.cities for lm in w.landmarks[c]]
+        known = mean_rank(model, make_batch(model, lm_city, candidates=cities))
         composed = []
         for role in ROLES[1:]:  # the mayors of the test cities are held out of pretraining
-            names = [model.to_single_token(f" {w.officials[(role, c)]}") for c in w.cities]
-            composed += [
-                _rank(model, f"The {role} of the city that contains {lm} is", names, i)
-                for i, c in enumerate(w.cities)
+            names = [f" {w.officials[(role, c)]}" for c in w.cities]
+            pairs = [
+                (f"The {role} of the city that contains {lm} is", f" {w.officials[(role, c)]}")
+                for c in w.cities
                 for lm in w.landmarks[c]
             ]
+            composed.append(mean_rank(model, make_batch(model, pairs, candidates=names)))
         row = {
             "model": str(source),
             "landmarks": args.landmarks,
             "own city nearest, after embeddings / block 0 / ...": [round(x, 2) for x in mean],
-            "city of a landmark: rank": round(sum(known) / len(known), 2),
+            "city of a landmark: rank": round(known, 2),
+            # every role has as many prompts
             "official in pretraining two-hop sentences: rank": round(
                 sum(composed) / len(composed), 2
             ),
