@@ -47,7 +47,7 @@ def _check_dtype_device(dtype: str, device: str) -> None:
 
 
 def _load_model(
-    name_or_dir: str, dtype: str = "float32", device: str = "cpu", backend: str = "hooked"
+    name_or_dir: str, dtype: str = "float32", device: str = "cpu", backend: str = "auto"
 ) -> Any:
     """``world`` (the bundled default world model; ``world-v2`` / ``world-v3`` by name), a local
     checkpoint directory, or a hub name."""
@@ -56,8 +56,15 @@ def _load_model(
     from extractive_lens.model import load_checkpoint, load_pretrained
 
     _check_dtype_device(dtype, device)
-    if backend not in ("hooked", "bridge"):
-        raise typer.BadParameter(f"--backend must be hooked or bridge, got {backend!r}.")
+    if backend not in ("auto", "hooked", "bridge"):
+        raise typer.BadParameter(f"--backend must be auto, hooked or bridge, got {backend!r}.")
+    from extractive_lens.backend.loading import has_hooked, version
+
+    if backend == "hooked" and not has_hooked():
+        raise typer.BadParameter(
+            f"--backend hooked needs TransformerLens 3.9 (this is {version()}, which has no "
+            "HookedTransformer): use --backend auto or bridge, or pip install 'transformer-lens>=3.9,<4'."
+        )
     dt = getattr(torch, dtype)
     from extractive_lens.world.model import WORLDS
 
@@ -127,9 +134,10 @@ def score(
     ),
     device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
     backend: str = typer.Option(
-        "hooked",
-        help="Load models as TransformerLens HookedTransformers or TransformerBridges.",
-        metavar="hooked|bridge",
+        "auto",
+        help="Load models as TransformerLens HookedTransformers or TransformerBridges "
+        "(auto: HookedTransformer on TransformerLens 3.x, bridge on 4.x).",
+        metavar="auto|hooked|bridge",
     ),
     batch_size: int = typer.Option(16, min=1, help="Prompts per pass.", metavar="N"),
     kinds: str = typer.Option(
@@ -339,9 +347,10 @@ def finetune(
     ),
     device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
     backend: str = typer.Option(
-        "hooked",
-        help="Load models as TransformerLens HookedTransformers or TransformerBridges.",
-        metavar="hooked|bridge",
+        "auto",
+        help="Load models as TransformerLens HookedTransformers or TransformerBridges "
+        "(auto: HookedTransformer on TransformerLens 3.x, bridge on 4.x).",
+        metavar="auto|hooked|bridge",
     ),
 ) -> None:
     """Finetune on (prompt, answer) pairs (loss on answer tokens) and save the weight change."""
@@ -389,9 +398,10 @@ def rank(
     ),
     device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
     backend: str = typer.Option(
-        "hooked",
-        help="Load models as TransformerLens HookedTransformers or TransformerBridges.",
-        metavar="hooked|bridge",
+        "auto",
+        help="Load models as TransformerLens HookedTransformers or TransformerBridges "
+        "(auto: HookedTransformer on TransformerLens 3.x, bridge on 4.x).",
+        metavar="auto|hooked|bridge",
     ),
 ) -> None:
     """Mean rank of the answer among the candidates (0 = always top; chance (n-1)/2)."""

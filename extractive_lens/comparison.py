@@ -48,6 +48,8 @@ class ScoreComparison:
         level: ``"token"`` compares per-token cells (role-aggregated), ``"component"`` the totals.
         rows: one dict per (kind, part) with n (cells compared: those both results computed),
             pearson, spearman, sign_agreement, topk_overlap, max_abs_err, median_abs_err, verdict.
+            ``topk_overlap`` is NaN where it cannot tell anything: when the exact run scored
+            only the linear scores' top components (``top_k=``), or when ``k`` covers every cell.
     """
 
     linear: ComponentScores
@@ -85,9 +87,11 @@ class ScoreComparison:
                 for c in comps
                 for p in lin.position_labels
             ]
+        av, bv = a.flatten().double().numpy(), b.flatten().double().numpy()
         keep = np.array([comp not in skipped for comp, _ in cells], dtype=bool)
+        keep &= np.isfinite(av) & np.isfinite(bv)  # NaN: a cell one of the results never computed
         labels = [comp + at for (comp, at), k in zip(cells, keep) if k]
-        return a.flatten().double().numpy()[keep], b.flatten().double().numpy()[keep], labels
+        return av[keep], bv[keep], labels
 
     def worst(
         self, kind: ScoreKind, n: int = 5, part: Part = "all"
@@ -161,14 +165,17 @@ AGREE_PEARSON, AGREE_TOPK, PARTLY_PEARSON = 0.9, 0.6, 0.6
 
 
 def verdict(kind: str, pearson: float, topk_overlap: float) -> str:
-    """A plain-words reading of one kind's agreement (thresholds: ``docs/scores.md``)."""
+    """A plain-words reading of one kind's agreement (thresholds: ``docs/scores.md``).
+    ``topk_overlap`` NaN: not measured (the verdict rests on the correlation)."""
     fix = f"confirm the top components with causal_scores(..., kinds=({kind!r},), top_k=...)"
-    if pearson == pearson and pearson >= AGREE_PEARSON and topk_overlap >= AGREE_TOPK:
+    overlap_ok = topk_overlap != topk_overlap or topk_overlap >= AGREE_TOPK
+    if pearson == pearson and pearson >= AGREE_PEARSON and overlap_ok:
         return f"linear {kind} agrees with exact here (r = {pearson:.2f}): the linear map can stand in for it."
     if pearson == pearson and pearson >= PARTLY_PEARSON:
+        overlap = f", top-k overlap {topk_overlap:.0%}" if topk_overlap == topk_overlap else ""
         return (
-            f"linear {kind} roughly agrees with exact here (r = {pearson:.2f}, top-k overlap "
-            f"{topk_overlap:.0%}): trust the ranking more than the values, and {fix}."
+            f"linear {kind} roughly agrees with exact here (r = {pearson:.2f}{overlap}): trust "
+            f"the ranking more than the values, and {fix}."
         )
     why = (
         " Upstream is linear in y - y*, not in the weight change, so a large ablation step can flip it."
@@ -245,6 +252,7 @@ def compare(
             f"linear has {linear.n_prompts} prompts, exact {exact.n_prompts}: use the same batch."
         )
     probe = ScoreComparison(linear, exact, level, k, ())
+    chosen_by_linear = exact.metadata.get("top_k") is not None  # overlap 1 by construction
     rows = []
     for kind in linear.kinds:
         if kind not in exact.kinds:
@@ -256,6 +264,7 @@ def compare(
             kk = min(k, len(a))
             top_a = set(np.argsort(-np.abs(a))[:kk])
             top_b = set(np.argsort(-np.abs(b))[:kk])
+            overlap = float("nan") if chosen_by_linear or kk == len(a) else len(top_a & top_b) / kk
             nz = (a != 0) | (b != 0)
             err = np.abs(a - b)
             pearson = _pearson(a, b)
@@ -269,10 +278,10 @@ def compare(
                     sign_agreement=float((np.sign(a[nz]) == np.sign(b[nz])).mean())
                     if nz.any()
                     else float("nan"),
-                    topk_overlap=len(top_a & top_b) / kk,
+                    topk_overlap=overlap,
                     max_abs_err=float(err.max()),
                     median_abs_err=float(np.median(err)),
-                    verdict=verdict(kind, pearson, len(top_a & top_b) / kk),
+                    verdict=verdict(kind, pearson, overlap),
                 )
             )
     return ScoreComparison(linear, exact, level, k, tuple(rows))

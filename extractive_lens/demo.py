@@ -30,7 +30,7 @@ def score_and_compare(
 
     from extractive_lens import causal_scores, compare, linear_scores
 
-    with warnings.catch_warnings():  # the demo prints the linearization check itself
+    with warnings.catch_warnings():  # the demo prints the additivity check itself
         warnings.simplefilter("ignore", UserWarning)
         lin = linear_scores(model, diff, batch)
     ex = causal_scores(model, diff, batch)
@@ -49,7 +49,7 @@ def score_and_compare(
     echo("\nwhat to trust (docs/scores.md §11):")
     for verdict in cmp.verdicts.values():
         echo(f"  - {verdict}")
-    echo(f"  - {lin.linearization_note()}")
+    echo(f"  - {lin.additivity_note()}")
     return lin, ex, cmp
 
 

@@ -112,14 +112,17 @@ def distributed_scores(
         raise ValueError(f"shard must be 'auto', 'prompts' or 'layers', got {shard!r}")
 
     from extractive_lens.scoring.causal import causal_scores
-    from extractive_lens.scoring.linear import LinearizationWarning, linear_scores
+    from extractive_lens.scoring.linear import AdditivityWarning, linear_scores
 
     fn: Callable[..., ComponentScores] = linear_scores if method == "linear" else causal_scores
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn(model, diff, batch, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
+    top_k = kwargs.get("top_k") is not None  # chosen over all the layers: not per layer shard
     if shard == "auto":
-        shard = "prompts" if (method == "linear" or len(batch) >= 2 * world) else "layers"
+        shard = "prompts" if (method == "linear" or top_k or len(batch) >= 2 * world) else "layers"
+    if shard == "layers" and top_k:
+        raise ValueError("top_k picks components over all layers: shard='prompts' with top_k.")
     if shard == "layers":
         if method != "causal":
             raise ValueError(
@@ -130,10 +133,16 @@ def distributed_scores(
         part = fn(model, diff, batch, layers=mine or [], **kwargs) if mine else None
         gathered: list[Any] = [None] * world
         dist.all_gather_object(
-            gathered, None if part is None else (part.prompt_values, part.prompt_totals)
+            gathered, None if part is None else (mine, part.prompt_values, part.prompt_totals)
         )
-        pv = sum(g[0] for g in gathered if g is not None)  # other layers are exactly 0 in each part
-        pt = sum(g[1] for g in gathered if g is not None)
+        parts = [g for g in gathered if g is not None]
+        pv = torch.full_like(parts[0][1], float("nan"))  # each part computed its layers only
+        pt = torch.full_like(parts[0][2], float("nan"))
+        for layers_of, values, totals in parts:
+            pv[:, :, layers_of], pt[:, :, layers_of] = (
+                values[:, :, layers_of],
+                totals[:, :, layers_of],
+            )
         template = (
             part if part is not None else fn(model, diff, batch.subset([0]), layers=[0], **kwargs)
         )
@@ -142,15 +151,17 @@ def distributed_scores(
             "distributed": {"world_size": world, "shard": "layers"},
             "prompts_digest": prompts_digest(batch),
             "layers": sorted(all_layers),
-            "skipped": None,
         }
-        return _rebuild(template, pv, pt, None, template.prompt_roles, meta)
+        result = _rebuild(template, pv, pt, None, template.prompt_roles, meta)
+        partial = len(set(all_layers)) < model.cfg.n_layers
+        meta["skipped"] = {k: result.uncomputed(k) for k in result.kinds} if partial else None
+        return result
     rows = shard_rows(len(batch), rank, world)
     with warnings.catch_warnings():  # checked once below, over every prompt, on rank 0
-        warnings.simplefilter("ignore", LinearizationWarning)
+        warnings.simplefilter("ignore", AdditivityWarning)
         part = fn(model, diff, batch, rows=rows, **kwargs) if rows else None
     changes = (
-        None if part is None else (part.metadata.get("linearization") or {}).get("prompt_changes")
+        None if part is None else (part.metadata.get("additivity") or {}).get("prompt_changes")
     )
     payload = (
         None
@@ -178,10 +189,10 @@ def distributed_scores(
     meta.pop("prompt_tokens", None)
     meta["prompts_digest"] = prompts_digest(batch)
     result = _rebuild(template, pv, pt, other, roles, meta)
-    if parts[0][4] is not None:  # the linearization check over every prompt, not one shard
-        from extractive_lens.scoring.linear import linearization_check
+    if parts[0][4] is not None:  # the additivity check over every prompt, not one shard
+        from extractive_lens.scoring.linear import additivity_check
 
-        meta["linearization"] = linearization_check(
+        meta["additivity"] = additivity_check(
             result,
             torch.tensor([c for g in parts for c in g[4]], dtype=torch.float64),
             warn=rank == 0,

@@ -62,6 +62,7 @@ from extractive_lens.backend.loading import (  # noqa: F401
     load_checkpoint,
     load_pretrained,
     named_tokenizer,
+    resolve_backend,
     tiny_model,
     tokenizer_prepends_bos,
     word_tokenizer,

@@ -82,13 +82,13 @@ def panel(
             raise ValueError("This model has no MLPs (attention-only).")
         return v[:, comps.index("MLP"), :], positions, _layer_labels(v.shape[0])
     if part == "attn":
-        return v[:, heads, :].sum(1), positions, _layer_labels(v.shape[0])
+        return _sum_computed(v[:, heads, :], 1), positions, _layer_labels(v.shape[0])
     if part == "all_heads":
         rows = [f"L{layer}{comps[h]}" for layer in range(v.shape[0]) for h in heads]
         return v[:, heads, :].reshape(-1, v.shape[-1]), positions, rows
     if part == "heads":
         if position is None:
-            m = v[:, heads, :].sum(-1)
+            m = _sum_computed(v[:, heads, :], -1)
         else:
             if position not in scores.position_labels:
                 raise ValueError(
@@ -97,6 +97,33 @@ def panel(
             m = v[:, heads, scores.position_labels.index(position)]
         return m, [comps[i] for i in heads], _layer_labels(v.shape[0])
     raise ValueError(f"part must be 'mlp', 'attn', 'heads' or 'all_heads', got {part!r}")
+
+
+def _sum_computed(v: np.ndarray, axis: int) -> np.ndarray:
+    """Sum over ``axis`` of the computed (non-NaN) cells; NaN where none was computed."""
+    out = np.nansum(v, axis=axis)
+    out[np.isnan(v).all(axis=axis)] = np.nan
+    return out
+
+
+def _abs_max(z: np.ndarray) -> float:
+    """The largest |value| of the computed cells (0 when none is)."""
+    finite = np.abs(z[np.isfinite(z)])
+    return float(finite.max()) if finite.size else 0.0
+
+
+def mark_uncomputed(fig: go.Figure, *matrices: np.ndarray) -> go.Figure:
+    """Grey behind a heat map's cells that were never computed (NaN; plotly leaves them
+    transparent), and a note under the title, when any of ``matrices`` has such a cell."""
+    from extractive_lens.results import UNCOMPUTED
+
+    if any(np.isnan(m).any() for m in matrices):
+        fig.update_layout(plot_bgcolor=UNCOMPUTED)
+        fig.update_xaxes(showgrid=False)
+        fig.update_yaxes(showgrid=False)
+        title = fig.layout.title.text or ""
+        fig.update_layout(title=f"{title}<br><sup>grey: not computed (a partial exact run)</sup>")
+    return fig
 
 
 def _heatmap_trace(
@@ -115,7 +142,7 @@ def _heatmap_trace(
     this map's largest |value|)."""
     import plotly.graph_objects as go
 
-    lim = lim or float(np.abs(z).max()) or 1.0
+    lim = lim or _abs_max(z) or 1.0
     extra = {}
     where = "%{x}"
     if tokens is not None:
@@ -132,6 +159,7 @@ def _heatmap_trace(
         colorscale=COLORSCALE,
         hovertemplate=f"{kind} · {what}<br>layer %{{y}}<br>{where}<br>score %{{z:.4g}} ({unit})"
         "<extra></extra>",
+        hoverongaps=False,
         **extra,
         **kw,
     )
@@ -186,7 +214,7 @@ def heatmap(
         n_heads = len(y) // max(1, scores.n_layers)
         for layer in range(1, scores.n_layers):
             fig.add_hline(y=layer * n_heads - 0.5, line_width=1, line_color="#888")
-    return fig
+    return mark_uncomputed(fig, z)
 
 
 def overview(scores: ComponentScores) -> go.Figure:
@@ -209,9 +237,11 @@ def overview(scores: ComponentScores) -> go.Figure:
     )
     unit = score_unit(scores)
     tokens = _column_tokens(scores)
+    shown = []
     for r, kind in enumerate(scores.kinds, start=1):
         for c, part in enumerate(parts, start=1):
             z, x, y = panel(scores, kind, part)
+            shown.append(z)
             n = (r - 1) * len(parts) + c
             xdom = fig.layout[f"xaxis{n if n > 1 else ''}"].domain
             ydom = fig.layout[f"yaxis{n if n > 1 else ''}"].domain
@@ -240,7 +270,7 @@ def overview(scores: ComponentScores) -> go.Figure:
         template="plotly_white",
         height=330 * len(scores.kinds) + 140,
     )
-    return fig
+    return mark_uncomputed(fig, *shown)
 
 
 def side_by_side(
@@ -256,7 +286,7 @@ def side_by_side(
     if part in ("heads", "all_heads"):
         raise ValueError("side_by_side shows layer × position maps: part 'mlp' or 'attn'")
     panels = {name: panel(s, kind, part) for name, s in results.items()}
-    lim = max(float(np.abs(z).max()) for z, _, _ in panels.values()) or 1.0
+    lim = max(_abs_max(z) for z, _, _ in panels.values()) or 1.0
     what = "MLP" if part == "mlp" else "attention (heads summed)"
     fig = make_subplots(
         rows=1,
@@ -282,7 +312,7 @@ def side_by_side(
         height=560,
         width=max(700, 430 * len(results)),
     )
-    return fig
+    return mark_uncomputed(fig, *(z for z, _, _ in panels.values()))
 
 
 def comparison_plot(comparison: ScoreComparison) -> go.Figure:
@@ -369,6 +399,9 @@ def token_view(scores: ComponentScores, kind: ScoreKind, component: str, prompt:
     tokens = (scores.metadata.get("prompt_tokens") or [list(r) for r in scores.prompt_roles])[
         prompt
     ][:n]
+    if bool(vals.isnan().all()):
+        raise ValueError(f"{component}'s {kind} scores were never computed in this result.")
+    vals = vals.nan_to_num(0.0)
     lim = float(vals.abs().max()) or 1.0
     return colored_tokens(
         [_safe_token(t) for t in tokens],
@@ -415,7 +448,7 @@ def heads_by_position(scores: ComponentScores, kind: ScoreKind) -> go.Figure:
     v = scores[kind].detach().double().numpy()
     heads = [i for i, c in enumerate(scores.component_labels) if c != "MLP"]
     z = v[:, heads, :]
-    lim = float(np.abs(z).max()) or 1.0
+    lim = _abs_max(z) or 1.0
     fig = go.Figure()
     for p, label in enumerate(scores.position_labels):
         fig.add_trace(
@@ -452,7 +485,7 @@ def heads_by_position(scores: ComponentScores, kind: ScoreKind) -> go.Figure:
         template="plotly_white",
         height=360 + 18 * v.shape[0],
     )
-    return fig
+    return mark_uncomputed(fig, z)
 
 
 def rank_curves(

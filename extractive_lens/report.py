@@ -5,7 +5,7 @@
 One file, no network requests: plotly.js is embedded once (gzip-compressed, decompressed by the
 browser: about 1.8 MB instead of 4.6 MB), figures are plain JSON rendered on load, and the token
 view is an HTML table (no per-view JavaScript bundle). Sections, top to bottom: a summary line,
-"how to read this report", what to trust (linear-vs-exact verdicts, linearization check), the top
+"how to read this report", what to trust (linear-vs-exact verdicts, additivity check), the top
 components with their TransformerLens hooks, the overview and heads × positions heat maps of each
 result, the linear-vs-exact scatter, the token view and the metadata as a table.
 """
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from extractive_lens.results import ComponentScores, score_rgba
+from extractive_lens.results import UNCOMPUTED, ComponentScores, score_rgba
 from extractive_lens.types import Component, ScoreKind, jsonable
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,7 +88,7 @@ def report(
         _summary(results),
         _how_to_read(results),
     ]
-    if comparison is not None or any(s.linearization_note() for s in results):
+    if comparison is not None or any(s.additivity_note() for s in results):
         body.append(_what_to_trust(results, comparison))
     body.append(_top_components(results))
     for s in results:
@@ -209,6 +209,19 @@ def _summary(results: Sequence[ComponentScores]) -> str:
     text = "; ".join(f"<b>{k}</b> {html.escape(str(v))}" for k, v in facts if v is not None)
     tokens = (m.get("prompt_tokens") or [[]])[0]
     example = f"<br><b>prompt 0</b> <code>{html.escape(''.join(tokens))}</code>" if tokens else ""
+    for r in results:
+        if r.partial:
+            scope = ", ".join(
+                f"{len(r.uncomputed(k))} of {r.totals.shape[1] * r.totals.shape[2]} {k}"
+                for k in r.kinds
+                if r.uncomputed(k)
+            )
+            example += (
+                f"<br><b>partial {html.escape(r.method)} run</b>: components never computed "
+                f"({html.escape(scope)}; top_k={r.metadata.get('top_k')}, "
+                f"layers={r.metadata.get('layers')}) are grey, not zero, in every figure and "
+                "table, and left out of the top lists and the comparison."
+            )
     return f"<p class='summary'>{text}{example}</p>"
 
 
@@ -267,10 +280,10 @@ def _what_to_trust(results: Sequence[ComponentScores], comparison: Any) -> str:
             "max_abs_err",
         )
         out.append(_table([tuple(r[c] for c in cols) for r in comparison.rows], cols))
-    notes = [s.linearization_note() for s in results if s.linearization_note()]
+    notes = [s.additivity_note() for s in results if s.additivity_note()]
     if notes:
-        out.append("<h3>linearization check</h3>")
-        out += [f"<p class='linearization'>{html.escape(n)}</p>" for n in notes]
+        out.append("<h3>additivity of the linear scores</h3>")
+        out += [f"<p class='additivity'>{html.escape(n)}</p>" for n in notes]
     return "".join(out)
 
 
@@ -288,6 +301,9 @@ def _top_components(results: Sequence[ComponentScores]) -> str:
                     f"<td><code>{html.escape(label)}</code> {value:+.3g}<br>"
                     f"<small>{html.escape(hook)}</small></td>"
                 )
+            missing = len(s.uncomputed(kind))
+            if missing:
+                cells.append(f"<td class='uncomputed'>{missing} components not computed</td>")
             rows.append(
                 f"<tr><th>{html.escape(s.method)}</th><th>{html.escape(kind)}</th>{''.join(cells)}</tr>"
             )
@@ -317,7 +333,11 @@ def _token_section(results: Sequence[ComponentScores], views: list[tuple[str, An
             )
         return "<h2>token views</h2>" + "".join(parts)
     rows = [
-        (s, kind, s.top(1, kind)[0][1]) for s in results if s.per == "token" for kind in s.kinds
+        (s, kind, s.top(1, kind)[0][1])
+        for s in results
+        if s.per == "token"
+        for kind in s.kinds
+        if s.top(1, kind)  # a kind with no computed component has no row
     ]
     if not rows:
         return ""
@@ -344,10 +364,13 @@ def token_table(rows: Sequence[tuple[ComponentScores, ScoreKind, str]], prompt: 
         c = Component.parse(label)
         v = s.prompt_values[s.kind_index(kind), prompt, c.layer]
         vals = v[s.component_labels.index(c.short_label), : len(roles)].double().tolist()
-        lim = max(abs(x) for x in vals) or 1.0
+        lim = max((abs(x) for x in vals if x == x), default=0.0) or 1.0
         cells = "".join(
             f"<td title='{html.escape(role)}: {x:+.4g}' style='background:{score_rgba(x / lim, 0.8)}'>"
             f"<small>{x:+.2g}</small></td>"
+            if x == x
+            else f"<td title='{html.escape(role)}: not computed' style='background:{UNCOMPUTED}'>"
+            "<small>n/c</small></td>"
             for x, role in zip(vals, roles)
         )
         body.append(f"<tr><th>{html.escape(f'{s.method} {kind} {label}')}</th>{cells}</tr>")

@@ -49,6 +49,7 @@ class ComponentScores:
         values: ``[kind, layer, component, pos]`` means over prompts, aligned by role.
         totals: ``[kind, layer, component]`` whole-component scores (mean over prompts).
         prompt_values: ``[kind, batch, layer, component, pos]`` per prompt (padding = 0).
+            Components a partial exact run never computed are NaN everywhere (``uncomputed``).
         prompt_totals: ``[kind, batch, layer, component]``.
         kinds, component_labels, position_labels: axis labels.
         prompt_roles: each prompt's role per real position.
@@ -166,40 +167,62 @@ class ComponentScores:
         return self.values[self.kind_index(kind)]
 
     def top(
-        self, k: int = 10, kind: ScoreKind | None = None, *, per_token: bool = False
+        self,
+        k: int = 10,
+        kind: ScoreKind | None = None,
+        *,
+        per_token: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> list[tuple[str, str, float]]:
         """The ``k`` largest scores by magnitude: ``(kind, label, value)``.
 
         Whole-component totals by default; ``per_token=True`` ranks (component, position) cells
-        and labels them ``L3H2@lives``.
+        and labels them ``L3H2@lives``. ``layers``: only components of these layers. Cells that
+        were never computed (NaN: ``causal_scores(top_k=..., layers=...)``) are not ranked.
         """
         kinds = self.kinds if kind is None else (kind,)
+        keep = None if layers is None else set(layers)
         rows: list[tuple[str, str, float]] = []
         for kd in kinds:
             ki = self.kind_index(kd)
             if per_token:
                 v = self.values[ki]
                 for (layer, c, p), x in zip(_indices(v.shape), v.flatten().tolist()):
-                    rows.append((kd, f"{self._label(layer, c)}@{self.position_labels[p]}", x))
+                    if x == x and (keep is None or layer in keep):
+                        rows.append((kd, f"{self._label(layer, c)}@{self.position_labels[p]}", x))
             else:
                 v = self.totals[ki]
                 for (layer, c), x in zip(_indices(v.shape), v.flatten().tolist()):
-                    rows.append((kd, self._label(layer, c), x))
+                    if x == x and (keep is None or layer in keep):
+                        rows.append((kd, self._label(layer, c), x))
         rows.sort(key=lambda r: -abs(r[2]))
         return rows[:k]
 
-    def linearization_note(self) -> str:
-        """One sentence on how well the first-order scores describe the whole change of R
-        (linear results with informative scores; ``""`` otherwise). See ``docs/scores.md``."""
-        check = self.metadata.get("linearization")
+    def uncomputed(self, kind: ScoreKind) -> list[str]:
+        """Labels of the components never computed for ``kind`` (their scores are NaN), e.g.
+        those outside ``causal_scores(top_k=..., layers=...)``; ``[]`` for a full result."""
+        t = self.totals[self.kind_index(kind)]
+        return [self._label(layer, c) for layer, c in torch.isnan(t).nonzero().tolist()]
+
+    @property
+    def partial(self) -> bool:
+        """Whether some component was never computed (NaN) for some kind."""
+        return bool(torch.isnan(self.totals).any())
+
+    def additivity_note(self) -> str:
+        """One sentence on whether the linear scores add up to the whole change of R (linear
+        results with informative scores; ``""`` otherwise). See ``docs/scores.md`` §11."""
+        check = self.metadata.get("additivity") or self.metadata.get("linearization")
         if not check:
             return ""
-        ok = "within" if check["ok"] else "OUTSIDE"
+        verb = "add up to" if check["ok"] else "do not add up to"
         return (
-            f"Linearization check: R(W') - R(W) = {check['exact_change']:+.4g}; Σ informative + other = "
-            f"{check['linear_change']:+.4g} (gap {check['relative_gap']:.0%}, {ok} the "
-            f"{check['tolerance']:.0%} tolerance). The 'other' parameters (embeddings, b_O, final norm, "
-            f"unembedding) carry {check['other_share']:.0%} of the linear total."
+            f"Additivity: Σ informative + other = {check['linear_change']:+.4g} against "
+            f"R(W') - R(W) = {check['exact_change']:+.4g} (gap {check['relative_gap']:.0%}; the "
+            f"scores {verb} the whole change within {check['tolerance']:.0%}). This is about "
+            "the sum, not the ranking: the linear-vs-exact verdicts say whether each kind's map "
+            f"can stand in for the exact one. The 'other' parameters (embeddings, b_O, final "
+            f"norm, unembedding) carry {check['other_share']:.0%} of the linear total."
         )
 
     def position_tokens(self) -> dict[str, tuple[str, ...]]:
@@ -367,8 +390,10 @@ class ComponentScores:
             if k in self.metadata
         )
         grids = "".join(self._grid_html(kd) for kd in self.kinds)
-        note = self.linearization_note()
+        note = self.additivity_note()
         note = f"<br><small>{html.escape(note)}</small>" if note else ""
+        if self.partial:
+            note += "<br><small>grey: not computed (a partial exact run)</small>"
         return (
             f"<div><b>ComponentScores</b> ({html.escape(self.method)}; {self.n_layers} layers × "
             f"{len(self.component_labels)} components × {len(self.position_labels)} positions; "
@@ -380,15 +405,22 @@ class ComponentScores:
     def _grid_html(self, kind: ScoreKind) -> str:
         """The overview as a static table: layer (top = last) × component, coloured by total."""
         t = self.totals[self.kind_index(kind)].double()
-        lim = float(t.abs().max()) or 1.0
+        lim = float(t.abs().nan_to_num(0.0).max()) or 1.0
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.component_labels)
         body = []
         for layer in reversed(range(t.shape[0])):
             cells = []
             for c in range(t.shape[1]):
                 v = float(t[layer, c])
+                label = f"L{layer}{html.escape(self.component_labels[c])}"
+                if v != v:
+                    cells.append(
+                        f"<td title='{label} not computed' style='background:{UNCOMPUTED};"
+                        "width:1.6em;height:1.2em'></td>"
+                    )
+                    continue
                 cells.append(
-                    f"<td title='L{layer}{html.escape(self.component_labels[c])} {v:+.4g}' "
+                    f"<td title='{label} {v:+.4g}' "
                     f"style='background:{score_rgba(v / lim)};width:1.6em;height:1.2em'></td>"
                 )
             body.append(f"<tr><th>L{layer}</th>{''.join(cells)}</tr>")
@@ -396,6 +428,10 @@ class ComponentScores:
             f"<table style='border-collapse:collapse;font-size:80%'><caption>{html.escape(kind)}</caption>"
             f"<tr><th></th>{head}</tr>{''.join(body)}</table>"
         )
+
+
+UNCOMPUTED = "#cfcfcf"
+"""The colour of a cell that was never computed (NaN), in every figure and table."""
 
 
 def score_rgba(x: float, opacity: float = 1.0) -> str:

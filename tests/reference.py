@@ -11,12 +11,24 @@ from __future__ import annotations
 import copy
 import re
 
+import pytest
 import torch
 
 from extractive_lens.batch import PromptBatch
 
 
+def hooked_only(*models):
+    """These references run TransformerLens 3.9's ``HookedTransformer`` machinery (its hook
+    names, ``use_attn_result``, ``setup()``): skip the test for any other model class (the
+    TransformerLens 4 run; ``tests/test_backend_bridge.py`` checks bridges against references of
+    their own)."""
+    for m in models:
+        if type(m).__name__ != "HookedTransformer":
+            pytest.skip(f"the literal reference needs a HookedTransformer, got {type(m).__name__}")
+
+
 def attn_result_mode(model):
+    hooked_only(model)
     m = copy.deepcopy(model)
     m.cfg.use_attn_result = True
     m.setup()
@@ -24,6 +36,7 @@ def attn_result_mode(model):
 
 
 def reward_of(model, batch: PromptBatch, reward, fwd_hooks=()):
+    hooked_only(model)
     with torch.no_grad():
         logits = model.run_with_hooks(batch.tokens, fwd_hooks=list(fwd_hooks))
     return reward(logits, batch)
@@ -31,6 +44,7 @@ def reward_of(model, batch: PromptBatch, reward, fwd_hooks=()):
 
 def mixed_model(base, ft, take_from_ft):
     """A copy of ``base`` whose parameters named by ``take_from_ft(name)`` come from ``ft``."""
+    hooked_only(base, ft)
     m = copy.deepcopy(base)
     ft_params = dict(ft.named_parameters())
     with torch.no_grad():
@@ -89,6 +103,7 @@ def _patch_mlp(layer, positions, new):
 def component_outputs(model_f, batch, layer, source_inputs):
     """Heads' ``hook_result`` and the MLP's output of ``model_f`` at ``layer``, with the layer's
     inputs replaced by ``source_inputs`` (a cache from another run): ``f_c(z, W)`` literally."""
+    hooked_only(model_f)
     hooks = [
         (
             f"blocks.{layer}.hook_resid_pre",
@@ -214,6 +229,7 @@ def literal_mean_ablation(base, batch):
 
 def scaled_model(base, ft, eps):
     """``W + eps (W' - W)`` as a new model."""
+    hooked_only(base, ft)
     m = copy.deepcopy(base)
     ftp = dict(ft.named_parameters())
     with torch.no_grad():
@@ -224,6 +240,7 @@ def scaled_model(base, ft, eps):
 
 def whole_model_jvp(base, ft, batch, reward):
     """``d/dε R(W + εΔ)`` at 0, by forward-mode AD through the whole TransformerLens forward."""
+    hooked_only(base, ft)
     params = {n: p.detach() for n, p in base.named_parameters()}
     ftp = dict(ft.named_parameters())
     tangents = {n: (ftp[n].detach() - p) for n, p in params.items()}
@@ -242,6 +259,7 @@ def whole_model_jvp(base, ft, batch, reward):
 def hooked_grads(model, batch, reward, names):
     """Activations at the hook points ``names`` and ``dR/d(activation)``, by autograd through
     TransformerLens's own forward (the embedding made a leaf so every hook is in the graph)."""
+    hooked_only(model)
     store = {}
 
     def leaf(act, hook):
@@ -266,6 +284,7 @@ def hooked_grads(model, batch, reward, names):
 def _hook_tangent(model, batch, name, tangents):
     """Tangent of the activation at hook ``name`` along the weight direction ``tangents``
     (``torch.func.jvp`` through the whole TransformerLens forward)."""
+    hooked_only(model)
     params = {n: p.detach() for n, p in model.named_parameters()}
     full = {n: tangents.get(n, torch.zeros_like(p)) for n, p in params.items()}
 
@@ -315,6 +334,7 @@ def linear_informative_paper(base, diff, batch, reward):
 def authors_informative(base, diff, batch, reward):
     """The authors' code's head informative score per token, in closed form: Q and O parts at the
     query/output position, K and V parts at the key position (Δ without ln1 changes)."""
+    hooked_only(base)
     assert not any(".ln1." in n for n in diff.deltas), "closed form needs an unchanged ln1"
     cfg = base.cfg
     L, H = cfg.n_layers, cfg.n_heads

@@ -83,7 +83,7 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
     assert errors == [], errors
     page_text = path.read_text()
     assert (
-        "linear informative" in page_text and "linearization check" in page_text
+        "linear informative" in page_text and "additivity of the linear scores" in page_text
     )  # verdicts, check
     external = [u for u in requests if not u.startswith(("file:", "data:", "about:", "blob:"))]
     assert external == [], external

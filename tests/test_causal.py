@@ -107,26 +107,53 @@ def test_whole_component_informative_is_a_weight_swap():
 
 
 def test_top_k_scores_only_selected_components(pair64):
+    """Cells a partial run never computed are NaN (not 0) in every view of the result, and
+    absent from top(); the computed ones equal the full run's."""
     base, ft = pair64
     batch = small_batch(base, n=3)
     diff = WeightDiff.from_models(base, ft)
     lin = linear_scores(base, diff, batch, kinds=("informative",))
-    full = causal_scores(base, diff, batch, kinds=("informative",), per="component")
-    top = causal_scores(
-        base, diff, batch, kinds=("informative",), per="component", top_k=3, linear=lin
-    )
-    kept = {lab for _, lab, _ in lin.top(3, "informative")}
+    full = causal_scores(base, diff, batch, kinds=("informative",))
+    top = causal_scores(base, diff, batch, kinds=("informative",), top_k=3, linear=lin)
+    # independent of the package's ranking: the three largest |linear totals|, by numpy
+    t = lin.totals[0].numpy()
+    flat = sorted(range(t.size), key=lambda i: -abs(t.flat[i]))[:3]
+    kept = {f"L{i // t.shape[1]}{full.component_labels[i % t.shape[1]]}" for i in flat}
     for layer in range(base.cfg.n_layers):
         for c, name in enumerate(full.component_labels):
             lab = f"L{layer}{name}"
             if lab in kept:
                 assert torch.allclose(top.totals[0, layer, c], full.totals[0, layer, c], atol=1e-12)
+                assert torch.allclose(top.values[0, layer, c], full.values[0, layer, c], atol=1e-12)
             else:
-                assert top.totals[0, layer, c] == 0
-    assert (
-        len(top.metadata["skipped"]["informative"])
-        == base.cfg.n_layers * len(full.component_labels) - 3
-    )
+                assert torch.isnan(top.totals[0, layer, c])
+                assert torch.isnan(top.values[0, layer, c]).all()
+                assert torch.isnan(top.prompt_values[0, :, layer, c]).all()
+    assert {lab for _, lab, _ in top.top(100)} == kept  # never-computed cells are not ranked
+    assert set(top.uncomputed("informative")) == set(top.metadata["skipped"]["informative"])
+    assert len(top.uncomputed("informative")) == t.size - 3 and top.partial and not full.partial
+    df = top.to_dataframe()
+    computed = df[df.component.radd("L" + df.layer.astype(str)).isin(kept)]
+    assert df.score.isna().sum() == len(df) - len(computed) and computed.score.notna().all()
+
+
+def test_top_k_chooses_within_layers(pair64):
+    """--top-k with --layers: the k components are the top k *of those layers*, so k are
+    scored (not the global top k cut to the layers)."""
+    base, ft = pair64
+    batch = small_batch(base, n=3)
+    diff = WeightDiff.from_models(base, ft)
+    lin = linear_scores(base, diff, batch, kinds=("downstream",))
+    last = base.cfg.n_layers - 1
+    part = causal_scores(base, diff, batch, kinds=("downstream",), per="component", top_k=2,
+                         layers=[last], linear=lin)  # fmt: skip
+    t = lin.totals[0, last].numpy()
+    want = {
+        f"L{last}{part.component_labels[i]}"
+        for i in sorted(range(len(t)), key=lambda i: -abs(t[i]))[:2]
+    }
+    assert {lab for _, lab, _ in part.top(100)} == want
+    assert part.totals[0, :last].isnan().all()
 
 
 def test_logit_margin_and_model_untouched(pair64):

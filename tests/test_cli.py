@@ -216,7 +216,7 @@ def test_backend_bridge_flag(tmp_path):
 
     assert ComponentScores.load(out / "linear").metadata["backend"] == "transformer_bridge"
     bad = runner.invoke(app, ["rank", "--model", "world", "--data", str(facts), "--backend", "tl4"])
-    assert bad.exit_code == 2 and "--backend must be hooked or bridge" in bad.output
+    assert bad.exit_code == 2 and "--backend must be auto, hooked or bridge" in bad.output
 
 
 def test_experiment_command(tmp_path):

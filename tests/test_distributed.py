@@ -61,7 +61,7 @@ def test_two_processes_match_single_process(tmp_path, method, shard, per):
         assert (got.totals - single.totals).abs().max() <= 1e-10
         if method == "linear":
             assert (got.other - single.other).abs().max() <= 1e-10
-            a, b = got.metadata["linearization"], single.metadata["linearization"]
+            a, b = got.metadata["additivity"], single.metadata["additivity"]
             assert a["exact_change"] == pytest.approx(b["exact_change"], abs=1e-12)
             assert a["relative_gap"] == pytest.approx(b["relative_gap"], abs=1e-12)
         assert got.metadata["prompts_digest"] == single.metadata["prompts_digest"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from extractive_lens.backend import parameters
 from extractive_lens.experiments import layer_freezing
 from extractive_lens.experiments.freezing import _keep
 from extractive_lens.finetuning import FinetuneConfig
@@ -215,7 +216,7 @@ def test_pre_rows_train_the_parts_the_post_rows_revert():
     from extractive_lens.finetuning import finetune
 
     base, ft = make_pair("ln_gelu", torch.float32, n_layers=3)
-    names = [n for n, _ in base.named_parameters()]
+    names = list(parameters(base))
     batch = make_batch(base, [([1, 7, 9], [11]), ([1, 8, 9], [12])])
     full = WeightDiff.from_models(base, ft)
     for early in (False, True):

@@ -7,7 +7,7 @@ import torch
 
 from extractive_lens import model as M
 from extractive_lens.types import Component, iter_components
-from tests.conftest import FAMILIES, make_pair
+from tests.conftest import FAMILIES, make_pair, needs_hooked
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,6 +109,7 @@ def test_load_checkpoint_matches_hf_logits(checkpoint, capfd):
         assert (model(tokens) - other(tokens).logits).abs().max() > 1e-3
 
 
+@needs_hooked
 def test_unsupported_architecture_lists_supported(tmp_path):
     cfg = transformers.GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2)
     cfg.architectures = ["BertForMaskedLM"]
@@ -122,7 +123,7 @@ def _assert_partition(model):
     """Every parameter element is covered exactly once by the ownership slices."""
     counts = {
         n: torch.zeros(p.shape[:1] if p.ndim else (1,), dtype=torch.int64)
-        for n, p in model.named_parameters()
+        for n, p in M.parameters(model).items()
     }
     owners_seen = set()
     for s in M.parameter_slices(model):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from extractive_lens import WeightDiff, causal_scores, compare, linear_scores, make_batch
+from extractive_lens.backend import parameters
 from extractive_lens.batch import Pair
 from extractive_lens.plotting import comparison_plot, heatmap, overview, report
 from tests.conftest import make_pair
@@ -20,9 +21,10 @@ def scored(text_model):
     ft = make_pair("ln_gelu", torch.float64)[1]  # only to get a random perturbation pattern
     del ft
     gen = torch.Generator().manual_seed(5)
-    sd_b = {n: p.detach() for n, p in base.named_parameters()}
-    sd_f = {
-        n: p + 0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in sd_b.items()
+    sd_b = {n: p.detach() for n, p in parameters(base).items()}
+    sd_f = {  # not b_U: TransformerLens 4's native bridge holds it as a fixed buffer
+        n: p + (n != "unembed.b_U") * 0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        for n, p in sd_b.items()
     }
     diff = WeightDiff.from_state_dicts(sd_b, sd_f, signature=WeightDiff.zeros_like(base).signature)
     evil = "<script>alert(1)</script>"

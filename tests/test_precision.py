@@ -15,6 +15,7 @@ LLAMA_LIKE = dict(
     gated_mlp=True,
     positional_embedding_type="rotary",
     rotary_dim=8,
+    rotary_adjacent_pairs=True,  # what TransformerLens 4's native bridge computes
     n_key_value_heads=2,
     final_rms=True,
     n_layers=3,

@@ -6,16 +6,17 @@ import pytest
 import torch
 
 from extractive_lens import WeightDiff
+from extractive_lens.backend import parameters
 from extractive_lens.types import Component
 from tests.conftest import FAMILIES, make_pair
 
 
 def _snapshot(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in parameters(model).items()}
 
 
 def _assert_bit_identical(model, snap):
-    for n, p in model.named_parameters():
+    for n, p in parameters(model).items():
         assert torch.equal(p, snap[n]), n
         assert p.dtype == snap[n].dtype
 
@@ -33,8 +34,8 @@ def test_applied_reproduces_finetuned_exactly_and_restores(family, dtype):
     )
     with torch.no_grad(), diff.applied(base) as m:
         assert m is base
-        for n, p in base.named_parameters():
-            assert torch.equal(p, dict(ft.named_parameters())[n]), n
+        for n, p in parameters(base).items():
+            assert torch.equal(p, parameters(ft)[n]), n
         assert torch.equal(base(tokens), ft(tokens))
     _assert_bit_identical(base, snap)
     assert not base.hook_dict["blocks.0.hook_resid_pre"].fwd_hooks
@@ -55,7 +56,7 @@ def test_component_restriction_touches_only_owned_slices():
     diff = WeightDiff.from_models(base, ft)
     snap = _snapshot(base)
     with diff.applied(base, components=["L1H3"]):
-        p = dict(base.named_parameters())
+        p = parameters(base)
         assert torch.equal(p["blocks.1.attn.W_Q"][:3], snap["blocks.1.attn.W_Q"][:3])
         assert not torch.equal(p["blocks.1.attn.W_Q"][3], snap["blocks.1.attn.W_Q"][3])
         assert not torch.equal(
@@ -87,9 +88,9 @@ def test_arithmetic_and_scale():
         assert torch.allclose((a * 2).deltas[n], 2 * a.deltas[n])
     assert (a - a).norm() == 0.0
     with a.applied(base, scale=0.5):
-        half = dict(base.named_parameters())["blocks.0.attn.W_V"].clone()
+        half = parameters(base)["blocks.0.attn.W_V"].clone()
     with (0.5 * a).applied(base):
-        assert torch.equal(half, dict(base.named_parameters())["blocks.0.attn.W_V"])
+        assert torch.equal(half, parameters(base)["blocks.0.attn.W_V"])
 
 
 def test_norms_per_component():
@@ -149,8 +150,8 @@ def test_clear_errors():
     half, _ = make_pair("ln_gelu", torch.bfloat16)
     with pytest.raises(ValueError, match="dtype"):
         WeightDiff.from_models(base, half)
-    sd_b = {n: p.detach() for n, p in base.named_parameters()}
-    sd_f = {n: p.detach().clone() for n, p in ft.named_parameters()}
+    sd_b = {n: p.detach() for n, p in parameters(base).items()}
+    sd_f = {n: p.detach().clone() for n, p in parameters(ft).items()}
     sd_f["blocks.0.attn.W_Q"][0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"blocks\.0\.attn\.W_Q.*NaN"):
         WeightDiff.from_state_dicts(sd_b, sd_f)

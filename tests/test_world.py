@@ -16,6 +16,7 @@ from extractive_lens.world import (
     world_of,
 )
 from extractive_lens.world.check import finetune_check, informative_pattern
+from tests.conftest import needs_hooked
 
 # SHA-1 (first 12) of the v2 seed-0 corpus as built before v3 existed (commit cb43d47)
 V2_CORPUS_SHA1 = "90de9d000579"
@@ -87,6 +88,7 @@ def test_finetuning_recipe_generalises(world_model):
     assert r["first_hop implications after"] <= 3.0
 
 
+@needs_hooked  # world models are trained as HookedTransformers
 @pytest.mark.parametrize("version", [3, 2])
 def test_training_is_deterministic(version):
     """Two runs with one seed give bit-identical weights (the shipped models were checked the
@@ -151,6 +153,7 @@ def test_finetuned_facts_are_stored_at_the_name_in_v3_not_v2():
         assert abs(sum(shares) - 1) < 1e-5 and r["first_hop MLP share at the last token"] < 1
 
 
+@needs_hooked  # world models are trained as HookedTransformers
 def test_world_model_of_another_seed_is_trained_once_and_cached(tmp_path, monkeypatch):
     import extractive_lens.world.model as wm
 

@@ -348,13 +348,18 @@ _NAMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], tuple[str, ..
 
 
 def _names_in(root: nn.Module, *parts: nn.Module | None) -> tuple[str, ...]:
-    """The names (as ``root.named_parameters()`` gives them) of the parameters of ``parts``:
-    what ``upcast_call`` upcasts while a piece runs."""
+    """The names (as ``root.named_parameters()`` / ``named_buffers()`` give them) of the
+    parameters and floating-point buffers of ``parts``: what ``upcast_call`` upcasts while a
+    piece runs (TransformerLens 4's native unembedding holds its bias as a buffer)."""
     key = tuple(id(p) for p in parts)
     cache = _NAMES.setdefault(root, {})
     if key not in cache:
         owned = {id(p) for m in parts if m is not None for p in m.parameters()}
-        cache[key] = tuple(n for n, p in root.named_parameters() if id(p) in owned) or ("\0",)
+        owned |= {
+            id(b) for m in parts if m is not None for b in m.buffers() if b.is_floating_point()
+        }
+        named = [*root.named_parameters(), *root.named_buffers()]
+        cache[key] = tuple(n for n, p in named if id(p) in owned) or ("\0",)
     return cache[key]
 
 
@@ -409,10 +414,16 @@ def _recorded(model: Any, n: int, device: torch.device) -> list[dict[str, Any]]:
             )
             for layer, b in enumerate(model.blocks)
         ]
+        # the model's own forward, in the dtype its weights are stored in: inside
+        # ``computing_in`` cfg.dtype names the compute dtype, and a TransformerLens 4 bridge
+        # casts its weights to cfg.dtype when it runs (a lasting change of the model)
+        compute, stored = model.cfg.dtype, next(model.parameters()).dtype
         try:
+            model.cfg.dtype = stored
             with torch.no_grad():
                 model(torch.zeros(1, n, dtype=torch.long, device=device))
         finally:
+            model.cfg.dtype = compute
             for h in handles:
                 h.remove()
         cache[key] = [rec[layer] for layer in range(len(model.blocks))]

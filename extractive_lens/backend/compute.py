@@ -107,11 +107,36 @@ def upcast_call(
             subs["model." + name] = (upcast_buffer or _plain_upcast)(module, name, b, dtype)
     if not subs:
         return fn(module, *args)
-    call = lambda: torch.func.functional_call(_Call(module, fn), subs, args, strict=False)  # noqa: E731
-    if not torch.is_grad_enabled():
-        return call()
-    with torch.autograd.graph.saved_tensors_hooks(*_weights_not_saved(sources, dtype)):
-        return call()
+    with substituted(module, subs):
+        if not torch.is_grad_enabled():
+            return fn(module, *args)
+        with torch.autograd.graph.saved_tensors_hooks(*_weights_not_saved(sources, dtype)):
+            return fn(module, *args)
+
+
+@contextlib.contextmanager
+def substituted(module: Any, tensors: dict[str, Tensor]) -> Iterator[None]:
+    """Inside the block, ``module``'s parameters and buffers named in ``tensors`` (``"model."``
+    + the name ``named_parameters()`` gives) are those tensors; the original objects are put
+    back on exit, whatever happens. The registries (``_parameters`` / ``_buffers``) holding
+    those objects are edited directly, every alias of a tied weight included: TransformerLens 4's
+    bridge components forward attribute access to the wrapped module, and
+    ``torch.func.functional_call`` left the substitutes in place there."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    by_id = {id(named[name.removeprefix("model.")]): value for name, value in tensors.items()}
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for m in module.modules():  # every alias of a tied weight (GPT-2's W_E and W_U)
+            for registry in (m._parameters, m._buffers):
+                for leaf, t in registry.items():
+                    if t is not None and id(t) in by_id:
+                        saved.append((registry, leaf, t))
+                        registry[leaf] = by_id[id(t)]
+        yield
+    finally:
+        for registry, leaf, original in reversed(saved):
+            registry[leaf] = original
 
 
 def _weights_not_saved(sources: dict[int, Tensor], dtype: torch.dtype) -> tuple[Any, Any]:
@@ -198,9 +223,8 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
             p = params[name].detach()
             dt = dtype or p.dtype  # in a compute dtype, the weights and Δ are upcast, not Δ rounded
             duals["model." + name] = fwAD.make_dual(p.to(dt), t.to(device=p.device, dtype=dt))
-        result = torch.func.functional_call(
-            _Call(model, fn), duals, args, strict=False, tie_weights=False
-        )
+        with substituted(model, duals):
+            result = fn(model, *args)
         return _unpack(result)
 
 

@@ -73,6 +73,39 @@ def _tl():
     return transformer_lens
 
 
+def _hooked_tl(what: str) -> Any:
+    """TransformerLens, for building a ``HookedTransformer``; on TransformerLens 4 (which removed
+    it) an error that says what to pass or install instead."""
+    if not has_hooked():
+        raise ImportError(
+            f"{what} builds a HookedTransformer, which TransformerLens {version()} removed. Pass "
+            "backend='bridge' (or 'auto', the default) for a TransformerBridge, or install "
+            "TransformerLens 3.9 (pip install 'transformer-lens>=3.9,<4') for HookedTransformers."
+        )
+    return _tl()
+
+
+BACKEND_NAMES = ("hooked", "bridge")
+"""What the loaders build (``backend=``): a ``HookedTransformer`` or a ``TransformerBridge``;
+``"auto"`` (the default) picks the first where the installed TransformerLens has it."""
+
+
+def resolve_backend(backend: str | None) -> str:
+    """``"hooked"`` or ``"bridge"`` for a loader's ``backend=`` argument: ``"auto"`` / ``None``
+    give a ``HookedTransformer`` where TransformerLens has one (3.x), else a bridge (4.x).
+
+    >>> resolve_backend("bridge")
+    'bridge'
+    """
+    if backend is None or backend == "auto":
+        return "hooked" if has_hooked() else "bridge"
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be 'auto', 'hooked' or 'bridge', got {backend!r}")
+    if backend == "hooked":
+        _hooked_tl("backend='hooked'")
+    return backend
+
+
 # ---------------------------------------------------------------------------------------------
 # Building and loading models
 # ---------------------------------------------------------------------------------------------
@@ -116,8 +149,11 @@ def tiny_model(
     tokenizer: Any = None,
     init_scale: float = 1.0,
     device: str | torch.device = "cpu",
-) -> HookedTransformer:
-    """A small, seeded, randomly initialised ``HookedTransformer`` for tests and examples.
+    backend: str = "auto",
+) -> Any:
+    """A small, seeded, randomly initialised model for tests and examples: a
+    ``HookedTransformer`` (``backend="hooked"``, the default where TransformerLens has it) or a
+    TransformerLens native ``TransformerBridge`` (``"bridge"``, the default on TransformerLens 4).
 
     >>> m = tiny_model({"n_layers": 3, "dtype": torch.float64}, seed=1)
     >>> m.cfg.n_layers
@@ -125,38 +161,120 @@ def tiny_model(
 
     Biases and LayerNorm parameters are randomised too (TransformerLens initialises them to
     zero / one), so that every parameter matters in tests. ``init_scale`` scales the random
-    weights for models that should be far from linear.
+    weights for models that should be far from linear. The same ``seed`` gives the same weights
+    in both backends: parameters draw their noise in the ``HookedTransformer``'s order.
     """
-    tl = _tl()
+    backend = resolve_backend(backend)
     cfg_dict = dict(TINY_DEFAULTS)
     cfg_dict.update(cfg_overrides or {})
-    cfg_dict.setdefault("seed", seed)
     cfg_dict["seed"] = seed
     cfg_dict["device"] = str(device)
+    if backend == "bridge":
+        return _tiny_bridge(cfg_dict, seed, tokenizer=tokenizer, init_scale=init_scale)
+    tl = _hooked_tl("tiny_model(backend='hooked')")
     with quiet_transformer_lens():
         cfg = tl.HookedTransformerConfig(**cfg_dict)
         model = tl.HookedTransformer(cfg, tokenizer=named_tokenizer(tokenizer))
-    gen = torch.Generator().manual_seed(seed + 12345)
+    values = _tiny_weights(
+        {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}, seed, init_scale
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            if re.search(r"\.(ln\w*|q_norm|k_norm)\.w$", name) or name.endswith("ln_final.w"):
-                p.copy_((1.0 + 0.1 * noise).to(p.dtype))
-            elif re.search(r"\.b(_\w+)?$", name) or name.endswith("b_U"):
-                p.copy_((0.05 * noise).to(p.dtype))
-            else:
-                fan_in = p.shape[-2] if p.ndim >= 2 else p.shape[-1]
-                p.copy_((init_scale * noise / fan_in**0.5).to(p.dtype))
+            p.copy_(values[name])
     model.eval()
     return model
 
 
-BACKEND_NAMES = ("hooked", "bridge")
-"""What the loaders build (``backend=``): a ``HookedTransformer`` or a ``TransformerBridge``."""
+def _tiny_weights(
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: int, init_scale: float
+) -> dict[str, Tensor]:
+    """``tiny_model``'s random weights: one seeded stream drawn in ``HookedTransformer``
+    parameter order (``hooked_order``), whichever class holds the parameters."""
+    gen = torch.Generator().manual_seed(seed + 12345)
+    out: dict[str, Tensor] = {}
+    gated = any(n.endswith("mlp.W_gate") for n in shapes)
+    for name in sorted(shapes, key=lambda n: hooked_order(n, gated)):
+        shape, dtype = shapes[name]
+        noise = torch.randn(shape, generator=gen, dtype=torch.float64)
+        if re.search(r"\.(ln\w*|q_norm|k_norm)\.w$", name) or name.endswith("ln_final.w"):
+            out[name] = (1.0 + 0.1 * noise).to(dtype)
+        elif re.search(r"\.b(_\w+)?$", name) or name.endswith("b_U"):
+            out[name] = (0.05 * noise).to(dtype)
+        else:
+            fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
+            out[name] = (init_scale * noise / fan_in**0.5).to(dtype)
+    return out
+
+
+# A HookedTransformer block registers its parameters in this order (TransformerLens 3.9); a
+# gated MLP registers W_gate after W_out and its biases last.
+_BLOCK_ORDER = (
+    "ln1.w", "ln1.b", "ln2.w", "ln2.b",
+    "attn.W_Q", "attn.W_O", "attn.b_Q", "attn.b_O",
+    "attn.W_K", "attn.W_V", "attn.b_K", "attn.b_V",
+    "attn._W_K", "attn._W_V", "attn._b_K", "attn._b_V",
+)  # fmt: skip
+_MLP_ORDER = ("mlp.W_in", "mlp.b_in", "mlp.W_out", "mlp.b_out")
+_GATED_ORDER = ("mlp.W_in", "mlp.W_out", "mlp.W_gate", "mlp.b_in", "mlp.b_out")
+_TOP_ORDER = ("embed.W_E", "pos_embed.W_pos", "blocks", "ln_final.w", "ln_final.b",
+              "unembed.W_U", "unembed.b_U")  # fmt: skip
+
+
+def hooked_order(name: str, gated: bool = False) -> tuple[int, int, int]:
+    """The sort key that puts TransformerLens parameter names in ``HookedTransformer`` order.
+
+    >>> sorted(["unembed.W_U", "blocks.0.attn.W_K", "blocks.0.ln1.w", "embed.W_E"], key=hooked_order)
+    ['embed.W_E', 'blocks.0.ln1.w', 'blocks.0.attn.W_K', 'unembed.W_U']
+    """
+    blocks = _TOP_ORDER.index("blocks")
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m is None:
+        return (_TOP_ORDER.index(name) if name in _TOP_ORDER else len(_TOP_ORDER), 0, 0)
+    order = _BLOCK_ORDER + (_GATED_ORDER if gated else _MLP_ORDER)
+    rest = m.group(2)
+    return (blocks, int(m.group(1)), order.index(rest) if rest in order else len(order))
+
+
+def _tiny_bridge(cfg: dict[str, Any], seed: int, *, tokenizer: Any, init_scale: float) -> Any:
+    """``tiny_model`` as a TransformerLens native ``TransformerBridge``. On TransformerLens 3.9
+    it is ``as_bridge`` of the ``HookedTransformer`` (which checks that the native architecture
+    computes the same logits); on 4.x it is built directly, with the same weights."""
+    if has_hooked():
+        return as_bridge(
+            tiny_model(cfg, seed, tokenizer=tokenizer, init_scale=init_scale, backend="hooked")
+        )
+    if cfg.get("parallel_attn_mlp"):
+        raise NotImplementedError(
+            "TransformerLens's native TransformerBridge has no parallel attention/MLP blocks. "
+            "tiny_model(..., backend='hooked') builds one with TransformerLens 3.9 "
+            "(pip install 'transformer-lens>=3.9,<4'); on TransformerLens 4 save a tiny Hugging "
+            "Face GPT-NeoX checkpoint and load_checkpoint(dir) it."
+        )
+    if cfg.get("positional_embedding_type") == "rotary" and not cfg.get("rotary_adjacent_pairs"):
+        raise NotImplementedError(
+            "TransformerLens 4's native TransformerBridge rotates adjacent pairs of dimensions "
+            "(GPT-J style): pass rotary_adjacent_pairs=True to tiny_model, or "
+            "load a Hugging Face checkpoint with load_checkpoint(dir)."
+        )
+    cfg = dict(cfg)
+    dtype, device = cfg.pop("dtype", torch.float32), cfg.pop("device", "cpu")
+    out = native_bridge(cfg, named_tokenizer(tokenizer), {}, device=device, dtype=dtype,
+                        model_name=cfg.get("model_name", "tiny"))  # fmt: skip
+    from extractive_lens.backend import bridge as bridge_backend
+
+    params = bridge_backend.parameters(out)
+    storages = bridge_backend._raw_storages(out)
+    values = _tiny_weights({n: (tuple(p.shape), p.dtype) for n, p in params.items()}, seed,
+                           init_scale)  # fmt: skip
+    head_bias = "bias" in dict(out.unembed.original_component.named_buffers(recurse=False))
+    _write_native(out, {n: v for n, v in values.items()  # biases the native model lacks stay 0
+                        if bridge_backend._stored(params[n], storages)
+                        or (n == "unembed.b_U" and head_bias)})  # fmt: skip
+    return out
 
 
 def load_pretrained(
-    name: str, *, process_weights: bool = False, backend: str = "hooked", **kwargs: Any
+    name: str, *, process_weights: bool = False, backend: str = "auto", **kwargs: Any
 ) -> Any:
     """Load a hub model by name (needs network access to the model hub).
 
@@ -164,15 +282,15 @@ def load_pretrained(
     weights); ``process_weights=True`` opts in and is recorded in ``model.cfg`` metadata so that
     scores can say so. Base and finetuned models must be loaded the same way.
     ``backend="bridge"``: a TransformerLens ``TransformerBridge`` (``boot_transformers``, no
-    weight processing; ``kwargs`` are ``dtype`` and ``device``).
+    weight processing; ``kwargs`` are ``dtype`` and ``device``). ``"auto"`` (default): a
+    ``HookedTransformer`` where TransformerLens has one (3.x), else a bridge (4.x).
     """
-    if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    backend = resolve_backend(backend)
     if backend == "bridge":
         if process_weights:
             raise ValueError("backend='bridge' loads unprocessed weights only.")
         return _boot_bridge(name, tokenizer=None, **kwargs)
-    tl = _tl()
+    tl = _hooked_tl("load_pretrained(backend='hooked')")
     with quiet_transformer_lens():
         if process_weights:
             model = tl.HookedTransformer.from_pretrained(name, **kwargs)
@@ -196,7 +314,7 @@ def build(
 ) -> HookedTransformer:
     """A ``HookedTransformer`` from a configuration dict (TransformerLens's own initialisation,
     seeded by ``cfg["seed"]`` when given), unprocessed, with ``notes_`` recorded on it."""
-    tl = _tl()
+    tl = _hooked_tl("Building a world model from its configuration")
     with quiet_transformer_lens():
         model = tl.HookedTransformer(
             tl.HookedTransformerConfig(**cfg), tokenizer=named_tokenizer(tokenizer), **kwargs
@@ -224,8 +342,6 @@ def native_bridge(
     from transformer_lens.config import TransformerBridgeConfig
     from transformer_lens.model_bridge import TransformerBridge
 
-    from extractive_lens.backend import bridge as bridge_backend
-
     cfg = dict(cfg, dtype=dtype, device=device, init_weights=False, architecture=None)
     cfg.update(original_architecture=None)
     with quiet_transformer_lens(), quiet_transformers():
@@ -234,16 +350,23 @@ def native_bridge(
             TransformerBridgeConfig.from_dict(cfg), tokenizer=tok, device=device, dtype=dtype,
             model_name=model_name,
         )  # fmt: skip
-    parameters = dict(parameters)
-    head = out.unembed.original_component
-    if "bias" in dict(head.named_buffers(recurse=False)) and "unembed.b_U" in parameters:
-        # TransformerLens 4 gives the native head a fixed bias (a buffer, not a weight)
-        with torch.no_grad():
-            head.bias.copy_(parameters.pop("unembed.b_U"))
-    bridge_backend.write_parameters(out, parameters)
+    _write_native(out, parameters)
     notes(out).update(copy.deepcopy(notes_ or {}))
     out.eval()
     return out
+
+
+def _write_native(bridge: Any, parameters: dict[str, Tensor]) -> None:
+    """Write TransformerLens-named weights into a native bridge, the unembedding bias included
+    (TransformerLens 4 gives the native head a fixed bias: a buffer, not a weight)."""
+    from extractive_lens.backend import bridge as bridge_backend
+
+    parameters = dict(parameters)
+    head = bridge.unembed.original_component
+    if "bias" in dict(head.named_buffers(recurse=False)) and "unembed.b_U" in parameters:
+        with torch.no_grad():
+            head.bias.copy_(parameters.pop("unembed.b_U"))
+    bridge_backend.write_parameters(bridge, parameters)
 
 
 def as_bridge(model: HookedTransformer) -> Any:
@@ -442,7 +565,7 @@ def hf_config_to_tl(
     hf_config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Any:
     """A ``HookedTransformerConfig`` built offline from a Hugging Face config object."""
-    tl = _tl()
+    tl = _hooked_tl("hf_config_to_tl")
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch not in ARCHITECTURES:
         raise ValueError(
@@ -470,11 +593,12 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tokenizer: Any = None,
-    backend: str = "hooked",
+    backend: str = "auto",
 ) -> Any:
     """Load a local Hugging Face checkpoint directory as an unprocessed ``HookedTransformer``
     (``backend="hooked"``) or as a TransformerLens ``TransformerBridge`` (``backend="bridge"``,
-    the model class of TransformerLens 4: it runs the Hugging Face model itself).
+    the model class of TransformerLens 4: it runs the Hugging Face model itself). ``"auto"``
+    (default): a ``HookedTransformer`` where TransformerLens has one (3.x), else a bridge.
 
     >>> ft = load_checkpoint("runs/llama-finetuned", dtype=torch.bfloat16)  # doctest: +SKIP
     >>> ft = load_checkpoint("runs/llama-finetuned", backend="bridge")  # doctest: +SKIP
@@ -486,8 +610,7 @@ def load_checkpoint(
     """
     import transformers
 
-    if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    backend = resolve_backend(backend)
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
@@ -500,7 +623,7 @@ def load_checkpoint(
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     if backend == "bridge":
         return _boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer)
-    tl = _tl()
+    tl = _hooked_tl("load_checkpoint(backend='hooked')")
     cfg = hf_config_to_tl(hf_config, dtype=dtype, device=str(device))
     cfg.model_name = path.name
     tokenizer = named_tokenizer(tokenizer)

@@ -43,7 +43,7 @@ from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunk
 from extractive_lens.scoring.kinds import KINDS
 from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
 from extractive_lens.scoring.runs import AnswerRows, Run, forward_run, readout, wide
-from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
+from extractive_lens.types import SCORE_KINDS, Ablation, Component, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
 
 
@@ -75,9 +75,10 @@ def causal_scores(
         kinds, ablation, reference, reward: as in ``linear_scores`` (paper convention).
         max_batch: interventions per resumed pass (memory bound).
         top_k: score only the ``k`` components the linear scores rank highest (by |total|,
-            per kind); the others are reported as 0 and listed in ``metadata["skipped"]``.
+            per kind, among ``layers`` when given); the others are NaN (never computed: absent
+            from ``top()``, shown as "not computed") and listed in ``metadata["skipped"]``.
         linear: precomputed linear scores for ``top_k`` (computed if not given).
-        layers: score only the components of these layers (others are reported as 0).
+        layers: score only the components of these layers (the others are NaN).
         compute_dtype: as in ``linear_scores`` (float32 for bf16/fp16 models by default).
 
     Whole-component totals (``totals``) are always the exact whole-component patch, also for
@@ -131,6 +132,11 @@ def _skipped(
     skipped: dict[str, list[str]] = {}
     L, H = model.cfg.n_layers, model.cfg.n_heads
     labels = [f"H{h}" for h in range(H)] + (["MLP"] if B.has_mlp(model) else [])
+    if options.layers is not None:
+        bad = [layer for layer in options.layers if not 0 <= layer < L]
+        if bad:
+            raise ValueError(f"layers {bad} out of range 0..{L - 1}")
+    within = range(L) if options.layers is None else sorted(set(options.layers))
     if options.top_k is not None:
         linear = options.linear
         if linear is None:
@@ -142,12 +148,9 @@ def _skipped(
                 compute_dtype=cdt,
             )  # fmt: skip
         for kind in options.kinds:
-            keep = {lab for _, lab, _ in linear.top(options.top_k, kind)}
+            keep = {lab for _, lab, _ in linear.top(options.top_k, kind, layers=within)}
             skipped[kind] = [f"L{l}{c}" for l in range(L) for c in labels if f"L{l}{c}" not in keep]
     if options.layers is not None:
-        bad = [layer for layer in options.layers if not 0 <= layer < L]
-        if bad:
-            raise ValueError(f"layers {bad} out of range 0..{L - 1}")
         outside = {f"L{l}{c}" for l in range(L) if l not in options.layers for c in labels}
         for kind in options.kinds:
             skipped[kind] = sorted(set(skipped.get(kind, [])) | outside)
@@ -326,7 +329,14 @@ class CausalChunk:
                 if tok is not None:
                     vals[k, :, layer, idx] = tok.to(dtype)
         mask = self.batch.position_mask.to(dev)
-        return vals * mask[None, :, None, None, :], tots
+        vals = vals * mask[None, :, None, None, :]
+        for k, kind in enumerate(kinds):  # never computed: NaN, not a score of 0
+            for label in skipped.get(kind, ()):
+                comp = Component.parse(label)
+                c = self.H if comp.is_mlp else comp.head
+                vals[k, :, comp.layer, c] = float("nan")
+                tots[k, :, comp.layer, c] = float("nan")
+        return vals, tots
 
     def _effects(self, kind: Any, layer: int, group: str, delta: Tensor, per: str
                  ) -> tuple[Tensor, Tensor | None]:  # fmt: skip

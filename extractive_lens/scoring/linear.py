@@ -81,10 +81,10 @@ def linear_scores(
             float32 for bf16/fp16 models (weights stay stored as they are; each layer is upcast
             while it runs), the model's dtype otherwise. Recorded in ``metadata``.
 
-    With ``"informative"`` the result also carries a linearization check:
-    ``metadata["linearization"]`` compares ``Σ informative + other`` (the first-order change of R)
-    with the actual change ``R(W') - R(W)`` from one extra forward, and a ``LinearizationWarning``
-    is raised when they differ by more than ``LINEARIZATION_TOLERANCE`` (``docs/scores.md``).
+    With ``"informative"`` the result also carries an additivity check:
+    ``metadata["additivity"]`` compares ``Σ informative + other`` (the first-order change of R)
+    with the actual change ``R(W') - R(W)`` from one extra forward; an ``AdditivityWarning``
+    says when their gap passes ``ADDITIVITY_WARN`` (``docs/scores.md`` §11).
     The options are those of ``LinearOptions``.
     """
     check_arguments("linear_scores", model, diff, batch)
@@ -121,7 +121,7 @@ def linear_scores_with(
                       method="linear", other=other, metadata=meta)  # fmt: skip
     if "informative" in options.kinds:
         changes = [cast(Tensor, c.change) for c in chunks]
-        meta["linearization"] = linearization_check(result, torch.cat(changes).cpu())
+        meta["additivity"] = additivity_check(result, torch.cat(changes).cpu())
     return result
 
 
@@ -213,29 +213,37 @@ def _finetuned_passes(c: LinearChunk, needs: set[str]) -> None:
             )
 
 
-LINEARIZATION_TOLERANCE = 0.3
-"""Relative gap between the first-order change ``Σ informative + other`` and the actual change
-``R(W') - R(W)`` above which ``linear_scores`` warns (see ``docs/scores.md``, "When to trust a
-linear score")."""
+ADDITIVITY_TOLERANCE = 0.3
+"""Relative gap between ``Σ informative + other`` and the actual change ``R(W') - R(W)`` within
+which the linear scores count as adding up to the whole change (``docs/scores.md`` §11)."""
+
+ADDITIVITY_WARN = 0.5
+"""The gap past which ``linear_scores`` warns: the scores' sum misses the change by more than
+half, or has the other sign."""
 
 
-class LinearizationWarning(UserWarning):
-    """The weight change is too large for its first-order (linear) description."""
+class AdditivityWarning(UserWarning):
+    """The linear informative scores (plus 'other') do not add up to the whole change of R."""
 
 
-def linearization_check(
+LinearizationWarning = AdditivityWarning  # the name before 0.2: still caught by old filters
+
+
+def additivity_check(
     scores: ComponentScores, change: Tensor, *, warn: bool = True
 ) -> dict[str, Any]:
     """Compare ``Σ_{c,t} Ī + other`` with ``R(W') - R(W)`` (both means over prompts).
 
-    ``relative_gap = |linear - exact| / max(|linear|, |exact|)``: 0 when the update acts linearly
-    on R, 1 when the first-order term misses the change entirely or has the wrong sign.
+    ``relative_gap = |linear - exact| / max(|linear|, |exact|)``: 0 when the scores add up to
+    the whole change, 1 when their sum misses it entirely or has the wrong sign. It says whether
+    the scores *decompose the change*, not whether they *rank components* as exact scores do:
+    ``compare()`` says that.
     """
     import warnings
 
     k = scores.kind_index("informative")
     if scores.other is None:
-        raise ValueError("The linearization check needs linear informative scores (with 'other').")
+        raise ValueError("The additivity check needs linear informative scores (with 'other').")
     linear_total = scores.prompt_totals[k].sum((1, 2)) + scores.other
     lin, ex = float(linear_total.mean()), float(change.mean())
     scale = max(abs(lin), abs(ex))
@@ -246,18 +254,18 @@ def linearization_check(
         "linear_change": lin,
         "relative_gap": gap,
         "other_share": other / lin if lin else float("nan"),
-        "tolerance": LINEARIZATION_TOLERANCE,
-        "ok": gap <= LINEARIZATION_TOLERANCE,
+        "tolerance": ADDITIVITY_TOLERANCE,
+        "ok": gap <= ADDITIVITY_TOLERANCE,
         "prompt_changes": [float(x) for x in change],
     }
-    if warn and gap > LINEARIZATION_TOLERANCE:
+    if warn and gap > ADDITIVITY_WARN:
         warnings.warn(
-            f"The weight change acts non-linearly on the reward: R(W') - R(W) = {ex:.4g} but the "
-            f"informative scores and 'other' add up to {lin:.4g} (gap {gap:.0%} > {LINEARIZATION_TOLERANCE:.0%}). "
-            "Per-component scores do not add up to the whole change here (the update is large or "
-            "components interact); check the linear scores against exact ones before reading their "
-            "values: compare(lin, causal_scores(..., top_k=...)). See docs/scores.md §11.",
-            LinearizationWarning,
+            f"The linear informative scores and 'other' add up to {lin:.4g}, but the weight change "
+            f"moves the reward by R(W') - R(W) = {ex:.4g} (gap {gap:.0%}): read them as a ranking "
+            "of components, not as shares of the change (the update is large, or components "
+            "interact). Whether the ranking holds is what compare(lin, causal_scores(..., "
+            "top_k=...)) tells. See docs/scores.md §11.",
+            AdditivityWarning,
             stacklevel=_user_stacklevel(),
         )
     return out

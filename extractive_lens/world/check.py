@@ -41,7 +41,7 @@ def informative_by_hop(
     import warnings
 
     from extractive_lens.finetuning import FinetuneConfig, finetune
-    from extractive_lens.scoring.linear import LinearizationWarning, linear_scores
+    from extractive_lens.scoring.linear import AdditivityWarning, linear_scores
 
     w = world or (world_of(model) if world_info(model) else build_world(0))
     layers = tuple(range(model.cfg.n_layers)) if blocks_only else None
@@ -51,7 +51,7 @@ def informative_by_hop(
         cfg = FinetuneConfig(**finetune_recipes(w.version)[0], seed=seed, layers=layers)
         diff = finetune(model, facts, cfg, show_progress=False)
         with warnings.catch_warnings():  # locations, not the linear-vs-exact gap, are asked here
-            warnings.simplefilter("ignore", LinearizationWarning)
+            warnings.simplefilter("ignore", AdditivityWarning)
             out[name] = linear_scores(
                 model, diff, impls, kinds=("informative",), show_progress=False
             )

@@ -277,17 +277,15 @@ def load_world_model(
 ) -> Any:
     """A bundled world model (offline; weights ship in the package) as a ``HookedTransformer``
     (``backend="hooked"``) or as a TransformerLens native ``TransformerBridge`` with the same
-    weights (``backend="bridge"``). ``None``: a HookedTransformer where TransformerLens has one
+    weights (``backend="bridge"``). ``"auto"`` / ``None``: a HookedTransformer where TransformerLens has one
     (3.x), else a bridge (4.x). ``directory``: a saved world model, or a bundled world by name
     (``"v2"``, ``"v3"``); default: the default world (``DEFAULT_VERSION``)."""
     import transformers
     from safetensors.torch import load_file
 
-    from extractive_lens.backend.loading import BACKEND_NAMES, build, has_hooked, native_bridge
+    from extractive_lens.backend.loading import build, native_bridge, resolve_backend
 
-    backend = backend or ("hooked" if has_hooked() else "bridge")
-    if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    backend = resolve_backend(backend)
     if directory is None or directory in WORLDS:
         directory = WORLD_DIRS[WORLDS.get(str(directory), DEFAULT_VERSION)]
     directory = Path(directory)

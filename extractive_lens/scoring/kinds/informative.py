@@ -23,7 +23,7 @@ CONTEXTS = ("base",)
 
 
 def needs(options: ScoreOptions) -> set[str]:
-    return {"finetuned"}  # for the linearization check, R(W') - R(W)
+    return {"finetuned"}  # for the additivity check, R(W') - R(W)
 
 
 def capture(options: ScoreOptions) -> tuple[str, ...]:
