@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast test-tl4 doctest demo lint bench clean
+.PHONY: setup test test-fast test-tl4 smoke doctest demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,15 +20,28 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests --nbmake examples
 
-# The TransformerBridge tests again under TransformerLens 4.3 (which has no HookedTransformer),
-# in a second environment: .venv-tl4.
+# The fast suite again under TransformerLens 4.3 (which has no HookedTransformer: models load as
+# TransformerBridges, and tests of what only a HookedTransformer has skip with a reason), in a
+# second environment: .venv-tl4.
 TL4 ?= .venv-tl4
 test-tl4:
 	@test -x $(TL4)/bin/python || $(PYTHON) -m venv $(TL4)
 	$(TL4)/bin/python -m pip install -q --upgrade pip
 	$(TL4)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(TL4)/bin/python -m pip install -q -e . "transformer-lens==4.3.0" pytest
-	$(TL4)/bin/python -m pytest -q tests/test_backend_bridge.py -p no:cacheprovider
+	$(TL4)/bin/python -m pytest -q -m "not slow" tests -p no:cacheprovider
+
+# A fresh environment installed the way the README says (torch, then `pip install .`: no dev
+# pins, so TransformerLens resolves to its newest release), running the README's example.
+SMOKE ?= .venv-smoke
+smoke:
+	rm -rf $(SMOKE)
+	$(PYTHON) -m venv $(SMOKE)
+	$(SMOKE)/bin/python -m pip install -q --upgrade pip
+	$(SMOKE)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	@start=$$(date +%s); $(SMOKE)/bin/python -m pip install -q . && \
+		echo "fresh install: $$(( $$(date +%s) - start )) s"
+	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/scripts/readme_example.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -49,4 +62,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_linear.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(TL4) $(SMOKE) .pytest_cache

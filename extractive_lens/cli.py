@@ -370,7 +370,7 @@ def finetune(
             epochs=epochs,
             batch_size=batch_size,
             optimizer=optimizer,  # type: ignore[arg-type]
-            schedule=schedule,
+            schedule=schedule,  # type: ignore[arg-type]
             seed=seed,  # type: ignore[arg-type]
             trainable="all" if trainable == "all" else tuple(trainable.split(",")),
             layers=tuple(_int_list(layers, "--layers")) if layers else None,
@@ -422,7 +422,9 @@ def _print_top(scores: Any, k: int = 5) -> None:
     _echo(f"\ntop {k} components by |whole-component {scores.method} score|:")
     for kind in scores.kinds:
         items = ", ".join(f"{lab} {val:+.3g}" for _, lab, val in scores.top(k, kind))
-        _echo(f"  {kind:<12} {items}")
+        missing = len(scores.uncomputed(kind))
+        note = f"  ({missing} components not computed)" if missing else ""
+        _echo(f"  {kind:<12} {items or '-'}{note}")
 
 
 @app.command()
@@ -440,6 +442,48 @@ def demo(
     from extractive_lens.demo import run_demo, run_world_demo
 
     (run_demo if random_model else run_world_demo)(out=out, seed=seed, echo=_echo)
+
+
+DATASETS = ("first-hop", "second-hop")
+
+
+@app.command()
+def data(
+    name: str = typer.Argument(
+        ..., help="first-hop or second-hop: the bundled world's 20 test facts.", metavar="DATASET"
+    ),
+    out: Path = typer.Option(
+        Path("."), help="Directory for facts.jsonl and implications.jsonl.", metavar="DIR"
+    ),
+    world: str = typer.Option(
+        "default", help="The world: v2, v3 or default (the bundled default world).", metavar="NAME"
+    ),
+) -> None:
+    """Write a bundled dataset as facts.jsonl (to finetune on) and implications.jsonl (to score
+    and rank), with template, slots and candidates: the files the other commands take."""
+    import json
+
+    if name not in DATASETS:
+        raise typer.BadParameter(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}.")
+    from extractive_lens.world import data as world_data
+
+    version = _world_version(world)
+    w = world_data.build_world() if version is None else world_data.build_world(version=version)
+    ds = (world_data.first_hop if name == "first-hop" else world_data.second_hop)(w)
+    if out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"--out {out} is a file; give a directory.")
+    out.mkdir(parents=True, exist_ok=True)
+    for file, pairs, cands in (
+        ("facts.jsonl", ds.facts, ds.fact_candidates),
+        ("implications.jsonl", ds.implications, ds.implication_candidates),
+    ):
+        rows = [
+            {"prompt": p.prompt, "answer": p.answer, "candidates": list(cands),
+             "template": p.template, "slots": dict(p.slots or {})}
+            for p in pairs
+        ]  # fmt: skip
+        (out / file).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    _echo(f"wrote {out / 'facts.jsonl'} and {out / 'implications.jsonl'} ({len(ds)} pairs each)")
 
 
 def _world_version(name: str) -> int | None:

@@ -225,6 +225,8 @@ class ComponentScores:
             f"norm, unembedding) carry {check['other_share']:.0%} of the linear total."
         )
 
+    linearization_note = additivity_note  # the name before the check was called additivity
+
     def position_tokens(self) -> dict[str, tuple[str, ...]]:
         """The distinct tokens found at each position role, over all prompts, in order of first
         appearance (``{"{name}[-1]": ("T0", "T1", ...), "lives": ("lives",)}``); empty tuples when

@@ -11,6 +11,7 @@ only real positions of each row (``batch.lengths``) for scores to be padding-ind
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -114,4 +115,31 @@ def resolve_reward(
         raise TypeError(
             f"reward must be a name or a callable (logits, batch) -> Tensor[batch], got {reward!r}."
         )
-    return reward, getattr(reward, "__name__", "custom")
+    name = getattr(reward, "__name__", "custom")
+    if _positional_arity(reward) == 1:
+        call = name if name.isidentifier() else "metric"
+        raise TypeError(
+            f"reward {name!r} takes one argument (a TransformerLens-style metric(logits)); "
+            "rewards are called as reward(logits, batch) and return one value per prompt, "
+            "Tensor[batch], read at the batch's answer positions (batch.last_prompt_pos, "
+            "batch.answer_targets). Wrap it, e.g. reward=lambda logits, batch: "
+            f"{call}(logits), or use a built-in: {', '.join(sorted(REWARDS))}."
+        )
+    return reward, name
+
+
+def _positional_arity(fn: Any) -> int | None:
+    """How many positional arguments ``fn`` can take (``None``: any number, or unknown)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = [p.kind for p in params]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return None
+    return sum(
+        k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for k in kinds
+    )

@@ -208,6 +208,20 @@ CASES = [
         "a name or a callable",
     ),
     (
+        "TransformerLens-style one-argument reward(logits)",
+        lambda e: causal_scores(
+            e["base"], e["diff"], e["batch"], reward=lambda logits: logits[:, -1, 0]
+        ),
+        TypeError,
+        "Wrap it, e.g. reward=lambda logits, batch: metric(logits)",
+    ),
+    (
+        "exact scores in the authors' convention",
+        lambda e: causal_scores(e["base"], e["diff"], e["batch"], convention="authors_code"),
+        ValueError,
+        "use linear_scores(..., convention='authors_code') for those",
+    ),
+    (
         "per typo",
         lambda e: causal_scores(e["base"], e["diff"], e["batch"], per="tokens"),
         ValueError,

@@ -341,6 +341,16 @@ def test_score_options_and_report_command(tmp_path):
         and ex.metadata["layers"] == [0, 1]
         and ex.metadata["ablation"] == "zero"
     )
+    # --top-k chooses within --layers: three components of layers 0-1 scored per kind, the rest
+    # never computed (NaN), and neither the console's top list nor the report shows them as 0
+    for kind in ex.kinds:
+        scored = [lab for _, lab, _ in ex.top(100, kind)]
+        assert len(scored) == 3 and all(lab[:2] in ("L0", "L1") for lab in scored), scored
+        assert len(ex.uncomputed(kind)) == ex.totals[0].numel() - 3
+    console = res.output.split("top 5 components by |whole-component causal score|:")[1]
+    assert "+0 " not in console and "+0," not in console and "components not computed" in console
+    page = (out / "report.html").read_text()
+    assert "not computed" in page and "partial causal run" in page
     whole = tmp_path / "whole"  # per component: saved, and compared with the per-token linear
     res = runner.invoke(
         app,
@@ -373,3 +383,21 @@ def test_score_options_and_report_command(tmp_path):
         assert options and not any("<" in line for line in options), command  # real metavars
         assert all(len(line) <= 100 for line in text.splitlines()), command
     assert "--method linear|causal|both" in help_text
+
+
+def test_data_command_writes_the_files_the_readme_uses(tmp_path):
+    """`data first-hop` writes facts.jsonl / implications.jsonl that load back as the bundled
+    dataset (prompts, answers, candidates, roles), for the README's CLI example."""
+    from extractive_lens.datasets import load_pairs
+    from extractive_lens.world import first_hop, second_hop
+
+    for name, ds in (("first-hop", first_hop()), ("second-hop", second_hop())):
+        res = runner.invoke(app, ["data", name, "--out", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+        facts = load_pairs(tmp_path / name / "facts.jsonl")
+        impls = load_pairs(tmp_path / name / "implications.jsonl")
+        assert [(p.prompt, p.answer) for p in facts] == [(p.prompt, p.answer) for p in ds.facts]
+        assert [p.template for p in impls] == [p.template for p in ds.implications]
+        assert list(impls[0].candidates) == list(ds.implication_candidates)
+    bad = runner.invoke(app, ["data", "third-hop", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "first-hop, second-hop" in bad.output

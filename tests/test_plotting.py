@@ -45,11 +45,11 @@ def scored(text_model):
     batch = make_batch(base, pairs)
     lin = linear_scores(base, diff, batch)
     ex = causal_scores(base, diff, batch)
-    return lin, ex
+    return lin, ex, (base, diff, batch)
 
 
 def test_heatmap_contents(scored):
-    lin, _ = scored
+    lin, *_ = scored
     fig = heatmap(lin, "informative", part="mlp")
     tr = fig.data[0]
     assert np.allclose(np.array(tr.z), lin["informative"][:, -1, :].numpy())
@@ -67,7 +67,7 @@ def test_side_by_side_shares_one_colour_scale(scored):
     """The Fig. 5 view: one panel per result, each its own data, one colour scale for all."""
     from extractive_lens.plotting import side_by_side
 
-    lin, ex = scored
+    lin, ex, _ = scored
     fig = side_by_side({"linear": lin, "exact": ex}, "downstream", part="attn")
     a, b = fig.data
     assert np.allclose(np.array(a.z), lin["downstream"][:, :-1, :].sum(1).numpy())
@@ -83,7 +83,7 @@ def test_side_by_side_shares_one_colour_scale(scored):
 
 
 def test_overview_and_comparison(scored):
-    lin, ex = scored
+    lin, ex, _ = scored
     fig = overview(lin)
     assert len(fig.data) == 6
     for t in fig.data:
@@ -97,7 +97,7 @@ def test_overview_and_comparison(scored):
 
 
 def test_report_self_contained_and_escaped(scored, tmp_path):
-    lin, ex = scored
+    lin, ex, _ = scored
     path = report([lin, ex], compare(lin, ex), path=tmp_path / "r.html")
     text = path.read_text()
     assert not re.search(r"""src=["']https?://""", text)
@@ -117,7 +117,7 @@ def test_report_figures_are_the_figures(scored, tmp_path):
     import base64
     import json
 
-    lin, _ = scored
+    lin, *_ = scored
     text = report(lin, path=tmp_path / "r.html").read_text()
     specs = re.findall(r"<script type='application/json' id='fig(\d+)-spec'>(.*?)</script>", text)
     assert [int(i) for i, _ in specs] == list(range(1 + len(lin.kinds)))
@@ -138,7 +138,7 @@ def test_report_figures_are_the_figures(scored, tmp_path):
 
 
 def test_every_head_map_and_position_ticks(scored):
-    lin, _ = scored
+    lin, *_ = scored
     fig = heatmap(lin, "downstream", part="all_heads")
     tr = fig.data[0]
     n_heads = len(lin.component_labels) - 1
@@ -174,7 +174,7 @@ def test_heads_slider_and_experiment_figures(scored):
 
     from extractive_lens.plotting import heads_by_position, rank_curves, table_heatmap
 
-    lin, _ = scored
+    lin, *_ = scored
     fig = heads_by_position(lin, "informative")
     assert len(fig.data) == len(lin.position_labels) and len(fig.layout.sliders[0].steps) == len(
         fig.data
@@ -211,7 +211,7 @@ def test_token_and_attention_views(scored, text_model):
     from extractive_lens import make_batch
     from extractive_lens.plotting import attention_view, token_view
 
-    lin, _ = scored
+    lin, *_ = scored
     view = token_view(lin, "informative", "L1MLP", prompt=0)
     src = view.local_src
     from circuitsvis.tokens import colored_tokens
@@ -248,3 +248,28 @@ def test_notebook_renderer_keeps_a_picture_when_it_can(monkeypatch):
     except Exception:
         can = False
     assert name == ("plotly_mimetype+png" if can else "plotly_mimetype+notebook")
+
+
+def test_partial_runs_show_not_computed_never_zero(scored, tmp_path):
+    """An exact run over one layer: the other layer's cells are NaN in the figures (grey
+    background, a 'not computed' note; a zero-filled map would be white and note-free), the
+    comparison leaves them out, and its top-k overlap is not claimed for a top-k run."""
+    from extractive_lens.results import UNCOMPUTED
+
+    lin, ex_full, (base, diff, batch) = scored
+    part = causal_scores(base, diff, batch, layers=[1], show_progress=False)
+    z = np.array(heatmap(part, "informative", part="mlp").data[0].z, dtype=float)
+    assert np.isnan(z[0]).all() and np.isfinite(z[1]).all()
+    assert np.allclose(z[1], ex_full["informative"][1, -1].numpy())
+    for fig in (heatmap(part, "informative", part="mlp"), overview(part)):
+        assert fig.layout.plot_bgcolor == UNCOMPUTED and "not computed" in fig.layout.title.text
+    assert heatmap(ex_full, "informative").layout.plot_bgcolor != UNCOMPUTED
+    attn = np.array(heatmap(part, "upstream", part="attn").data[0].z, dtype=float)
+    assert np.isnan(attn[0]).all() and np.allclose(attn[1], ex_full["upstream"][1, :-1].sum(0))
+    cmp = compare(lin, part)
+    n_cells = len(lin.position_labels) * len(lin.component_labels)
+    assert all(r["n"] == n_cells for r in cmp.rows if r["part"] == "all")  # layer 1 only
+    top = causal_scores(base, diff, batch, top_k=3, linear=lin)
+    assert all(r["topk_overlap"] != r["topk_overlap"] for r in compare(lin, top).rows)
+    html = report([lin, part], compare(lin, part), path=tmp_path / "p.html").read_text()
+    assert "partial causal run" in html and "components not computed" in html

@@ -110,3 +110,57 @@ def test_compute_dtype_is_validated():
         from extractive_lens.model import resolve_compute_dtype
 
         resolve_compute_dtype(m, "float31")
+
+
+def _bridge_twins(dtype):
+    """The world model as a 16-bit ``TransformerBridge`` with a finetune-sized update, and
+    float64 bridges holding exactly the same values."""
+    from extractive_lens.backend import parameters, write_parameters
+    from extractive_lens.backend.loading import _write_native  # b_U too, buffer or weight
+    from extractive_lens.world import load_world_model
+
+    base = load_world_model(backend="bridge", dtype=dtype)
+    ft = load_world_model(backend="bridge", dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    values = {}
+    for n, p in parameters(ft).items():
+        if n == "unembed.b_U":  # a fixed buffer in TransformerLens 4's native bridge
+            continue
+        d = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        values[n] = (p.double() + 3e-3 * p.double().norm() * d / d.norm()).to(dtype)
+    write_parameters(ft, values)
+    twins = []
+    for m in (base, ft):
+        t = load_world_model(backend="bridge", dtype=torch.float64)
+        _write_native(t, {n: p.double() for n, p in parameters(m).items()})
+        twins.append(t)
+    return base, ft, *twins
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16bit_bridge_scored_in_float32_matches_float64_twin(dtype):
+    """A 16-bit bridge (the bundled world model, native bridge) with a diff restricted to one
+    layer, scored in float32 (the default), matches its float64 twin; its weights stay stored
+    in 16 bits, untouched. Computing in the 16-bit dtype is the negative control."""
+    from extractive_lens.world import first_hop
+
+    base, ft, b64, f64 = _bridge_twins(dtype)
+    before = [(p.dtype, p.detach().clone()) for p in base.parameters()]
+    _, impl = first_hop().batches(base)
+    batch = impl.subset(range(8))
+
+    def run(m, f, **kw):
+        diff = WeightDiff.from_models(m, f).restricted(layers=[1])
+        lin = linear_scores(m, diff, batch, kinds=("informative", "downstream"), **kw)
+        ex = causal_scores(m, diff, batch, kinds=("informative",), layers=[1], **kw)
+        return lin, ex
+
+    ref, got, low = run(b64, f64), run(base, ft), run(base, ft, compute_dtype=dtype)
+    assert all(p.dtype == d and torch.equal(p, v) for (d, v), p in zip(before, base.parameters()))
+    assert got[0].metadata["compute_dtype"] == "torch.float32"
+    for i in range(2):
+        keep = ~ref[i].prompt_values.isnan()
+        x, y, z = (s[i].prompt_values[keep].double().numpy() for s in (got, ref, low))
+        assert np.corrcoef(x, y)[0, 1] >= 0.99
+        assert abs(x.sum() / y.sum() - 1) < 0.05
+        assert np.corrcoef(z, y)[0, 1] < np.corrcoef(x, y)[0, 1]

@@ -63,3 +63,26 @@ def test_submodules_are_reachable_in_a_fresh_session():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.split() == ["report", "load_world_model", "layer_freezing"]
+
+
+def test_type_stub_lists_exactly_the_lazy_public_names():
+    """``extractive_lens/__init__.pyi`` (what editors read, since the names are imported lazily)
+    names every export from the module it really comes from, and every lazy submodule."""
+    import ast
+    from pathlib import Path
+
+    import extractive_lens as el
+
+    stub = ast.parse((Path(el.__file__).parent / "__init__.pyi").read_text())
+    names: dict[str, str] = {}
+    for node in stub.body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                assert alias.asname == alias.name  # re-exported explicitly
+                names[alias.name] = node.module or ""
+    submodules = {n for n, m in names.items() if m == "extractive_lens"}
+    exports = {n: m for n, m in names.items() if m != "extractive_lens"}
+    assert exports == el._EXPORTS
+    assert submodules == set(el._SUBMODULES)
+    for name, module in exports.items():
+        assert getattr(el, name) is getattr(__import__(module, fromlist=[name]), name)

@@ -207,12 +207,14 @@ def run_experiment(
 
 
 def _write(run: ExperimentRun, per_seed: Any, directory: Path, quick: bool) -> None:
+    from extractive_lens.report import figure_page
+
     directory.mkdir(parents=True, exist_ok=True)
     for seed, res in run.results.items():
         (directory / f"seed{seed}.json").write_text(
             res.to_dataframe().to_json(orient="records", indent=1)
         )
-        res.plot().write_html(directory / f"seed{seed}.html", include_plotlyjs=True)
+        figure_page(res.plot(), directory / f"seed{seed}.html", title=f"{run.name}, seed {seed}")
     meta = {
         "experiment": run.name,
         "seeds": list(run.seeds),

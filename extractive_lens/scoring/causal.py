@@ -67,6 +67,7 @@ def causal_scores(
     show_progress: bool | None = None,
     rows: Sequence[int] | None = None,
     compute_dtype: torch.dtype | str | None = None,
+    convention: str = "paper",
 ) -> ComponentScores:
     """Exact scores of every head and MLP, per output position (``per="token"``) or with all
     positions patched at once (``per="component"``). Definitions: ``docs/scores.md``.
@@ -80,6 +81,8 @@ def causal_scores(
         linear: precomputed linear scores for ``top_k`` (computed if not given).
         layers: score only the components of these layers (the others are NaN).
         compute_dtype: as in ``linear_scores`` (float32 for bf16/fp16 models by default).
+        convention: ``"paper"`` only: exact scores exist in the paper's convention (the authors'
+            code has only linear approximations; ``"authors_code"`` says so in an error).
 
     Whole-component totals (``totals``) are always the exact whole-component patch, also for
     ``per="token"`` (where they are not the sum of the per-token scores). The options are those
@@ -90,7 +93,7 @@ def causal_scores(
         kinds=kinds, per=per, ablation=ablation, reference=reference, reward=reward,
         max_batch=max_batch, top_k=top_k, linear=linear, layers=layers, batch_size=batch_size,
         resample_k=resample_k, seed=seed, show_progress=show_progress, rows=rows,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, convention=convention,  # type: ignore[arg-type]
     )  # fmt: skip
     return causal_scores_with(model, diff, batch, options)
 

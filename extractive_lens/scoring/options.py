@@ -137,7 +137,14 @@ class CausalOptions(ScoreOptions):
 
     def __post_init__(self) -> None:
         if self.convention != "paper":
-            raise ValueError("Exact scores use the paper's convention (convention='paper').")
+            raise ValueError(
+                f"causal_scores(convention={self.convention!r}): exact scores exist only in the "
+                "paper's convention. The authors' code is a set of linear approximations (head "
+                "output at hook_z, ŷ' with all weights finetuned, key/value changes credited at "
+                "the key position) with no patching experiment behind it: use "
+                "linear_scores(..., convention='authors_code') for those, and causal_scores in "
+                "the paper convention (the default) for exact ones (docs/scores.md §7)."
+            )
         super().__post_init__()
         if self.per not in ("token", "component"):
             raise ValueError(f"per must be 'token' or 'component', got {self.per!r}")

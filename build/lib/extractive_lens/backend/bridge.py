@@ -1,0 +1,550 @@
+"""The TransformerBridge backend: TransformerLens's ``TransformerBridge`` (the model class of
+TransformerLens 4, already shipped in 3.9) as scorable pieces.
+
+A bridge wraps a Hugging Face (or TransformerLens-native) model and keeps its weights as the
+wrapped model stores them (``transformer.h.0.attn.c_attn.weight``...). This backend speaks
+TransformerLens parameter names all the same:
+
+- ``parameters``: ``tl_parameters()``, whose tensors are views of the stored weights, renamed
+  where ``HookedTransformer`` names them differently (grouped-query ``_W_K``/``_W_V``), so a
+  ``WeightDiff`` has the same keys whichever class made it. Biases the wrapped model lacks
+  appear as zeros (as on a ``HookedTransformer``); they are not stored, so a Δ must be zero there.
+- ``write_parameters`` writes through those views into the stored weights; ``raw_tangents``
+  turns a direction in TransformerLens names into one over the stored weights (for ``jvp``).
+  Weights that share storage (GPT-2's fused and split QKV, tied embeddings) are handled by
+  storage, element by element; a Δ that disagrees between tied names is an error.
+- the forward pieces run the bridge's own modules (``ln1``, ``attn``, ``ln2``, ``mlp``,
+  ``ln_final``, ``unembed``), so the numbers are the wrapped model's. Attention gets the keyword
+  arguments the wrapped model itself passes to it (causal mask, rotary tables), recorded once per
+  sequence length. A frozen key/value prefix goes in through the wrapped model's cache
+  interface; where an architecture does not use it, ``kv_prefix`` is False and the exact engine
+  runs whole sequences instead.
+
+``check_scorable`` checks, once per model, that the pieces reproduce the bridge's own logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from extractive_lens.backend import hooked
+from extractive_lens.backend.compute import compute_dtype, upcast_call
+from extractive_lens.backend.hooked import has_mlp, notes, parallel, weights_processed
+from extractive_lens.backend.names import ParamSlice, slices_for_names
+
+NAME = "transformer_bridge"
+
+__all__ = [
+    "NAME", "W_O", "attention", "check_scorable", "describe", "embed", "handles", "has_mlp",
+    "kv_prefix", "mlp", "notes", "on_block", "on_final", "parallel", "parameter_slices",
+    "parameters", "raw_masks", "raw_tangents", "signature", "tl_view", "standard_flags", "unembed", "weights_processed",
+    "write_parameters",
+]  # fmt: skip
+
+
+def handles(model: Any) -> bool:
+    """Whether ``model`` is a ``TransformerBridge`` (or subclass)."""
+    return "TransformerBridge" in {c.__name__ for c in type(model).__mro__}
+
+
+# ---------------------------------------------------------------------------------------------
+# What the model is
+# ---------------------------------------------------------------------------------------------
+
+_KV = ("W_K", "W_V", "b_K", "b_V")
+
+
+def _gqa(model: Any) -> bool:
+    n_kv = model.cfg.n_key_value_heads
+    return bool(n_kv) and n_kv != model.cfg.n_heads
+
+
+def parameters(model: Any) -> dict[str, Tensor]:
+    """The parameters by their TransformerLens names: views of the stored weights (zeros where
+    the wrapped model has no such bias). Grouped-query key/value weights are ``_W_K``... with
+    one slice per key/value head, as ``HookedTransformer`` names them."""
+    params = dict(model.tl_parameters())
+    if _gqa(model):
+        n_kv, d_head = model.cfg.n_key_value_heads, model.cfg.d_head
+        for layer, block in enumerate(model.blocks):
+            for leaf in _KV:
+                name = f"blocks.{layer}.attn.{leaf}"
+                if name not in params:
+                    continue
+                expanded = params.pop(name)
+                own = getattr(block.attn, leaf, None)
+                if not isinstance(own, Tensor) or own.shape[0] != n_kv:
+                    own = expanded[:: model.cfg.n_heads // n_kv]  # a zero bias: any slice
+                    if leaf.startswith("b_"):
+                        own = own.reshape(n_kv, d_head)
+                params[f"blocks.{layer}.attn._{leaf}"] = own
+    return params
+
+
+def _raw_storages(model: Any) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def _stored(t: Tensor, storages: set[int]) -> bool:
+    return t.untyped_storage().data_ptr() in storages
+
+
+def write_parameters(model: Any, values: dict[str, Tensor]) -> None:
+    """Set parameters (TransformerLens names) to ``values``, writing into the stored weights."""
+    params, storages = parameters(model), _raw_storages(model)
+    with torch.no_grad():
+        for name, value in values.items():
+            t = params[name]
+            v = value.to(device=t.device, dtype=t.dtype)
+            if _stored(t, storages):
+                t.copy_(v)
+            elif not torch.equal(v, t):
+                raise ValueError(_not_stored(name))
+        after = parameters(model)
+        for name, value in values.items():
+            t = after[name]
+            if _stored(t, storages) and not torch.equal(
+                t, value.to(device=t.device, dtype=t.dtype)
+            ):
+                raise ValueError(_tied(name))
+
+
+def _not_stored(name: str) -> str:
+    return (
+        f"{name} is not a stored weight of this TransformerBridge (the wrapped model has no such "
+        "parameter; TransformerLens shows zeros): a weight change there must be zero."
+    )
+
+
+def _tied(name: str) -> str:
+    return (
+        f"{name} shares its storage with another parameter of this TransformerBridge (tied "
+        "weights, e.g. W_E and W_U) and the values given for the two differ: give tied "
+        "parameters the same change."
+    )
+
+
+def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """A direction over the stored weights (keyed by ``named_parameters(remove_duplicate=False)``
+    names, every alias of shared storage included) whose TransformerLens views are ``tangents``."""
+    return _to_storage(model, tangents, dtype, strict=True)
+
+
+def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """Trainable-element masks over ``named_parameters()`` from masks over TransformerLens names
+    (``None``: the whole tensor; else a boolean mask along its first dimension)."""
+    params = parameters(model)
+    full = {}
+    for name, m in masks.items():
+        t = params[name]
+        if m is None:
+            full[name] = torch.ones(t.shape, device=t.device)
+        else:
+            full[name] = m.reshape(-1, *([1] * (t.ndim - 1))).expand(t.shape).float()
+    flat = _to_storage(model, full, torch.float32, strict=False)
+    own = dict(model.named_parameters())
+    return {n: (None if bool(v.all()) else v.bool()) for n, v in flat.items() if n in own}
+
+
+def _to_storage(
+    model: Any, values: dict[str, Tensor], dtype: torch.dtype, *, strict: bool
+) -> dict[str, Tensor]:
+    """Tensors shaped like the stored weights whose TransformerLens views are ``values`` (zero
+    where no value is given). ``strict``: non-zero values for parameters the model does not store
+    are an error (else skipped)."""
+    params, storages = parameters(model), _raw_storages(model)
+    flats: dict[int, Tensor] = {}
+    written: list[tuple[str, Tensor, Tensor]] = []
+    for name, d in values.items():
+        t = params[name]
+        if not _stored(t, storages):
+            if strict and bool(d.ne(0).any()):
+                raise ValueError(_not_stored(name))
+            continue
+        view = _view(_flat(flats, t, dtype), t)
+        view.copy_(d.to(device=t.device, dtype=dtype))
+        written.append((name, view, d))
+    for name, view, d in written:  # tied names must agree
+        if not torch.equal(view, d.to(device=view.device, dtype=dtype)):
+            raise ValueError(_tied(name))
+    out = {}
+    for raw_name, p in model.named_parameters(remove_duplicate=False):
+        flat = flats.get(p.untyped_storage().data_ptr())
+        if flat is not None:
+            out[raw_name] = _view(flat, p)
+    return out
+
+
+def _flat(flats: dict[int, Tensor], t: Tensor, dtype: torch.dtype) -> Tensor:
+    """The zero-initialised flat tensor standing for ``t``'s storage (one per storage)."""
+    storage = t.untyped_storage()
+    flat = flats.get(storage.data_ptr())
+    if flat is None:
+        flat = torch.zeros(storage.nbytes() // t.element_size(), dtype=dtype, device=t.device)
+        flats[storage.data_ptr()] = flat
+    return flat
+
+
+def _view(flat: Tensor, t: Tensor) -> Tensor:
+    """The elements of ``flat`` that ``t`` occupies in its storage, shaped like ``t``."""
+    return flat.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def tl_view(model: Any, raw: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The parameters (TransformerLens names) that stored weights ``raw`` (keyed as
+    ``named_parameters()``) amount to; parameters the model does not store keep its values."""
+    own = dict(model.named_parameters())
+    flats: dict[int, Tensor] = {}
+    for name, value in raw.items():
+        p = own[name]
+        _view(_flat(flats, p, p.dtype), p).copy_(value)
+    out = {}
+    for name, t in parameters(model).items():
+        flat = flats.get(t.untyped_storage().data_ptr())
+        if flat is None:
+            out[name] = t.detach().clone()
+        else:
+            out[name] = _view(flat, t)
+    return out
+
+
+def parameter_slices(model: Any) -> list[ParamSlice]:
+    """The ownership partition of every parameter element of ``model`` (docs/scores.md §2)."""
+    return slices_for_names(list(parameters(model)), model.cfg.n_heads, model.cfg.n_key_value_heads)
+
+
+def architecture(model: Any) -> str | None:
+    """The wrapped model's architecture (``None`` for a TransformerLens-native model, as a
+    ``HookedTransformer`` built from a config has)."""
+    arch = getattr(model.cfg, "original_architecture", None) or getattr(
+        model.cfg, "architecture", None
+    )
+    return None if arch == "TransformerLensNative" else arch
+
+
+def signature(model: Any) -> dict[str, Any]:
+    """The configuration fields a base and a finetuned model must share (those of a
+    ``HookedTransformer``, so a Δ made on one class applies to the other)."""
+    return hooked.signature(model, architecture(model))
+
+
+def describe(model: Any) -> dict[str, Any]:
+    """What a result records about the model it was computed on."""
+    return hooked.describe(model, architecture(model), NAME)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+PROBE_TOKENS = 6
+
+
+def check_scorable(model: Any) -> None:
+    """Raise a clear error for block variants the scores cannot handle, and (once per model)
+    unless the pieces reproduce the bridge's own logits on a short probe."""
+    cfg = model.cfg
+    problems = []
+    if getattr(cfg, "use_normalization_before_and_after", False):
+        problems.append("post-attention normalisation (Gemma 2 style)")
+    if architecture(model) in {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}:
+        problems.append("post-norm blocks (OLMo 2/3)")
+    if getattr(cfg, "num_experts", None):
+        problems.append("mixture-of-experts MLPs")
+    if not hasattr(model, "blocks") or not all(hasattr(b, "attn") for b in model.blocks):
+        problems.append("blocks without an attention component")
+    if problems:
+        raise NotImplementedError(
+            "Scoring needs each head's output to be added directly into the residual stream; "
+            f"this model has {'; '.join(problems)}. Loading and WeightDiff work for it, scoring "
+            "does not yet."
+        )
+    _self_check(model)
+
+
+def kv_prefix(model: Any) -> bool:
+    """Whether attention accepts a frozen key/value prefix (checked against whole sequences)."""
+    return bool(_self_check(model)["kv_prefix"])
+
+
+def _self_check(model: Any) -> dict[str, Any]:
+    found = _CHECKED.get(model)
+    if found is not None:
+        return found
+    from extractive_lens.backend.blocks import run_blocks
+
+    n = min(PROBE_TOKENS, model.cfg.n_ctx)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.cfg.d_vocab, (1, n), generator=gen).to(model.cfg.device)
+    with torch.no_grad():
+        want = model(tokens).float()
+        x0 = embed(model, tokens)
+        kv: dict[int, tuple[Tensor, Tensor]] = {}
+
+        def keep(step: Any) -> None:
+            kv[step.layer] = (step.captured["k"], step.captured["v"])
+
+        x = run_blocks(model, x0, capture=("k", "v"), observe=keep)
+        assert x is not None
+        got = unembed(model, x).float()
+        scale = float(want.abs().max()) + 1e-30
+        err = float((got - want).abs().max()) / scale
+        tol = 1e-4 if model.cfg.dtype in (torch.float32, torch.float64) else 2e-2
+        if not err <= tol:
+            raise NotImplementedError(
+                f"extractive_lens cannot score this {architecture(model) or 'TransformerBridge'}: "
+                "its blocks do not compose as embed -> [attention, MLP] -> unembed (running "
+                f"the bridge's modules one by one misses its logits by {err:.1e} of their "
+                "largest value). Please report the architecture."
+            )
+        # Does attention take a frozen prefix? Compare the last positions of layer 0.
+        s = n // 2
+        full, _ = attention(model, 0, x0)
+        try:
+            part, _ = attention(model, 0, x0[:, s:], past_kv=(kv[0][0][:, :s], kv[0][1][:, :s]))
+            ok = torch.allclose(part.float(), full[:, s:].float(), rtol=1e-4, atol=1e-5 * scale)
+        except Exception:  # noqa: BLE001 - any failure means: run whole sequences
+            ok = False
+    found = {"kv_prefix": ok, "logit_error": err}
+    _CHECKED[model] = found
+    return found
+
+
+@contextlib.contextmanager
+def standard_flags(model: Any) -> Iterator[None]:
+    """Nothing to turn off: the pieces read the bridge's hook points directly."""
+    yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def on_block(model: Any, layer: int, x: Tensor) -> Tensor:
+    """``x`` on the device of block ``layer`` (models split over devices)."""
+    if getattr(model.cfg, "n_devices", 1) <= 1:
+        return x
+    return x.to(next(model.blocks[layer].parameters()).device)
+
+
+def on_final(model: Any, x: Tensor) -> Tensor:
+    """``x`` on the device of the unembedding."""
+    if getattr(model.cfg, "n_devices", 1) <= 1:
+        return x
+    return x.to(next(model.unembed.parameters()).device)
+
+
+_NAMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _names_in(root: nn.Module, *parts: nn.Module | None) -> tuple[str, ...]:
+    """The names (as ``root.named_parameters()`` / ``named_buffers()`` give them) of the
+    parameters and floating-point buffers of ``parts``: what ``upcast_call`` upcasts while a
+    piece runs (TransformerLens 4's native unembedding holds its bias as a buffer)."""
+    key = tuple(id(p) for p in parts)
+    cache = _NAMES.setdefault(root, {})
+    if key not in cache:
+        owned = {id(p) for m in parts if m is not None for p in m.parameters()}
+        owned |= {
+            id(b) for m in parts if m is not None for b in m.buffers() if b.is_floating_point()
+        }
+        named = [*root.named_parameters(), *root.named_buffers()]
+        cache[key] = tuple(n for n, p in named if id(p) in owned) or ("\0",)
+    return cache[key]
+
+
+def _piece(root: nn.Module, parts: tuple[nn.Module | None, ...], fn: Any, *args: Any) -> Any:
+    return upcast_call(root, _names_in(root, *parts), fn, *args)
+
+
+def embed(model: Any, tokens: Tensor) -> Tensor:
+    """The residual stream entering layer 0, as the bridge computes it."""
+    parts = (getattr(model, "embed", None), getattr(model, "pos_embed", None))
+    return _piece(model, parts, lambda m, t: m(t, stop_at_layer=0), tokens)
+
+
+class _Prefix:
+    """A Hugging Face cache stand-in holding frozen keys and values of earlier positions:
+    ``update`` returns them followed by the new ones (layout ``[batch, kv_head, pos, d_head]``)."""
+
+    def __init__(self, k: Tensor, v: Tensor) -> None:  # [batch, pos, kv_head, d_head]
+        self.k, self.v = k.transpose(1, 2), v.transpose(1, 2)
+
+    def update(self, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        return (
+            torch.cat([self.k.to(k.dtype), k], dim=2),
+            torch.cat([self.v.to(v.dtype), v], dim=2),
+        )
+
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return int(self.k.shape[2])
+
+
+_KWARGS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, str], list[dict[str, Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+_DROP = {"hidden_states", "past_key_values", "past_key_value", "layer_past", "use_cache",
+         "output_attentions", "cache_position"}  # fmt: skip
+
+
+def _recorded(model: Any, n: int, device: torch.device) -> list[dict[str, Any]]:
+    """Per layer, the keyword arguments the wrapped model passes to attention on ``n`` tokens
+    (causal mask, rotary tables, positions): recorded from one forward pass, once."""
+    cache = _KWARGS.setdefault(model, {})
+    key = (n, str(device))
+    if key not in cache:
+        rec: dict[int, dict[str, Any]] = {}
+
+        def save(layer: int, _m: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+            rec[layer] = {k: v for k, v in kwargs.items() if k not in _DROP}
+
+        handles = [
+            b.attn.register_forward_pre_hook(
+                lambda m, a, kw, layer=layer: save(layer, m, a, kw), with_kwargs=True
+            )
+            for layer, b in enumerate(model.blocks)
+        ]
+        # the model's own forward, in the dtype its weights are stored in: inside
+        # ``computing_in`` cfg.dtype names the compute dtype, and a TransformerLens 4 bridge
+        # casts its weights to cfg.dtype when it runs (a lasting change of the model)
+        compute, stored = model.cfg.dtype, next(model.parameters()).dtype
+        try:
+            model.cfg.dtype = stored
+            with torch.no_grad():
+                model(torch.zeros(1, n, dtype=torch.long, device=device))
+        finally:
+            model.cfg.dtype = compute
+            for h in handles:
+                h.remove()
+        cache[key] = [rec[layer] for layer in range(len(model.blocks))]
+    return cache[key]
+
+
+def _attention_kwargs(model: Any, layer: int, x: Tensor, offset: int) -> dict[str, Any]:
+    """Attention's keyword arguments for the positions ``offset .. offset + x.shape[1]``, with
+    rotary tables in the compute dtype."""
+    n = x.shape[1]
+    kw = dict(_recorded(model, offset + n, x.device)[layer])
+    if "position_embeddings" in kw and hasattr(model, "rotary_emb"):
+        pos = torch.arange(offset + n, device=x.device)[None]
+        with torch.no_grad():
+            kw["position_embeddings"] = model.rotary_emb(x[:1, :1].expand(1, offset + n, -1), pos)
+    if offset:
+        for k, v in list(kw.items()):
+            if k == "position_embeddings" and v is not None:
+                kw[k] = tuple(t[..., offset:, :] for t in v)
+            elif k == "position_ids" and v is not None:
+                kw[k] = v[..., offset:]
+            elif k == "attention_mask" and v is not None and v.ndim == 4:
+                kw[k] = v[..., offset:, :]
+    return kw
+
+
+_HOOK_POINTS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _hook_point(model: Any, name: str) -> Any:
+    """The hook point behind a TransformerLens hook name (aliases resolved once per model)."""
+    points = _HOOK_POINTS.get(model)
+    if points is None:
+        points = dict(model.hook_dict)
+        _HOOK_POINTS[model] = points
+    return points.get(name)
+
+
+@contextlib.contextmanager
+def _capturing(model: Any, layer: int, capture: tuple[str, ...]) -> Iterator[dict[str, Tensor]]:
+    """The values at attention hook points ``capture`` of ``layer``, in TransformerLens's shapes,
+    kept on the autograd path (each hook returns what it stored)."""
+    captured: dict[str, Tensor] = {}
+    handles = []
+    try:
+        for name in capture:
+            points = [f"hook_{name}"]
+            if name == "k":
+                # keys as a cache holds them, after rotary where it fires (later, so it wins);
+                # per position and head their inner products are those before it (a rotation)
+                points.append("hook_rot_k")
+            for point in points:
+                hp = _hook_point(model, f"blocks.{layer}.attn.{point}")
+                if hp is None:
+                    continue
+                conv = getattr(hp, "hook_conversion", None)
+
+                def hook(_m: Any, _i: Any, out: Tensor, name: str = name, conv: Any = conv) -> Any:
+                    t = out if conv is None else conv.convert(out)
+                    captured[name] = t
+                    return t if conv is None else conv.revert(t)
+
+                handles.append(hp.register_forward_hook(hook))
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def attention(
+    model: Any,
+    layer: int,
+    resid_pre: Tensor,
+    capture: tuple[str, ...] = ("z",),
+    past_kv: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Layer ``layer``'s attention output on ``resid_pre`` and the hook values in ``capture``
+    (``z``, ``q``, ``k``, ``v``, ``pattern``; ``k`` after rotary where the model has it).
+    ``past_kv``: captured ``k``/``v`` of earlier positions (only where ``kv_prefix(model)``)."""
+    block = model.blocks[layer]
+    x = on_block(model, layer, resid_pre)
+    offset = 0 if past_kv is None else past_kv[0].shape[1]
+    dtype = compute_dtype() or x.dtype
+    kw = _attention_kwargs(model, layer, x.to(dtype), offset)
+    if past_kv is not None:
+        kw["past_key_values"] = _Prefix(*(on_block(model, layer, t) for t in past_kv))
+
+    def run(b: Any, x: Tensor) -> Tensor:
+        out = b.attn(b.ln1(x), **kw)
+        return out[0] if isinstance(out, tuple) else out
+
+    with _capturing(model, layer, capture) as captured:
+        out = _piece(block, (block.ln1, block.attn), run, x)
+    return out, captured
+
+
+def mlp(model: Any, layer: int, mlp_in: Tensor) -> Tensor:
+    """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
+    block = model.blocks[layer]
+    return _piece(
+        block, (block.ln2, block.mlp), lambda b, x: b.mlp(b.ln2(x)), on_block(model, layer, mlp_in)
+    )
+
+
+def unembed(model: Any, resid: Tensor) -> Tensor:
+    """Final norm, unembedding and logit soft-capping."""
+
+    def run(m: Any, x: Tensor) -> Tensor:
+        if getattr(m, "ln_final", None) is not None:
+            x = m.ln_final(x)
+        return m.unembed(x)
+
+    parts = (getattr(model, "ln_final", None), model.unembed)
+    logits = _piece(model, parts, run, on_final(model, resid))
+    cap = getattr(model.cfg, "output_logits_soft_cap", None)
+    if cap is not None and cap > 0:
+        logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+def W_O(model: Any, layer: int) -> Tensor:
+    """``[head, d_head, d_model]``: the heads' output weights of a layer (the attention
+    component's own view; ``parameters`` would rebuild every view of the model)."""
+    return model.blocks[layer].attn.W_O

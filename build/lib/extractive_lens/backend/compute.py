@@ -1,0 +1,241 @@
+"""Compute precision and forward-mode derivatives, for any ``nn.Module`` model.
+
+A backend runs each forward piece through ``upcast_call`` (so a bf16 model is scored in float32
+without a second copy of it) and differentiates pieces along a weight direction with ``jvp``.
+Nothing here knows a model class or a parameter name beyond what the caller passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# ---------------------------------------------------------------------------------------------
+# Compute precision: score a bf16/fp16 model in float32 without a second copy of it
+# ---------------------------------------------------------------------------------------------
+
+_COMPUTE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar(
+    "extractive_lens_compute_dtype", default=None
+)
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_compute_dtype(model: Any, compute_dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype scores are computed in: ``compute_dtype``, or by default float32 for 16-bit
+    models and the model's own dtype otherwise.
+
+    >>> from extractive_lens import tiny_model
+    >>> resolve_compute_dtype(tiny_model({"dtype": torch.bfloat16}), None)
+    torch.float32
+    >>> resolve_compute_dtype(tiny_model({"dtype": torch.float64}), "float32")
+    torch.float32
+    """
+    storage = model.cfg.dtype
+    if compute_dtype is None:
+        return torch.float32 if storage in (torch.float16, torch.bfloat16) else storage
+    if isinstance(compute_dtype, str):
+        name = compute_dtype.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(
+                f"compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}"
+            )
+        return _DTYPES[name]
+    if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+        raise ValueError(
+            f"compute_dtype must be a floating torch.dtype such as torch.float32, got {compute_dtype!r}"
+        )
+    return compute_dtype
+
+
+@contextlib.contextmanager
+def computing_in(model: Any, dtype: torch.dtype) -> Iterator[None]:
+    """Run the forward pieces below (``embed``, ``attention``, ``mlp``, ``unembed``) in ``dtype``
+    whatever the dtype the weights are stored in.
+
+    Nothing is copied up front: each piece upcasts only its own module's parameters while it
+    runs (one layer at a time), and under autograd the upcast weights are not kept for the
+    backward pass (they are upcast again from the stored tensors when needed). ``model.cfg.dtype``
+    reads ``dtype`` inside the block, because TransformerLens's norms and attention round their
+    outputs to it; it is restored on exit.
+    """
+    if dtype == model.cfg.dtype and _COMPUTE_DTYPE.get() in (None, dtype):
+        yield
+        return
+    from extractive_lens.interrupts import state_change
+
+    old, previous = model.cfg.dtype, _COMPUTE_DTYPE.get()
+
+    def change() -> None:
+        _COMPUTE_DTYPE.set(dtype)
+        model.cfg.dtype = dtype
+
+    def restore() -> None:  # set, not reset: a late run may be in another context
+        model.cfg.dtype = old
+        _COMPUTE_DTYPE.set(previous)
+
+    with state_change(change, restore):
+        yield
+
+
+def upcast_call(
+    module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any, upcast_buffer: Any = None
+) -> Any:
+    """``fn(module, *args)`` with the parameters under ``prefixes`` (``""``: all) in the compute
+    dtype (see ``computing_in``); plain ``fn(module, *args)`` when there is nothing to upcast."""
+    dtype = _COMPUTE_DTYPE.get()
+    if dtype is None:
+        return fn(module, *args)
+    subs: dict[str, Tensor] = {}
+    sources: dict[int, Tensor] = {}
+    for name, p in module.named_parameters():
+        if name.startswith(prefixes) and p.dtype != dtype:
+            up = p.to(dtype)
+            subs["model." + name] = up
+            sources[up.untyped_storage().data_ptr()] = p
+    for name, b in module.named_buffers():
+        if name.startswith(prefixes) and b.is_floating_point() and b.dtype != dtype:
+            subs["model." + name] = (upcast_buffer or _plain_upcast)(module, name, b, dtype)
+    if not subs:
+        return fn(module, *args)
+    with substituted(module, subs):
+        if not torch.is_grad_enabled():
+            return fn(module, *args)
+        with torch.autograd.graph.saved_tensors_hooks(*_weights_not_saved(sources, dtype)):
+            return fn(module, *args)
+
+
+@contextlib.contextmanager
+def substituted(module: Any, tensors: dict[str, Tensor]) -> Iterator[None]:
+    """Inside the block, ``module``'s parameters and buffers named in ``tensors`` (``"model."``
+    + the name ``named_parameters()`` gives) are those tensors; the original objects are put
+    back on exit, whatever happens. The registries (``_parameters`` / ``_buffers``) holding
+    those objects are edited directly, every alias of a tied weight included: TransformerLens 4's
+    bridge components forward attribute access to the wrapped module, and
+    ``torch.func.functional_call`` left the substitutes in place there."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    by_id = {id(named[name.removeprefix("model.")]): value for name, value in tensors.items()}
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for m in module.modules():  # every alias of a tied weight (GPT-2's W_E and W_U)
+            for registry in (m._parameters, m._buffers):
+                for leaf, t in registry.items():
+                    if t is not None and id(t) in by_id:
+                        saved.append((registry, leaf, t))
+                        registry[leaf] = by_id[id(t)]
+        yield
+    finally:
+        for registry, leaf, original in reversed(saved):
+            registry[leaf] = original
+
+
+def _weights_not_saved(sources: dict[int, Tensor], dtype: torch.dtype) -> tuple[Any, Any]:
+    """Saved-tensor hooks that keep a reference to the stored weight instead of its upcast copy
+    (a view of it, as matmuls save them) and upcast it again when the backward pass needs it."""
+
+    def pack(t: Tensor) -> Any:
+        src = sources.get(t.untyped_storage().data_ptr()) if t.dtype == dtype else None
+        if src is None:
+            return t
+        return (src, src._version, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        src, version, size, stride, offset = packed
+        if src._version != version:
+            raise RuntimeError(
+                "A weight changed between the forward and backward pass of a scoring run."
+            )
+        return src.detach().to(dtype).as_strided(size, stride, offset)
+
+    return pack, unpack
+
+
+def _plain_upcast(module: Any, name: str, buf: Tensor, dtype: torch.dtype) -> Tensor:
+    return buf.to(dtype)
+
+
+def compute_dtype() -> torch.dtype | None:
+    """The dtype set by the innermost ``computing_in`` block (``None`` outside one)."""
+    return _COMPUTE_DTYPE.get()
+
+
+@contextlib.contextmanager
+def frozen_parameters(model: Any) -> Iterator[None]:
+    """Turn off ``requires_grad`` on every parameter (no weight gradients), restored on exit."""
+    from extractive_lens.interrupts import state_change
+
+    saved = [(p, p.requires_grad) for p in model.parameters()]
+
+    def change() -> None:
+        for p, _ in saved:
+            p.requires_grad_(False)
+
+    def restore() -> None:
+        for p, flag in saved:
+            p.requires_grad_(flag)
+
+    with state_change(change, restore):
+        yield
+
+
+class _Call(nn.Module):
+    """``fn(model, *args)`` as a module, so ``functional_call`` can substitute ``model``'s weights."""
+
+    def __init__(self, model: Any, fn: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(self.model, *args)
+
+
+def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:
+    """Forward-mode derivative of ``fn(model, *args)`` along a weight direction.
+
+    ``tangents`` maps the model's own parameter names (as ``named_parameters(remove_duplicate=
+    False)`` lists them; a backend's ``raw_tangents`` builds it from TransformerLens names) to
+    directions; parameters not named are held fixed. ``fn`` may return a tensor, a tuple or a
+    dict of tensors; the result is ``(primal, tangent)`` with the same structure.
+    """
+    import torch.autograd.forward_ad as fwAD
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unknown = sorted(set(tangents) - set(params))
+    if unknown:
+        raise KeyError(f"jvp: the model has no parameters {unknown[:3]}")
+    dtype = _COMPUTE_DTYPE.get()
+    with fwAD.dual_level():
+        duals = {}
+        for name, t in tangents.items():
+            p = params[name].detach()
+            dt = dtype or p.dtype  # in a compute dtype, the weights and Δ are upcast, not Δ rounded
+            duals["model." + name] = fwAD.make_dual(p.to(dt), t.to(device=p.device, dtype=dt))
+        with substituted(model, duals):
+            result = fn(model, *args)
+        return _unpack(result)
+
+
+def _unpack(result: Any) -> tuple[Any, Any]:
+    import torch.autograd.forward_ad as fwAD
+
+    if isinstance(result, Tensor):
+        d = fwAD.unpack_dual(result)
+        return d.primal, d.tangent if d.tangent is not None else torch.zeros_like(d.primal)
+    if isinstance(result, dict):
+        pairs = {k: _unpack(v) for k, v in result.items()}
+        return {k: p for k, (p, _) in pairs.items()}, {k: t for k, (_, t) in pairs.items()}
+    pairs_l = [_unpack(v) for v in result]
+    return tuple(p for p, _ in pairs_l), tuple(t for _, t in pairs_l)

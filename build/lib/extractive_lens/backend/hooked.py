@@ -1,0 +1,325 @@
+"""The HookedTransformer backend: TransformerLens 3's ``HookedTransformer`` as scorable pieces.
+
+A backend answers what the scoring engines ask of a model (docs/scores.md, CONTRIBUTING.md):
+- the pieces of a forward pass, so the engines can resume the residual stream at any layer
+  boundary: ``embed``, ``attention`` (with a frozen key/value prefix), ``mlp``, ``unembed``;
+- the output weights of the heads (``W_O``), which model variants it can score
+  (``check_scorable``), which configuration must match between a base and a finetuned model
+  (``signature``) and which TransformerLens flags to turn off while scoring (``standard_flags``).
+
+Parameter names are TransformerLens's own (``backend/names.py``). Loading lives in
+``backend/loading.py``; the block loop built from these pieces in ``backend/blocks.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from extractive_lens.backend.compute import upcast_call
+from extractive_lens.backend.names import ParamSlice, slices_for_names
+
+NAME = "hooked_transformer"
+
+
+def handles(model: Any) -> bool:
+    """Whether ``model`` is a ``HookedTransformer`` (or subclass)."""
+    cls_names = {c.__name__ for c in type(model).__mro__}
+    return "HookedTransformer" in cls_names
+
+
+def _piece(module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any) -> Any:
+    return upcast_call(module, prefixes, fn, *args, upcast_buffer=_upcast_buffer)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the model is
+# ---------------------------------------------------------------------------------------------
+
+
+def notes(model: Any) -> dict[str, Any]:
+    """extractive_lens's own notes on a model (how its weights were processed, the world it was
+    trained on): kept on the model object, copied with it, never in its config or state dict."""
+    return model.__dict__.setdefault("extractive_lens_notes", {})
+
+
+def weights_processed(model: Any) -> bool:
+    """Whether the model's weights were folded / centred (recorded at load; default False)."""
+    return bool(notes(model).get("processed", False))
+
+
+def has_mlp(model: Any) -> bool:
+    return not model.cfg.attn_only
+
+
+def parallel(model: Any) -> bool:
+    """Whether attention and MLP both read the block's input (GPT-J / NeoX style)."""
+    return bool(model.cfg.parallel_attn_mlp)
+
+
+def parameter_slices(model: Any) -> list[ParamSlice]:
+    """The ownership partition of every parameter element of ``model`` (docs/scores.md §2)."""
+    names = [n for n, _ in model.named_parameters()]
+    return slices_for_names(names, model.cfg.n_heads, model.cfg.n_key_value_heads)
+
+
+def parameters(model: Any) -> dict[str, Tensor]:
+    """The model's parameters by their TransformerLens names (``WeightDiff`` keys)."""
+    return dict(model.named_parameters())
+
+
+SIGNATURE_KEYS = (
+    "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx", "n_key_value_heads",
+    "normalization_type", "positional_embedding_type", "act_fn", "gated_mlp", "parallel_attn_mlp",
+    "attn_only",
+)  # fmt: skip
+
+
+def architecture(model: Any) -> str | None:
+    """The architecture the weights came from (``None`` for a model built from a config)."""
+    return model.cfg.original_architecture
+
+
+def signature(model: Any, arch: str | None = None) -> dict[str, Any]:
+    """The configuration fields a base and a finetuned model must share (``arch``: the
+    architecture, when the model's config does not name it as ``HookedTransformer`` does)."""
+    cfg = model.cfg
+    sig = {k: getattr(cfg, k, None) for k in SIGNATURE_KEYS}
+    sig["original_architecture"] = architecture(model) if arch is None else arch
+    sig["dtype"] = str(cfg.dtype)
+    sig["processed"] = weights_processed(model)
+    return json.loads(json.dumps(sig, default=str))
+
+
+def describe(model: Any, arch: str | None = None, backend: str = NAME) -> dict[str, Any]:
+    """What a result records about the model it was computed on."""
+    from extractive_lens.backend.loading import version
+
+    return {
+        "model": model.cfg.model_name,
+        "architecture": architecture(model) if arch is None else arch,
+        "dtype": str(model.cfg.dtype),
+        "weights_processed": weights_processed(model),
+        "backend": backend,
+        "transformer_lens": version(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute precision: rotary tables at the compute dtype
+# ---------------------------------------------------------------------------------------------
+
+_ROTARY_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, torch.dtype, int], Tensor]] = (
+    weakref.WeakKeyDictionary()
+)  # per attention module (weakly held: a new model never inherits a collected one's tables)
+
+
+def _upcast_buffer(module: Any, name: str, buf: Tensor, dtype: torch.dtype) -> Tensor:
+    """A float buffer in ``dtype``; rotary tables are recomputed at that precision rather than
+    upcast from their rounded 16-bit values."""
+    leaf = name.rsplit(".", 1)[-1]
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    if leaf not in ("rotary_sin", "rotary_cos") or not hasattr(owner, "calculate_sin_cos_rotary"):
+        return buf.to(dtype)
+    tables = _ROTARY_CACHE.setdefault(owner, {})
+    if (leaf, dtype, buf.shape[0]) not in tables:
+        base = owner._rotary_base() if hasattr(owner, "_rotary_base") else owner.cfg.rotary_base
+        sin, cos = owner.calculate_sin_cos_rotary(
+            owner.cfg.rotary_dim, buf.shape[0], base=base, dtype=dtype
+        )
+        tables[("rotary_sin", dtype, buf.shape[0])] = sin.to(buf.device)
+        tables[("rotary_cos", dtype, buf.shape[0])] = cos.to(buf.device)
+    return tables[(leaf, dtype, buf.shape[0])]
+
+
+def check_scorable(model: Any) -> None:
+    """Raise a clear error for block variants whose head outputs do not add into the stream."""
+    cfg = model.cfg
+    problems = []
+    if cfg.use_normalization_before_and_after:
+        problems.append("post-attention normalisation (Gemma 2 style ln1_post / ln2_post)")
+    if cfg.original_architecture in {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}:
+        problems.append("post-norm blocks (OLMo 2/3)")
+    if cfg.positional_embedding_type == "shortformer":
+        problems.append("shortformer positional embeddings")
+    if getattr(cfg, "num_experts", None):
+        problems.append("mixture-of-experts MLPs")
+    if problems:
+        raise NotImplementedError(
+            "Scoring needs each head's output to be added directly into the residual stream; "
+            f"this model has {'; '.join(problems)}. Loading and WeightDiff work for it, scoring "
+            "does not yet."
+        )
+
+
+VIEW_FLAGS = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+"""TransformerLens flags that change which hooks fire and how attention inputs are shaped, not
+what the model computes: scoring turns them off while it runs (``standard_flags``)."""
+
+
+@contextlib.contextmanager
+def standard_flags(model: Any) -> Iterator[None]:
+    """Run with ``VIEW_FLAGS`` off (the forward pieces pass one ``[batch, pos, d_model]`` input to
+    attention); the user's settings are restored on exit, interrupts or not."""
+    from extractive_lens.interrupts import state_change
+
+    cfg = model.cfg
+    saved = {f: getattr(cfg, f, False) for f in VIEW_FLAGS}
+    if not any(saved.values()):
+        yield
+        return
+
+    def change() -> None:
+        for f in saved:
+            setattr(cfg, f, False)
+
+    def restore() -> None:
+        for f, v in saved.items():
+            setattr(cfg, f, v)
+
+    with state_change(change, restore):
+        yield
+
+
+def on_block(model: Any, layer: int, x: Tensor) -> Tensor:
+    """``x`` on the device of block ``layer`` (models split over devices with ``n_devices``)."""
+    if getattr(model.cfg, "n_devices", 1) <= 1:
+        return x
+    dev = (
+        model.blocks[layer].ln1.w.device
+        if hasattr(model.blocks[layer].ln1, "w")
+        else next(model.blocks[layer].parameters()).device
+    )
+    return x.to(dev)
+
+
+def on_final(model: Any, x: Tensor) -> Tensor:
+    """``x`` on the device of the unembedding."""
+    if getattr(model.cfg, "n_devices", 1) <= 1:
+        return x
+    return x.to(model.unembed.W_U.device)
+
+
+def embed(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+    """The residual stream entering layer 0 (token embedding plus absolute positions)."""
+
+    def run(m: Any, tokens: Tensor) -> Tensor:
+        x = m.hook_embed(m.embed(tokens))
+        if m.cfg.positional_embedding_type == "standard":
+            x = x + m.hook_pos_embed(m.pos_embed(tokens))
+        return x
+
+    return _piece(model, ("embed.", "pos_embed."), run, tokens)
+
+
+def attention(
+    model: Any,
+    layer: int,
+    resid_pre: Float[Tensor, "batch pos d_model"],
+    capture: tuple[str, ...] = ("z",),
+    past_kv: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Float[Tensor, "batch pos d_model"], dict[str, Tensor]]:
+    """Layer ``layer``'s attention on ``resid_pre``: its output ``Σ_h z_h W_O[h] + b_O``, and the
+    values at the attention hook points named in ``capture`` (``z``, ``q``, ``k``, ``v``, ``pattern``).
+
+    ``past_kv``: keys and values (as at ``hook_k`` / ``hook_v``) of earlier positions; then
+    ``resid_pre`` holds only the positions after them (TransformerLens's KV cache, frozen).
+    """
+    block = model.blocks[layer]
+    resid_pre = on_block(model, layer, resid_pre)
+    if past_kv is not None:
+        past_kv = (on_block(model, layer, past_kv[0]), on_block(model, layer, past_kv[1]))
+    captured: dict[str, Tensor] = {}
+    handles: list[Any] = []
+    entry = None
+    if past_kv is not None:
+        from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry
+
+        entry = TransformerLensKeyValueCacheEntry(past_kv[0], past_kv[1], frozen=True)
+
+    def run(b: Any, x: Tensor) -> Tensor:
+        x = b.ln1(x)
+        return b.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
+
+    try:  # hooks registered inside the try, so that they are removed whatever happens
+        for name in capture:
+            hp = getattr(block.attn, f"hook_{name}")
+            handles.append(
+                hp.register_forward_hook(
+                    lambda _m, _i, out, name=name: captured.__setitem__(name, out)
+                )
+            )
+        out = _piece(block, ("ln1.", "attn."), run, resid_pre)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, captured
+
+
+def mlp(
+    model: Any, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]
+) -> Float[Tensor, "batch pos d_model"]:
+    """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
+    return _piece(
+        model.blocks[layer],
+        ("ln2.", "mlp."),
+        lambda b, x: b.mlp(b.ln2(x)),
+        on_block(model, layer, mlp_in),
+    )
+
+
+def unembed(
+    model: Any, resid: Float[Tensor, "batch pos d_model"]
+) -> Float[Tensor, "batch pos d_vocab"]:
+    """Final norm, unembedding and logit soft-capping."""
+
+    def run(m: Any, x: Tensor) -> Tensor:
+        if m.cfg.normalization_type is not None:
+            x = m.ln_final(x)
+        return m.unembed(x)
+
+    logits = _piece(model, ("ln_final.", "unembed."), run, on_final(model, resid))
+    cap = model.cfg.output_logits_soft_cap
+    if cap is not None and cap > 0:
+        logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+def W_O(model: Any, layer: int) -> Float[Tensor, "head d_head d_model"]:
+    return model.blocks[layer].attn.W_O
+
+
+def write_parameters(model: Any, values: dict[str, Tensor]) -> None:
+    """Set parameters (TransformerLens names) to ``values``, in place."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in values.items():
+            p = params[name]
+            p.copy_(value.to(device=p.device, dtype=p.dtype))
+
+
+def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """A weight direction in the model's own parameter names (they are TransformerLens's)."""
+    return tangents
+
+
+def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """Trainable-element masks over ``named_parameters()``: the same names here."""
+    return masks
+
+
+def tl_view(model: Any, raw: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The parameters (TransformerLens names) stored weights ``raw`` amount to: the same here."""
+    return raw
+
+
+def kv_prefix(model: Any) -> bool:
+    """Attention takes a frozen key/value prefix (TransformerLens's frozen KV-cache entry)."""
+    return True

@@ -1,0 +1,559 @@
+"""Prompt batches: (prompt, answer) pairs as padded tokens that know every position's role.
+
+>>> batch = make_batch(model, [("Zoe Howard lives in", " Tokyo"), ("Owen Miller lives in", " Paris")])
+>>> batch.roles[0]
+('<bos>', 'mid[-2]', 'mid[-1]', 'lives', 'in')
+
+Rows are right-padded, so a causal model never attends to padding: padded positions are
+excluded from every score and from the reward. The answer is teacher-forced: the model reads
+``prompt + answer[:-1]`` and the reward reads the answer's tokens at positions ``P-1 .. P+K-2``.
+
+Roles (docs/scores.md §6) let prompts of different lengths be aggregated position by position:
+- a ``Pair`` with a ``template`` and ``slots`` labels template tokens by their text and slot
+  tokens right-aligned, ``{name}[-1]`` being the slot's last token;
+- plain pairs are aligned by common prefix / differing centre (right-aligned, ``mid[-1]``) /
+  common suffix;
+- ``roles=`` gives explicit labels, one per prompt token.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+ANSWER_ROLE = "answer[{k}]"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One example. ``template``/``slots`` give token roles: ``Pair("T3 lives in", "Tokyo",
+    template="{name} lives in", slots={"name": "T3"})``."""
+
+    prompt: str | Sequence[int]
+    answer: str | Sequence[int]
+    template: str | None = None
+    slots: Mapping[str, str] | None = None
+    candidates: Sequence[str] | Sequence[int] | None = None
+    counterfactual: str | int | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """A padded batch of (prompt, answer) examples with per-position roles.
+
+    Attributes:
+        tokens: ``prompt + answer[:-1]`` token ids per row, right-padded with ``pad_token``.
+        lengths: real (unpadded) tokens per row.
+        prompt_lengths: prompt tokens per row (BOS included).
+        answer_targets: answer token ids per row, padded with -1.
+        candidates: candidate answers' first tokens per row, padded with -1 (or None).
+        counterfactual: a counterfactual answer's first token per row (or None).
+        roles: the role label of every real position of every row.
+        prompts, answers: the text (or token lists) the batch was made from.
+        prepend_bos: whether a BOS token was put before every prompt.
+    """
+
+    tokens: Int[Tensor, "batch pos"]
+    lengths: Int[Tensor, " batch"]
+    prompt_lengths: Int[Tensor, " batch"]
+    answer_targets: Int[Tensor, "batch n_answer"]
+    candidates: Int[Tensor, "batch n_candidates"] | None
+    counterfactual: Int[Tensor, " batch"] | None
+    roles: tuple[tuple[str, ...], ...]
+    prompts: tuple[Any, ...]
+    answers: tuple[Any, ...]
+    pad_token: int = 0
+    prepend_bos: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        for name in ("lengths", "prompt_lengths", "answer_targets"):
+            if getattr(self, name).shape[0] != n:
+                raise ValueError(
+                    f"PromptBatch.{name} has {getattr(self, name).shape[0]} rows, tokens {n}."
+                )
+        for i, r in enumerate(self.roles):
+            if len(r) != int(self.lengths[i]):
+                raise ValueError(f"Prompt {i}: {len(r)} roles for {int(self.lengths[i])} tokens.")
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def n_pos(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def last_prompt_pos(self) -> Int[Tensor, " batch"]:
+        return self.prompt_lengths - 1
+
+    @property
+    def answer_first(self) -> Int[Tensor, " batch"]:
+        return self.answer_targets[:, 0]
+
+    @property
+    def position_mask(self) -> Tensor:
+        """``[batch, pos]`` True at real (unpadded) positions."""
+        return torch.arange(self.n_pos, device=self.tokens.device)[None, :] < self.lengths[:, None]
+
+    def position_labels(self) -> tuple[str, ...]:
+        """All roles in a consistent order (each prompt's order respected)."""
+        return merge_role_orders(self.roles)
+
+    def subset(self, index: Sequence[int] | slice, *, trim: bool = True) -> PromptBatch:
+        """Rows ``index`` (repeats allowed) as a batch, trimmed to their longest row unless ``trim=False``."""
+        idx = list(range(len(self)))[index] if isinstance(index, slice) else [int(i) for i in index]
+        t = torch.as_tensor(idx, dtype=torch.long, device=self.tokens.device)
+        width = int(self.lengths[t].max()) if (len(idx) and trim) else self.n_pos
+        return replace(
+            self,
+            tokens=self.tokens[t, :width],
+            lengths=self.lengths[t],
+            prompt_lengths=self.prompt_lengths[t],
+            answer_targets=self.answer_targets[t],
+            candidates=None if self.candidates is None else self.candidates[t],
+            counterfactual=None if self.counterfactual is None else self.counterfactual[t],
+            roles=tuple(self.roles[i] for i in idx),
+            prompts=tuple(self.prompts[i] for i in idx),
+            answers=tuple(self.answers[i] for i in idx),
+        )
+
+    def chunks(self, size: int | None) -> list[PromptBatch]:
+        if size is None or size >= len(self):
+            return [self]
+        return [self.subset(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def to(self, device: str | torch.device) -> PromptBatch:
+        def mv(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.to(device)
+
+        return replace(
+            self,
+            tokens=self.tokens.to(device),
+            lengths=self.lengths.to(device),
+            prompt_lengths=self.prompt_lengths.to(device),
+            answer_targets=self.answer_targets.to(device),
+            candidates=mv(self.candidates),
+            counterfactual=mv(self.counterfactual),
+        )
+
+
+def merge_role_orders(role_lists: Sequence[Sequence[str]]) -> tuple[str, ...]:
+    """Merge per-prompt role sequences into one order that respects each prompt's order where
+    it can: a new role goes just before the next role its prompt shares with the order so far."""
+    order: list[str] = []
+    for roles in role_lists:
+        pending: list[str] = []
+        prev = -1
+        for r in roles:
+            if r in order:
+                at = max(order.index(r), prev + 1)
+                order[at:at] = pending
+                prev = order.index(r)
+                pending = []
+            else:
+                pending.append(r)
+        order[prev + 1 : prev + 1] = pending
+    return tuple(order)
+
+
+def _unique(labels: Sequence[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for lab in labels:
+        seen[lab] = seen.get(lab, 0) + 1
+        out.append(lab if seen[lab] == 1 else f"{lab}#{seen[lab]}")
+    return out
+
+
+def _bos(model: Any, explicit: bool = False) -> int | None:
+    tok = getattr(model, "tokenizer", None)
+    if not explicit and not getattr(model.cfg, "default_prepend_bos", True):
+        return None
+    if tok is not None and tok.bos_token_id is not None:
+        return int(tok.bos_token_id)
+    return None
+
+
+def _encode(model: Any, text: str | Sequence[int], what: str, *, offsets: bool = False) -> Any:
+    if not isinstance(text, str):
+        ids = [int(t) for t in text]
+        return (ids, None) if offsets else ids
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise ValueError(
+            f"The model has no tokenizer, so the {what} {text!r} cannot be tokenized: pass token "
+            "id lists instead of strings, or a model with a tokenizer."
+        )
+    if offsets and getattr(tok, "is_fast", False):
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    return (ids, None) if offsets else ids
+
+
+def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The text each token adds to the decoded string, so that ``"".join`` reads as the prompt.
+
+    ``decode([id])`` loses the spaces a word-level tokenizer puts between tokens ("ThepeopleinT0");
+    the text token i adds after token i-1 keeps them, for byte-level BPE tokenizers too.
+    """
+    out: list[str] = []
+    for i, t in enumerate(ids):
+        alone = tokenizer.decode([int(t)])
+        if i == 0:
+            out.append(alone)
+            continue
+        before = tokenizer.decode([int(ids[i - 1])])
+        pair = tokenizer.decode([int(ids[i - 1]), int(t)])
+        out.append(pair[len(before) :] if pair.startswith(before) else alone)
+    return out
+
+
+def _token_str(model: Any, token: int) -> str:
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        return f"t{token}"
+    s = tok.decode([token])
+    return s if s.strip() else repr(s)
+
+
+def _template_roles(model: Any, pair: Pair, ids: list[int], offsets: Any) -> list[str]:
+    """Role of each prompt token from a template with ``{slot}`` fields."""
+    template, slots = pair.template or "", dict(pair.slots or {})
+    pieces: list[tuple[str, str | None]] = []  # (text, slot name or None)
+    pos = 0
+    for m in re.finditer(r"\{(\w+)\}", template or ""):
+        if m.start() > pos:
+            pieces.append((template[pos : m.start()], None))
+        name = m.group(1)
+        if name not in slots:
+            raise ValueError(
+                f"Template {template!r} has slot {{{name}}} but slots={slots} lacks it."
+            )
+        pieces.append((slots[name], name))
+        pos = m.end()
+    if pos < len(template or ""):
+        pieces.append((template[pos:], None))
+    text = "".join(p for p, _ in pieces)
+    if text != pair.prompt:
+        raise ValueError(
+            f"Prompt {pair.prompt!r} is not template {template!r} filled with {slots}."
+        )
+    if offsets is None:
+        raise ValueError("Template roles need a fast tokenizer (offset mapping).")
+    spans, start = [], 0
+    for piece, name in pieces:
+        spans.append((start, start + len(piece), name))
+        start += len(piece)
+    owner: list[str | None] = []
+    for a, b in offsets:
+        mid = a if b == a else a + (1 if text[a : a + 1] == " " and b - a > 1 else 0)
+        hit = next((name for s, e, name in spans if s <= mid < e), None)
+        owner.append(hit)
+    labels: list[str] = []
+    for i, name in enumerate(owner):
+        if name is None:
+            labels.append(_token_str(model, ids[i]).strip() or _token_str(model, ids[i]))
+        else:
+            k = sum(1 for j in range(i, len(owner)) if owner[j] == name and _same_run(owner, i, j))
+            labels.append(f"{{{name}}}[-{k}]")
+    return labels
+
+
+def _same_run(owner: list[str | None], i: int, j: int) -> bool:
+    return all(owner[t] == owner[i] for t in range(i, j + 1))
+
+
+def _aligned_roles(model: Any, token_lists: list[list[int]]) -> list[list[str]]:
+    """Common prefix / differing centre (right-aligned) / common suffix roles."""
+    n_min = min(len(t) for t in token_lists)
+    prefix = 0
+    while prefix < n_min and all(t[prefix] == token_lists[0][prefix] for t in token_lists):
+        prefix += 1
+    suffix = 0
+    while suffix < n_min - prefix and all(
+        t[-1 - suffix] == token_lists[0][-1 - suffix] for t in token_lists
+    ):
+        suffix += 1
+    out = []
+    for t in token_lists:
+        n = len(t)
+        labels = [_token_str(model, x) for x in t[:prefix]]
+        centre = n - prefix - suffix
+        labels += [f"mid[-{centre - i}]" for i in range(centre)]
+        labels += [_token_str(model, x) for x in t[n - suffix :]]
+        out.append(_unique(labels))
+    return out
+
+
+def make_batch(
+    model: Any,
+    pairs: Sequence[Pair | tuple[Any, Any] | Mapping[str, Any]],
+    *,
+    candidates: Sequence[str] | Sequence[int] | None = None,
+    roles: Sequence[Sequence[str]] | None = None,
+    counterfactuals: Sequence[str | int] | None = None,
+    prepend_bos: bool | None = None,
+    device: str | torch.device | None = None,
+) -> PromptBatch:
+    """Tokenize (prompt, answer) pairs into a ``PromptBatch``.
+
+    Args:
+        model: a ``HookedTransformer`` (its tokenizer, BOS convention and ``n_ctx`` are used).
+        pairs: ``(prompt, answer)`` tuples, dicts with those keys, or ``Pair`` objects. Prompts
+            and answers may be strings or lists of token ids.
+        candidates: candidate answers for every prompt (or per ``Pair``); their first tokens
+            must be distinct and include the answer's first token.
+        roles: explicit role labels, one list per prompt with one label per prompt token.
+        counterfactuals: a counterfactual answer per prompt (for the ``logit_diff`` reward).
+        prepend_bos: default ``model.cfg.default_prepend_bos`` (when the tokenizer has a BOS).
+            ``load_checkpoint`` sets that to what the checkpoint's own tokenizer does
+            (``tokenizer(text)`` with special tokens), so scores are of the token sequence the
+            model sees under Hugging Face. Recorded in every result's ``metadata``.
+    """
+    if len(pairs) == 0:
+        raise ValueError("make_batch needs at least one (prompt, answer) pair.")
+    items = [_as_pair(p) for p in pairs]
+    bos = _bos(model, explicit=bool(prepend_bos)) if prepend_bos in (None, True) else None
+    if prepend_bos and bos is None:
+        raise ValueError("prepend_bos=True but the model's tokenizer has no BOS token.")
+    prompt_ids, answer_ids, offsets = [], [], []
+    for p in items:
+        ids, offs = _encode(model, p.prompt, "prompt", offsets=True)
+        if not ids:
+            raise ValueError(f"Prompt {p.prompt!r} tokenizes to nothing.")
+        prompt_ids.append(ids)
+        offsets.append(offs)
+        ans = _encode(model, p.answer, "answer")
+        if not ans:
+            raise ValueError(
+                f"The answer {p.answer!r} of prompt {p.prompt!r} tokenizes to nothing."
+            )
+        answer_ids.append(ans)
+
+    # Roles of prompt tokens.
+    if roles is not None:
+        if len(roles) != len(items):
+            raise ValueError(f"roles has {len(roles)} entries for {len(items)} prompts.")
+        prompt_roles = [list(r) for r in roles]
+        for p, ids, r in zip(items, prompt_ids, prompt_roles):
+            if len(r) != len(ids):
+                raise ValueError(f"Prompt {p.prompt!r} has {len(ids)} tokens but {len(r)} roles.")
+    elif all(p.template is not None for p in items):
+        prompt_roles = [
+            _unique(_template_roles(model, p, ids, o))
+            for p, ids, o in zip(items, prompt_ids, offsets)
+        ]
+    else:
+        prompt_roles = _aligned_roles(model, prompt_ids)
+        _warn_alignment(items, prompt_roles)
+
+    _warn_tokenization(model, items, prompt_ids, answer_ids)
+    for p, ids, ans in zip(items, prompt_ids, answer_ids):
+        _check_ids(model, ids, f"prompt {p.prompt!r}")
+        _check_ids(model, ans, f"answer {p.answer!r} (prompt {p.prompt!r})")
+    rows, all_roles = [], []
+    for ids, ans, r in zip(prompt_ids, answer_ids, prompt_roles):
+        pre = [bos] if bos is not None else []
+        row = pre + ids + ans[:-1]
+        rows.append(row)
+        all_roles.append(
+            tuple(
+                (["<bos>"] if pre else [])
+                + r
+                + [ANSWER_ROLE.format(k=k) for k in range(len(ans) - 1)]
+            )
+        )
+    n_ctx = model.cfg.n_ctx
+    for p, row in zip(items, rows):
+        if len(row) > n_ctx:
+            raise ValueError(
+                f"Prompt {p.prompt!r} with its answer is {len(row)} tokens; the model's n_ctx is {n_ctx}."
+            )
+
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+    n_ans = max(len(a) for a in answer_ids)
+    targets = torch.full((len(rows), n_ans), -1, dtype=torch.long)
+    for i, a in enumerate(answer_ids):
+        targets[i, : len(a)] = torch.tensor(a)
+    prompt_lengths = torch.tensor([len(ids) + (bos is not None) for ids in prompt_ids])
+
+    cand_tensor = _candidates(model, items, answer_ids, candidates)
+    cf = None
+    cfs = counterfactuals if counterfactuals is not None else [p.counterfactual for p in items]
+    if any(c is not None for c in cfs):
+        if any(c is None for c in cfs):
+            raise ValueError("Give a counterfactual answer for every prompt or for none.")
+        cf = torch.tensor([_first_token(model, c, p) for c, p in zip(cfs, items)])  # type: ignore[arg-type]
+        _check_ids(model, cf.tolist(), "counterfactual answers")
+
+    batch = PromptBatch(
+        tokens=tokens,
+        lengths=torch.tensor([len(r) for r in rows]),
+        prompt_lengths=prompt_lengths,
+        answer_targets=targets,
+        candidates=cand_tensor,
+        counterfactual=cf,
+        roles=tuple(all_roles),
+        prompts=tuple(p.prompt for p in items),
+        answers=tuple(p.answer for p in items),
+        pad_token=pad,
+        prepend_bos=bos is not None,
+    )
+    return batch.to(device) if device is not None else batch
+
+
+class TokenizationWarning(UserWarning):
+    """Text that probably does not tokenize the way the user meant."""
+
+
+def _warn_tokenization(
+    model: Any, items: list[Pair], prompt_ids: list[list[int]], answer_ids: list[list[int]]
+) -> None:
+    """One warning per pitfall (with the first example and a count), never an error."""
+    import warnings
+
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        return
+    unk = getattr(tok, "unk_token_id", None)
+    found: dict[str, list[str]] = {}
+    for p, ids, ans in zip(items, prompt_ids, answer_ids):
+        if isinstance(p.prompt, str) and p.prompt != p.prompt.rstrip() and p.prompt.strip():
+            found.setdefault("trailing", []).append(repr(p.prompt))
+        if (
+            isinstance(p.answer, str)
+            and p.answer
+            and not p.answer[0].isspace()
+            and isinstance(p.prompt, str)
+            and p.prompt == p.prompt.rstrip()
+        ):
+            spaced = list(tok(" " + p.answer, add_special_tokens=False)["input_ids"])
+            if spaced != list(ans):
+                found.setdefault("space", []).append(
+                    f"{p.answer!r} (did you mean {' ' + p.answer!r}?)"
+                )
+        if unk is not None and (unk in ids or unk in ans):
+            found.setdefault("unk", []).append(repr(p.prompt if unk in ids else p.answer))
+    messages = {
+        "trailing": "prompts end with a space, which becomes a token of its own that the model rarely saw before "
+        "an answer; put the space at the start of the answer instead",
+        "space": "answers have no leading space, so they tokenize as a word glued to the prompt's last word",
+        "unk": "texts contain words the tokenizer does not know (mapped to its unknown token)",
+    }
+    for key, examples in found.items():
+        more = f" and {len(examples) - 1} more" if len(examples) > 1 else ""
+        warnings.warn(
+            f"{len(examples)} {messages[key]}: {examples[0]}{more}.",
+            TokenizationWarning,
+            stacklevel=3,
+        )
+
+
+class AlignmentWarning(UserWarning):
+    """Prompts whose positions cannot be lined up so that each means the same in every prompt."""
+
+
+def _warn_alignment(items: list[Pair], prompt_roles: list[list[str]]) -> None:
+    """Plain prompts are aligned by common prefix / differing middle (right-aligned) / common
+    suffix. With neither a common first nor a common last token (prompts of different shapes,
+    e.g. two templates), every position is ``mid[-k]`` and averages different words."""
+    import warnings
+
+    if len({tuple(r) for r in prompt_roles}) <= 1 or not all(prompt_roles):
+        return
+    if not all(r[0].startswith("mid[") and r[-1].startswith("mid[") for r in prompt_roles):
+        return  # a shared first or last token anchors the middle (an entity of any length)
+    warnings.warn(
+        f"These {len(items)} prompts share neither their first nor their last token (e.g. "
+        f"{items[0].prompt!r} and {items[-1].prompt!r}), so without a template every position "
+        "is 'mid[-k]', counted from the end, and averages different words across prompts. Give "
+        "Pair(prompt, answer, template=..., slots=...) (positions become template words and slot "
+        "tokens such as '{name}[-1]') or roles=, or score prompts of one shape together.",
+        AlignmentWarning,
+        stacklevel=3,
+    )
+
+
+def _check_ids(model: Any, ids: Sequence[int], what: str) -> None:
+    """Every token id must index the model's embedding: ``0 <= id < d_vocab``."""
+    d_vocab = model.cfg.d_vocab
+    bad = [t for t in ids if not 0 <= t < d_vocab]
+    if not bad:
+        return
+    tok = getattr(model, "tokenizer", None)
+    hint = (
+        f" The tokenizer has {len(tok)} tokens but the model embeds only {d_vocab}: "
+        f"{tok.decode([bad[0]])!r} is a token the model has no embedding for (a special token added to the "
+        "tokenizer?). Remove it from the text."
+        if tok is not None and bad[0] >= d_vocab and bad[0] < len(tok)
+        else " Token ids must be in 0..d_vocab-1 (padding is handled by make_batch; do not pass -1)."
+    )
+    raise ValueError(
+        f"The {what} has token id {bad[0]}, outside the model's vocabulary 0..{d_vocab - 1}.{hint}"
+    )
+
+
+def _as_pair(p: Any) -> Pair:
+    if isinstance(p, Pair):
+        return p
+    if isinstance(p, Mapping):
+        return Pair(**{k: v for k, v in p.items() if k in Pair.__dataclass_fields__})
+    if isinstance(p, (tuple, list)) and len(p) == 2:
+        return Pair(p[0], p[1])
+    raise TypeError(f"Expected a (prompt, answer) pair, a dict or a Pair; got {p!r}.")
+
+
+def _first_token(model: Any, answer: str | int | Sequence[int], pair: Pair) -> int:
+    if isinstance(answer, int):
+        return answer
+    ids = _encode(model, answer, "candidate")
+    if not ids:
+        raise ValueError(f"Candidate {answer!r} of prompt {pair.prompt!r} tokenizes to nothing.")
+    return int(ids[0])
+
+
+def _candidates(
+    model: Any, items: list[Pair], answer_ids: list[list[int]], shared: Any
+) -> Tensor | None:
+    per = [p.candidates if p.candidates is not None else shared for p in items]
+    if all(c is None for c in per):
+        return None
+    if any(c is None for c in per):
+        raise ValueError("Give candidates for every prompt or for none.")
+    rows = []
+    for p, ans, cands in zip(items, answer_ids, per):
+        firsts = [_first_token(model, c, p) for c in cands]
+        seen: dict[int, Any] = {}
+        for c, f in zip(cands, firsts):
+            if f in seen:
+                raise ValueError(
+                    f"Candidates {seen[f]!r} and {c!r} (prompt {p.prompt!r}) share their first token "
+                    f"{_token_str(model, f)!r}: first-token metrics cannot tell them apart. Rephrase one."
+                )
+            seen[f] = c
+        if ans[0] not in seen:
+            raise ValueError(
+                f"The answer {p.answer!r} of prompt {p.prompt!r} is not among its candidates "
+                f"(first token {_token_str(model, ans[0])!r})."
+            )
+        _check_ids(model, firsts, f"candidates of prompt {p.prompt!r}")
+        rows.append(firsts)
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out

@@ -1,0 +1,227 @@
+"""Data-parallel scoring on ``torch.distributed`` (launch with ``torchrun`` or ``accelerate launch``).
+
+    torchrun --nproc_per_node 8 -m extractive_lens.cli score --base DIR --finetuned DIR --data F --distributed
+
+>>> scores = distributed_scores("linear", model, diff, batch)  # in every process  # doctest: +SKIP
+
+Each process holds one model replica. Prompts are sharded deterministically in contiguous
+blocks; every process scores its block (``y*`` still comes from the whole dataset) and the
+per-prompt scores are gathered in the original order, so every rank returns the same
+``ComponentScores`` as a single process would (up to float rounding from batch composition).
+With few prompts, exact scores shard layers instead. Outside an initialised process group this
+is just the single-process call.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+
+from extractive_lens.batch import PromptBatch
+from extractive_lens.results import ComponentScores, aggregate_by_role
+from extractive_lens.scoring.assemble import prompts_digest
+
+
+def shard_rows(n: int, rank: int, world: int) -> list[int]:
+    """Contiguous, deterministic, balanced blocks: rank r gets ``[r*n/W, (r+1)*n/W)``."""
+    return list(range(rank * n // world, (rank + 1) * n // world))
+
+
+def init_from_env(
+    device: str | None = None, timeout_s: float | None = None
+) -> tuple[int, int, str]:
+    """Initialise the default process group from ``torchrun``'s environment (gloo on CPU, NCCL on
+    GPU); returns ``(rank, world_size, device)``.
+
+    ``timeout_s`` (default ``$EXTRACTIVE_LENS_DIST_TIMEOUT`` or 600 s): how long a collective waits
+    for a hung or crashed rank before every rank fails, instead of waiting forever.
+    """
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        seconds = (
+            timeout_s
+            if timeout_s is not None
+            else float(os.environ.get("EXTRACTIVE_LENS_DIST_TIMEOUT", 600))
+        )
+        dist.init_process_group(
+            backend="nccl" if device.startswith("cuda") else "gloo",
+            timeout=datetime.timedelta(seconds=seconds),
+        )
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shutdown(*, wait: bool = True) -> None:
+    """Destroy the default process group, after every rank reaches this point (``wait``).
+
+    Without the barrier a rank that finishes first tears down its gloo connections while a peer
+    is still shutting down, which can abort the peer (``terminate called without an active
+    exception``) after its results are written. Use ``wait=False`` on an error path, where a
+    peer may never arrive. A no-op outside an initialised group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(
+    device: str | None = None, timeout_s: float | None = None
+) -> Iterator[tuple[int, int, str]]:
+    """``init_from_env`` for a ``with`` block: yields ``(rank, world_size, device)`` and shuts
+    the group down on leaving it (waiting for every rank, unless an exception is leaving)."""
+    rank, world, device = init_from_env(device, timeout_s)
+    try:
+        yield rank, world, device
+    except BaseException:
+        shutdown(wait=False)
+        raise
+    shutdown()
+
+
+def distributed_scores(
+    method: Literal["linear", "causal"],
+    model: Any,
+    diff: Any,
+    batch: PromptBatch,
+    *,
+    shard: Literal["auto", "prompts", "layers"] = "auto",
+    **kwargs: Any,
+) -> ComponentScores:
+    """``linear_scores`` or ``causal_scores`` spread over the processes of the default group."""
+    import torch.distributed as dist
+
+    if method not in ("linear", "causal"):
+        raise ValueError(f"method must be 'linear' or 'causal', got {method!r}")
+    if shard not in ("auto", "prompts", "layers"):
+        raise ValueError(f"shard must be 'auto', 'prompts' or 'layers', got {shard!r}")
+
+    from extractive_lens.scoring.causal import causal_scores
+    from extractive_lens.scoring.linear import AdditivityWarning, linear_scores
+
+    fn: Callable[..., ComponentScores] = linear_scores if method == "linear" else causal_scores
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn(model, diff, batch, **kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    top_k = kwargs.get("top_k") is not None  # chosen over all the layers: not per layer shard
+    if shard == "auto":
+        shard = "prompts" if (method == "linear" or top_k or len(batch) >= 2 * world) else "layers"
+    if shard == "layers" and top_k:
+        raise ValueError("top_k picks components over all layers: shard='prompts' with top_k.")
+    if shard == "layers":
+        if method != "causal":
+            raise ValueError(
+                "layer sharding is for exact (causal) scores; linear scores shard prompts."
+            )
+        all_layers = kwargs.pop("layers", None) or list(range(model.cfg.n_layers))
+        mine = all_layers[rank::world]
+        part = fn(model, diff, batch, layers=mine or [], **kwargs) if mine else None
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(
+            gathered, None if part is None else (mine, part.prompt_values, part.prompt_totals)
+        )
+        parts = [g for g in gathered if g is not None]
+        pv = torch.full_like(parts[0][1], float("nan"))  # each part computed its layers only
+        pt = torch.full_like(parts[0][2], float("nan"))
+        for layers_of, values, totals in parts:
+            pv[:, :, layers_of], pt[:, :, layers_of] = (
+                values[:, :, layers_of],
+                totals[:, :, layers_of],
+            )
+        template = (
+            part if part is not None else fn(model, diff, batch.subset([0]), layers=[0], **kwargs)
+        )
+        meta = {
+            **template.metadata,
+            "distributed": {"world_size": world, "shard": "layers"},
+            "prompts_digest": prompts_digest(batch),
+            "layers": sorted(all_layers),
+        }
+        result = _rebuild(template, pv, pt, None, template.prompt_roles, meta)
+        partial = len(set(all_layers)) < model.cfg.n_layers
+        meta["skipped"] = {k: result.uncomputed(k) for k in result.kinds} if partial else None
+        return result
+    rows = shard_rows(len(batch), rank, world)
+    with warnings.catch_warnings():  # checked once below, over every prompt, on rank 0
+        warnings.simplefilter("ignore", AdditivityWarning)
+        part = fn(model, diff, batch, rows=rows, **kwargs) if rows else None
+    changes = (
+        None if part is None else (part.metadata.get("additivity") or {}).get("prompt_changes")
+    )
+    payload = (
+        None
+        if part is None
+        else (rows, part.prompt_values, part.prompt_totals, part.other, changes)
+    )
+    gathered = [None] * world
+    dist.all_gather_object(gathered, payload)
+    parts = [g for g in gathered if g is not None]
+    width = max(g[1].shape[-1] for g in parts)
+    pv = torch.cat(
+        [torch.nn.functional.pad(g[1], (0, width - g[1].shape[-1])) for g in parts], dim=1
+    )
+    pt = torch.cat([g[2] for g in parts], dim=1)
+    other = torch.cat([g[3] for g in parts]) if parts[0][3] is not None else None
+    order = [r for g in parts for r in g[0]]
+    assert order == list(range(len(batch))), "shards must cover the batch in order"
+    template = part if part is not None else fn(model, diff, batch.subset([0]), **kwargs)
+    roles = batch.roles if template.per == "token" else tuple(("all",) for _ in range(len(batch)))
+    meta = {
+        **template.metadata,
+        "rows": None,
+        "distributed": {"world_size": world, "shard": "prompts"},
+    }
+    meta.pop("prompt_tokens", None)
+    meta["prompts_digest"] = prompts_digest(batch)
+    result = _rebuild(template, pv, pt, other, roles, meta)
+    if parts[0][4] is not None:  # the additivity check over every prompt, not one shard
+        from extractive_lens.scoring.linear import additivity_check
+
+        meta["additivity"] = additivity_check(
+            result,
+            torch.tensor([c for g in parts for c in g[4]], dtype=torch.float64),
+            warn=rank == 0,
+        )
+    return result
+
+
+def _rebuild(
+    template: ComponentScores,
+    pv: torch.Tensor,
+    pt: torch.Tensor,
+    other: torch.Tensor | None,
+    roles: Any,
+    meta: dict,
+) -> ComponentScores:
+    from extractive_lens.batch import merge_role_orders
+
+    labels = merge_role_orders(roles)
+    return ComponentScores(
+        values=aggregate_by_role(pv, roles, labels),
+        totals=pt.mean(1),
+        prompt_values=pv,
+        prompt_totals=pt,
+        kinds=template.kinds,
+        component_labels=template.component_labels,
+        position_labels=labels,
+        prompt_roles=tuple(tuple(r) for r in roles),
+        method=template.method,
+        other=other,
+        metadata=meta,
+        per=template.per,
+    )

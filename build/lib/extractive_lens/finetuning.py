@@ -1,0 +1,309 @@
+"""Finetuning that returns a ``WeightDiff`` and leaves the model exactly as it was.
+
+>>> diff = finetune(model, batch, FinetuneConfig(lr=1e-3, epochs=2, batch_size=4))
+>>> with diff.applied(model):   # the finetuned model inside, the original again after
+...     logits = model(batch.tokens)
+
+The loss is the negative answer log-probability (answer tokens only). Training runs in place on
+the model's own parameters (one model in memory); the original tensors are restored in
+``finally`` and the update is returned as a ``WeightDiff``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from extractive_lens import backend as M
+from extractive_lens.batch import PromptBatch
+from extractive_lens.interrupts import guarded, state_change
+from extractive_lens.rewards import answer_logprob
+from extractive_lens.scoring.options import check_arguments
+from extractive_lens.types import Component, parse_components
+from extractive_lens.weight_diff import WeightDiff, weights_set
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """How to finetune. ``trainable``: ``"all"`` or component labels; ``layers``: only these
+    blocks; ``parameters``: only these parameters (full names, e.g. for "every block but the first
+    two, plus the unembedding"). The three restrictions combine."""
+
+    lr: float = 1e-3
+    epochs: int = 20
+    batch_size: int = 8
+    optimizer: Literal["adam", "adamw"] = "adam"
+    weight_decay: float = 0.0
+    schedule: Literal["constant", "linear"] = "constant"
+    warmup_frac: float = 0.1
+    trainable: str | tuple[str, ...] = "all"
+    layers: tuple[int, ...] | None = None
+    parameters: tuple[str, ...] | None = None
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"lr, epochs and batch_size must be positive (got {self.lr}, {self.epochs}, {self.batch_size})."
+            )
+        if self.optimizer not in ("adam", "adamw"):
+            raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
+        if self.schedule not in ("constant", "linear"):
+            raise ValueError(f"schedule must be 'constant' or 'linear', got {self.schedule!r}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError("warmup_frac must be in [0, 1)")
+
+
+def _trainable_mask(model: M.ScorableModel, cfg: FinetuneConfig) -> dict[str, torch.Tensor | None]:
+    """Per parameter (TransformerLens names): None (fully trainable) or a boolean mask along
+    dim 0 / the whole tensor."""
+    params = M.parameters(model)
+    if cfg.trainable == "all" and cfg.layers is None and cfg.parameters is None:
+        return {n: None for n in params}
+    if cfg.parameters is not None and (unknown := sorted(set(cfg.parameters) - set(params))):
+        raise ValueError(
+            f"FinetuneConfig.parameters names parameters the model does not have: {unknown[:3]}"
+        )
+    names = None if cfg.parameters is None else set(cfg.parameters)
+    comps: tuple[Component, ...] | None = None
+    if cfg.trainable != "all":
+        labels = (cfg.trainable,) if isinstance(cfg.trainable, str) else cfg.trainable
+        comps = parse_components(labels, model.cfg.n_layers, model.cfg.n_heads, M.has_mlp(model))
+    layers = None if cfg.layers is None else set(cfg.layers)
+    if layers is not None and (bad := sorted(x for x in layers if not 0 <= x < model.cfg.n_layers)):
+        raise ValueError(
+            f"FinetuneConfig.layers {bad} out of range: this model has layers 0..{model.cfg.n_layers - 1}."
+        )
+    masks: dict[str, torch.Tensor | None] = {}
+    for s in M.parameter_slices(model):
+        p = params[s.name]
+        layer = M.layer_of(s.name)
+        ok = (
+            (layers is None or layer in layers)
+            and (comps is None or bool(set(s.owners) & set(comps)))
+            and (names is None or s.name in names)
+        )
+        mask = masks.get(s.name)
+        if mask is None:
+            mask = torch.zeros(p.shape[:1] if p.ndim else (1,), dtype=torch.bool, device=p.device)
+        if s.index is None:
+            mask[:] = ok
+        else:
+            mask[s.index] = ok
+        masks[s.name] = mask
+    return masks
+
+
+def finetune(
+    model: M.ScorableModel,
+    data: PromptBatch,
+    config: FinetuneConfig | None = None,
+    *,
+    callback: Callable[[int, WeightDiff], None] | None = None,
+    show_progress: bool | None = None,
+) -> WeightDiff:
+    """Finetune on ``data`` (answer tokens only) and return the weight change.
+
+    Args:
+        model: a ``HookedTransformer``; bit-identical afterwards (also if training raises).
+        data: the prompts and answers (``make_batch``).
+        config: optimiser, schedule, trainable subset, seed.
+        callback: called after every epoch with ``(epoch, diff_so_far)``, while the model holds
+            its original weights (so ``diff_so_far.applied(model)`` evaluates the checkpoint).
+        show_progress: a bar per epoch with the epoch's mean loss (``None``: in a terminal or
+            notebook only; see ``extractive_lens.progress``).
+
+    ``diff.metadata["losses"]`` holds the mean training loss of each epoch (nats per answer).
+    """
+    check_arguments("finetune", model, batch=data, need_diff=False)
+    cfg = config or FinetuneConfig()
+    params = dict(model.named_parameters())  # what the optimiser trains: the stored weights
+    masks = M.raw_masks(model, _trainable_mask(model, cfg))
+    train = [n for n, m in masks.items() if m is None or bool(m.any())]
+    if not train:
+        raise ValueError(
+            f"finetune: nothing to train: trainable={cfg.trainable!r}, layers={cfg.layers!r} and "
+            f"parameters={'None' if cfg.parameters is None else f'{len(cfg.parameters)} names'} select no "
+            f"parameter of this {model.cfg.n_layers}-layer model. Pick layers in 0..{model.cfg.n_layers - 1} "
+            "or components such as 'L0MLP'."
+        )
+    snapshot: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor | None] = {}
+
+    def change() -> None:
+        snapshot.update({n: p.detach().clone() for n, p in params.items()})
+        grads.update({n: p.grad for n, p in params.items()})
+
+    def restore() -> None:
+        with torch.no_grad():
+            for name, p in params.items():
+                if name in snapshot:
+                    p.copy_(snapshot[name])
+                    p.grad = grads[name]
+
+    with (
+        guarded(model),
+        state_change(change, restore),
+    ):  # weights and .grad restored, interrupts or not
+        return _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress)
+
+
+def _train(
+    model: M.ScorableModel,
+    data: PromptBatch,
+    cfg: FinetuneConfig,
+    params: dict,
+    masks: dict,
+    train: list[str],
+    snapshot: dict,
+    callback: Callable[[int, WeightDiff], None] | None,
+    show_progress: bool | None,
+) -> WeightDiff:
+    """The training loop of ``finetune`` (which restores the model afterwards)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = len(data)
+    steps_per_epoch = (n + cfg.batch_size - 1) // cfg.batch_size
+    total = steps_per_epoch * cfg.epochs
+    warm = int(cfg.warmup_frac * total) if cfg.schedule == "linear" else 0
+    for name, p in params.items():
+        p.requires_grad_(name in train)
+        p.grad = None
+    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    opt = opt_cls([params[name] for name in train], lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_at(step: int) -> float:
+        if cfg.schedule == "constant":
+            return 1.0
+        if step < warm:
+            return (step + 1) / max(1, warm)
+        return max(0.0, (total - step) / max(1, total - warm))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    # The model stays in eval mode: no dropout (a HookedTransformer has none; a bridge's
+    # Hugging Face model would), so training is deterministic and the same on every backend.
+    model.eval()
+    torch.set_grad_enabled(True)
+    from extractive_lens.progress import bar
+
+    epochs = bar(range(cfg.epochs), desc="finetune", enabled=show_progress)
+    losses: list[float] = []  # mean training loss of each epoch (nats per answer)
+    for epoch in epochs:
+        order = torch.randperm(n, generator=gen).tolist()
+        total_loss = 0.0
+        for i in range(0, n, cfg.batch_size):
+            mb = data.subset(order[i : i + cfg.batch_size]).to(model.cfg.device)
+            loss = -answer_logprob(model(mb.tokens), mb).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            _reset_frozen(params, masks, snapshot)
+            total_loss += float(loss.detach()) * len(mb)
+        losses.append(total_loss / n)
+        if hasattr(epochs, "set_postfix"):
+            epochs.set_postfix(loss=f"{losses[-1]:.4f}")
+        if callback is not None:  # the callback sees the original model and the diff so far
+            diff = _diff(model, params, snapshot, cfg, losses)
+            with weights_set(model, M.tl_view(model, snapshot)):
+                callback(epoch, diff)
+    return _diff(model, params, snapshot, cfg, losses)
+
+
+def _reset_frozen(params: dict, masks: dict, snapshot: dict) -> None:
+    with torch.no_grad():
+        for name, mask in masks.items():
+            if mask is None or bool(mask.all()):
+                continue
+            p = params[name]
+            if p.ndim == 0:
+                p.copy_(snapshot[name])
+            else:
+                p[~mask] = snapshot[name][~mask]
+
+
+def _diff(
+    model: M.ScorableModel,
+    params: dict,
+    snapshot: dict,
+    cfg: FinetuneConfig,
+    losses: list[float] | None = None,
+) -> WeightDiff:
+    current = {n: p.detach().clone() for n, p in params.items()}
+    meta = {
+        "finetune": {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in cfg.__dict__.items()
+            if k != "extra"
+        },
+        "base": model.cfg.model_name,
+        "losses": list(losses or []),
+    }
+    return WeightDiff.from_state_dicts(
+        M.tl_view(model, snapshot), M.tl_view(model, current), signature=M.signature(model),
+        metadata=meta,
+    )  # fmt: skip
+
+
+def rank_trajectory(
+    model: M.ScorableModel,
+    data: PromptBatch,
+    evaluate: dict[str, PromptBatch],
+    config: FinetuneConfig | None = None,
+    *,
+    show_progress: bool | None = None,
+) -> tuple[WeightDiff, Any]:
+    """Finetune on ``data`` and record the mean rank of every ``evaluate`` batch before training
+    and after each epoch: ``(diff, DataFrame[epoch, split, mean_rank])`` (epoch 0 = before)."""
+    import pandas as pd
+
+    rows = [(0, name, mean_rank(model, b)) for name, b in evaluate.items()]
+
+    def record(epoch: int, diff: WeightDiff) -> None:
+        rows.extend((epoch + 1, name, mean_rank(model, b, diff)) for name, b in evaluate.items())
+
+    diff = finetune(model, data, config, callback=record, show_progress=show_progress)
+    return diff, pd.DataFrame(rows, columns=["epoch", "split", "mean_rank"])
+
+
+def mean_rank(model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | None = None) -> float:
+    """Mean 0-indexed rank of the answer's first token among the candidates' first tokens, read
+    at the last prompt position (docs/scores.md §8); chance is ``(n_candidates - 1) / 2``."""
+    return float(ranks(model, batch, diff).float().mean())
+
+
+def ranks(
+    model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | None = None
+) -> torch.Tensor:
+    """Per prompt: the answer's rank among its candidates (0 = the model's top candidate)."""
+    check_arguments("mean_rank", model, batch=batch, need_diff=False)
+    if diff is not None and not isinstance(diff, WeightDiff):
+        raise TypeError(
+            f"mean_rank(model, batch, diff): diff must be a WeightDiff or None, got {type(diff).__name__}."
+        )
+    _candidates(batch)  # before the forward pass
+    with torch.no_grad(), diff.applied(model) if diff is not None else contextlib.nullcontext():
+        logits = model(batch.tokens.to(model.cfg.device))
+    return ranks_from_logits(logits, batch)
+
+
+def _candidates(batch: PromptBatch) -> torch.Tensor:
+    if batch.candidates is None:
+        raise ValueError("Ranks need candidate answers: make_batch(..., candidates=[...]).")
+    return batch.candidates
+
+
+def ranks_from_logits(logits: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
+    cands = _candidates(batch).to(logits.device)
+    last = logits[torch.arange(len(batch)), batch.last_prompt_pos.to(logits.device)]
+    valid = cands >= 0
+    cl = last.gather(-1, cands.clamp(min=0))
+    ans = last.gather(-1, batch.answer_first.to(logits.device)[:, None])
+    return ((cl > ans) & valid).sum(-1)
+
+
+__all__: Sequence[str] = ("FinetuneConfig", "finetune", "mean_rank", "ranks", "rank_trajectory")

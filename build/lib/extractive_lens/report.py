@@ -1,0 +1,423 @@
+"""The self-contained HTML report that explains itself (``plotting.report`` is this ``report``).
+
+>>> path = report([linear, exact], compare(linear, exact), path="report.html")  # doctest: +SKIP
+
+One file, no network requests: plotly.js is embedded once (gzip-compressed, decompressed by the
+browser: about 1.8 MB instead of 4.6 MB), figures are plain JSON rendered on load, and the token
+view is an HTML table (no per-view JavaScript bundle). Sections, top to bottom: a summary line,
+"how to read this report", what to trust (linear-vs-exact verdicts, additivity check), the top
+components with their TransformerLens hooks, the overview and heads × positions heat maps of each
+result, the linear-vs-exact scatter, the token view and the metadata as a table.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import gzip
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from extractive_lens.results import UNCOMPUTED, ComponentScores, score_rgba
+from extractive_lens.types import Component, ScoreKind, jsonable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import plotly.graph_objects as go
+
+    from extractive_lens.comparison import ScoreComparison
+
+PlotlyJS = Literal["compressed", "inline"]
+
+KIND_MEANING = {
+    "informative": "does the component's own weight change carry the new fact? (exact: the "
+    "component alone runs with its finetuned weights on its base input)",
+    "upstream": "does the component route the query to where the fact is stored? (how much more "
+    "the finetuned later weights depend on its output than the base weights do; its output is "
+    "ablated to y*)",
+    "downstream": "does the component turn the recalled fact into the answer? (the component, "
+    "with its base weights, reads the input it gets in the finetuned model)",
+}
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
+h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
+table.el{border-collapse:collapse;margin:.6em 0;font-size:90%}
+table.el td,table.el th{border:1px solid #ccc;padding:2px 8px;text-align:left;vertical-align:top}
+p.caption{color:#444;max-width:60em;margin:.2em 0 .6em}
+p.summary{font-size:95%;color:#333}
+.howto li,.verdicts li{margin:.25em 0}
+table.tokens td{text-align:center;min-width:3.2em;font-family:ui-monospace,monospace;font-size:85%}
+table.tokens td small{color:#555}
+code{background:#f3f3f3;padding:0 .2em}
+.el-figure{width:100%}
+""".strip()
+
+
+def report(
+    scores: ComponentScores | list[ComponentScores],
+    comparison: ScoreComparison | None = None,
+    path: str | Path = "report.html",
+    *,
+    title: str = "extractive_lens report",
+    extra_figures: list[tuple[str, go.Figure]] | None = None,
+    token_views: list[tuple[str, Any]] | None = None,
+    plotlyjs: PlotlyJS = "compressed",
+) -> Path:
+    """Write one self-contained HTML report of ``scores`` (one result or several, e.g. linear and
+    exact) and, optionally, their ``comparison``.
+
+    ``extra_figures``: ``(caption, figure)`` pairs appended as their own sections.
+    ``token_views``: ``(caption, view)`` pairs of circuitsvis views (``plotting.token_view``) to
+    embed instead of the default token table. ``plotlyjs="inline"`` embeds plotly.js
+    uncompressed (for browsers without ``DecompressionStream``: before Chrome 80 / Firefox 113 /
+    Safari 16.4). The page makes no network requests; token strings are escaped.
+    """
+    from extractive_lens import plotting
+
+    results = scores if isinstance(scores, list) else [scores]
+    if not results:
+        raise ValueError("report() needs at least one ComponentScores.")
+    if plotlyjs not in ("compressed", "inline"):
+        raise ValueError(f"plotlyjs must be 'compressed' or 'inline', got {plotlyjs!r}")
+    figures = _Figures()
+    body = [
+        f"<h1>{html.escape(title)}</h1>",
+        _summary(results),
+        _how_to_read(results),
+    ]
+    if comparison is not None or any(s.additivity_note() for s in results):
+        body.append(_what_to_trust(results, comparison))
+    body.append(_top_components(results))
+    for s in results:
+        unit = plotting.score_unit(s)
+        body.append(f"<h2>{html.escape(s.method)} scores</h2>")
+        body.append(
+            figures.add(
+                plotting.overview(s),
+                f"Mean {s.method} score of each layer's MLP and attention (its heads summed) at "
+                f"each token position, over {s.n_prompts} prompts, in {unit}. "
+                "Blue: the component's change helps the correct answer; red: it hurts. "
+                "Each panel has its own colour scale (read values on hover).",
+            )
+        )
+        if any(c != "MLP" for c in s.component_labels) and s.per == "token":
+            for kind in s.kinds:
+                body.append(
+                    figures.add(
+                        plotting.heatmap(s, kind, part="all_heads"),
+                        f"{s.method} {kind} score of every head (rows, layer 0 at the bottom, a "
+                        f"line between layers) at each token position, in {unit}. Heads are "
+                        "credited at the position they write to (the query position).",
+                    )
+                )
+    if comparison is not None:
+        body.append("<h2>linear vs exact</h2>")
+        body.append(
+            figures.add(
+                plotting.comparison_plot(comparison),
+                f"One point per compared cell ({comparison.level} level): linear score (x) "
+                "against exact score (y). On the dashed line the linear score is exact; r is "
+                "Pearson's correlation.",
+            )
+        )
+    for name, fig in extra_figures or []:
+        body.append(f"<h2>{html.escape(name)}</h2>" + figures.add(fig, ""))
+    body.append(_token_section(results, token_views))
+    body.append(_metadata(results))
+    page = (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head>\n<body>\n"
+        + "\n".join(body)
+        + "\n"
+        + figures.loader(plotlyjs)
+        + "\n</body></html>\n"
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+class _Figures:
+    """Figure placeholders plus their JSON; one script renders them all once plotly.js is there."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, fig: go.Figure, caption: str) -> str:
+        i, self.n = self.n, self.n + 1
+        spec = _script_json(fig.to_json())
+        cap = f"<p class='caption'>{html.escape(caption)}</p>" if caption else ""
+        return (
+            f"<div id='fig{i}' class='el-figure'></div>"
+            f"<script type='application/json' id='fig{i}-spec'>{spec}</script>{cap}"
+        )
+
+    def loader(self, plotlyjs: PlotlyJS) -> str:
+        render = (
+            "for(const el of document.querySelectorAll('div.el-figure')){"
+            "const f=JSON.parse(document.getElementById(el.id+'-spec').textContent);"
+            "await Plotly.newPlot(el,f.data,f.layout,{displaylogo:false,responsive:true});}"
+        )
+        if plotlyjs == "inline":
+            return f"<script>{_plotly_js()}</script>\n<script>(async()=>{{{render}}})();</script>"
+        return (
+            f"<script id='plotly-gz' type='application/octet-stream'>{_plotly_gz()}</script>\n"
+            "<script>(async()=>{if(!window.Plotly){"
+            "const b=Uint8Array.from(atob(document.getElementById('plotly-gz').textContent),"
+            "c=>c.charCodeAt(0));"
+            "const s=new Blob([b]).stream().pipeThrough(new DecompressionStream('gzip'));"
+            "(0,eval)(await new Response(s).text());}"
+            f"{render}}})();</script>"
+        )
+
+
+@functools.cache
+def _plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+@functools.cache
+def _plotly_gz() -> str:
+    return base64.b64encode(gzip.compress(_plotly_js().encode(), 9, mtime=0)).decode()
+
+
+def _script_json(text: str) -> str:
+    """JSON safe inside a ``<script>`` element: no ``<`` (so no ``</script>``) survives."""
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _summary(results: Sequence[ComponentScores]) -> str:
+    from extractive_lens import plotting
+
+    s = results[0]
+    m = s.metadata
+    facts = [
+        ("model", m.get("model")),
+        ("prompts", s.n_prompts),
+        ("score kinds", ", ".join(s.kinds)),
+        ("reward", f"{m.get('reward')} (scores in {plotting.score_unit(s)})"),
+        ("convention", m.get("convention")),
+        ("upstream ablation y*", m.get("ablation")),
+        ("compute dtype", m.get("compute_dtype")),
+    ]
+    text = "; ".join(f"<b>{k}</b> {html.escape(str(v))}" for k, v in facts if v is not None)
+    tokens = (m.get("prompt_tokens") or [[]])[0]
+    example = f"<br><b>prompt 0</b> <code>{html.escape(''.join(tokens))}</code>" if tokens else ""
+    for r in results:
+        if r.partial:
+            scope = ", ".join(
+                f"{len(r.uncomputed(k))} of {r.totals.shape[1] * r.totals.shape[2]} {k}"
+                for k in r.kinds
+                if r.uncomputed(k)
+            )
+            example += (
+                f"<br><b>partial {html.escape(r.method)} run</b>: components never computed "
+                f"({html.escape(scope)}; top_k={r.metadata.get('top_k')}, "
+                f"layers={r.metadata.get('layers')}) are grey, not zero, in every figure and "
+                "table, and left out of the top lists and the comparison."
+            )
+    return f"<p class='summary'>{text}{example}</p>"
+
+
+def _how_to_read(results: Sequence[ComponentScores]) -> str:
+    from extractive_lens import plotting
+
+    s = results[0]
+    unit = plotting.score_unit(s)
+    kinds = [k for k in KIND_MEANING if any(k in r.kinds for r in results)]
+    items = [
+        f"<b>Units and sign.</b> Every score is a change of the reward R, in {html.escape(unit)}, "
+        "averaged over the prompts. <b>Positive (blue) means the component's part of the weight "
+        "change helps the correct answer; negative (red) means it hurts it.</b>",
+        *(f"<b>{k}</b>: {html.escape(KIND_MEANING[k])}." for k in kinds),
+        "<b>Exact</b> scores patch activations (one experiment per component and token); "
+        "<b>linear</b> scores are their first-order estimate from gradients. A whole-component "
+        "exact score patches every position at once, so it is not the sum of its per-token "
+        "scores; a linear one is.",
+        "<b>Per token.</b> A component's score at a position is the effect of patching only that "
+        "position of its output. The x axes name each position by its role in the prompt "
+        "template and the tokens found there (<code>{name}[-1]: Stewart, King, …</code> is the last "
+        "token of the name slot); prompts are averaged role by role.",
+        "<b>Attention</b> panels in the overview sum the heads of a layer; the heads × positions "
+        "maps show each head. <b>Colour scales differ per panel</b>: compare colours within a "
+        "panel, and read numbers on hover or in the tables.",
+        "The definitions, with formulas: <code>docs/scores.md</code> in the extractive_lens "
+        "repository (§4 exact, §5 linear, §6 positions, §10 figures, §11 trusting linear scores).",
+    ]
+    return (
+        "<h2>how to read this report</h2><ul class='howto'>"
+        + "".join(f"<li>{i}</li>" for i in items)
+        + "</ul>"
+    )
+
+
+def _what_to_trust(results: Sequence[ComponentScores], comparison: Any) -> str:
+    out = ["<h2>what to trust</h2>"]
+    if comparison is not None:
+        says = "".join(
+            f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>"
+            for k, v in comparison.verdicts.items()
+        )
+        out.append(
+            "<p class='caption'>Verdicts compare the linear scores with the exact ones "
+            f"({html.escape(comparison.level)} level, thresholds in docs/scores.md §11).</p>"
+            f"<ul class='verdicts'>{says}</ul>"
+        )
+        cols = (
+            "kind",
+            "part",
+            "n",
+            "pearson",
+            "spearman",
+            "sign_agreement",
+            "topk_overlap",
+            "max_abs_err",
+        )
+        out.append(_table([tuple(r[c] for c in cols) for r in comparison.rows], cols))
+    notes = [s.additivity_note() for s in results if s.additivity_note()]
+    if notes:
+        out.append("<h3>additivity of the linear scores</h3>")
+        out += [f"<p class='additivity'>{html.escape(n)}</p>" for n in notes]
+    return "".join(out)
+
+
+def _top_components(results: Sequence[ComponentScores]) -> str:
+    from extractive_lens import plotting
+
+    rows = []
+    for s in results:
+        for kind in s.kinds:
+            cells = []
+            for _, label, value in s.top(5, kind):
+                c = Component.parse(label)
+                hook = c.hook_name + ("" if c.head is None else f"[:, :, {c.head}]")
+                cells.append(
+                    f"<td><code>{html.escape(label)}</code> {value:+.3g}<br>"
+                    f"<small>{html.escape(hook)}</small></td>"
+                )
+            missing = len(s.uncomputed(kind))
+            if missing:
+                cells.append(f"<td class='uncomputed'>{missing} components not computed</td>")
+            rows.append(
+                f"<tr><th>{html.escape(s.method)}</th><th>{html.escape(kind)}</th>{''.join(cells)}</tr>"
+            )
+    unit = plotting.score_unit(results[0])
+    return (
+        "<h2>top components</h2><p class='caption'>The five largest whole-component scores of "
+        f"each kind by magnitude, in {html.escape(unit)}, each with the TransformerLens "
+        "activation that holds the component's output (<code>Component.hook_name</code>).</p>"
+        "<table class='el'><tr><th>method</th><th>kind</th><th colspan='5'>top 5</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def _token_section(results: Sequence[ComponentScores], views: list[tuple[str, Any]] | None) -> str:
+    if views is not None:  # circuitsvis views, each in its own sandboxed frame
+        parts = []
+        for name, view in views:
+            src = view.local_src if hasattr(view, "local_src") else str(view)
+            doc = (
+                f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{src}</body></html>"
+            )
+            parts.append(
+                f"<h3>{html.escape(name)}</h3><iframe class='tokens' sandbox='allow-scripts' "
+                f"style='width:100%;height:140px;border:0' srcdoc=\"{html.escape(doc, quote=True)}\">"
+                "</iframe>"
+            )
+        return "<h2>token views</h2>" + "".join(parts)
+    rows = [
+        (s, kind, s.top(1, kind)[0][1])
+        for s in results
+        if s.per == "token"
+        for kind in s.kinds
+        if s.top(1, kind)  # a kind with no computed component has no row
+    ]
+    if not rows:
+        return ""
+    return (
+        "<h2>token view: prompt 0</h2><p class='caption'>Each row is the top component of one "
+        "kind; each cell its score at that token of prompt 0 (colour scaled per row, the value "
+        "below the token, the role on hover).</p>" + token_table(rows, prompt=0)
+    )
+
+
+def token_table(rows: Sequence[tuple[ComponentScores, ScoreKind, str]], prompt: int = 0) -> str:
+    """An HTML table of per-token scores on one prompt: one row per ``(scores, kind, component)``
+    (``component`` like ``"L3H2"`` or ``"L3MLP"``), one column per token, cells coloured by the
+    score (blue helps the answer, red hurts it; one scale per row)."""
+    first = rows[0][0]
+    roles = first.prompt_roles[prompt]
+    tokens = (first.metadata.get("prompt_tokens") or [list(roles)])[prompt][: len(roles)]
+    head = "".join(
+        f"<th title='{html.escape(r)}'>{html.escape(t.strip() or repr(t))}</th>"
+        for t, r in zip(tokens, roles)
+    )
+    body = []
+    for s, kind, label in rows:
+        c = Component.parse(label)
+        v = s.prompt_values[s.kind_index(kind), prompt, c.layer]
+        vals = v[s.component_labels.index(c.short_label), : len(roles)].double().tolist()
+        lim = max((abs(x) for x in vals if x == x), default=0.0) or 1.0
+        cells = "".join(
+            f"<td title='{html.escape(role)}: {x:+.4g}' style='background:{score_rgba(x / lim, 0.8)}'>"
+            f"<small>{x:+.2g}</small></td>"
+            if x == x
+            else f"<td title='{html.escape(role)}: not computed' style='background:{UNCOMPUTED}'>"
+            "<small>n/c</small></td>"
+            for x, role in zip(vals, roles)
+        )
+        body.append(f"<tr><th>{html.escape(f'{s.method} {kind} {label}')}</th>{cells}</tr>")
+    return f"<table class='el tokens'><tr><th></th>{head}</tr>{''.join(body)}</table>"
+
+
+def _metadata(results: Sequence[ComponentScores]) -> str:
+    flat = [_flatten(jsonable(s.metadata)) for s in results]
+    keys = list(dict.fromkeys(k for f in flat for k in f))
+    rows = [(k, *(f.get(k, "") for f in flat)) for k in keys]
+    raw = {s.method: {k: v for k, v in s.metadata.items() if k != "prompt_tokens"} for s in results}
+    return (
+        "<h2>metadata</h2>"
+        + _table(rows, ("setting", *(s.method for s in results)))
+        + "<details><summary>as JSON (without the prompt tokens)</summary><pre>"
+        + html.escape(json.dumps(jsonable(raw), indent=1))
+        + "</pre></details>"
+    )
+
+
+def _flatten(meta: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in meta.items():
+        key = f"{prefix}{k}"
+        if k == "prompt_tokens" and isinstance(v, list):
+            out[key] = f"{len(v)} prompts (the token view shows prompt 0)"
+        elif isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, list) and v and isinstance(v[0], list):
+            out[key] = f"{len(v)} × {len(v[0])} table (JSON below)"
+        elif isinstance(v, list) and len(v) > 6:
+            shown = ", ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in v[:4])
+            out[key] = f"{len(v)} values: {shown}, … (JSON below)"
+        elif isinstance(v, float):
+            out[key] = f"{v:.6g}"
+        else:
+            out[key] = str(v)
+    return out
+
+
+def _table(rows: Sequence[tuple[Any, ...]], header: tuple[str, ...]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
+    return f"<table class='el'><tr>{head}</tr>{body}</table>"
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:+.4g}" if isinstance(x, float) else str(x)

@@ -1,0 +1,447 @@
+"""``ComponentScores``: score tensors with their labels, per role and per prompt.
+
+>>> scores.values.shape               # kind, layer, component (4 heads + MLP), position role
+torch.Size([3, 4, 5, 11])
+>>> len(scores.top(5, "informative")) # the five largest |scores|: (kind, label, value)
+5
+>>> scores.to_dataframe().columns.tolist()   # tidy, one row per prompt/kind/layer/component/pos
+['prompt', 'kind', 'layer', 'component', 'pos', 'role', 'token', 'score']
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from extractive_lens.types import Method, ScoreKind, jsonable
+
+
+def aggregate_by_role(
+    prompt_values: Float[Tensor, "kind batch layer component pos"],
+    prompt_roles: Sequence[Sequence[str]],
+    position_labels: Sequence[str],
+) -> Float[Tensor, "kind layer component role"]:
+    """Mean over the prompts that have each role, of each prompt's score at that role's position."""
+    k, b, n_layer, n_comp, _ = prompt_values.shape
+    index = {r: i for i, r in enumerate(position_labels)}
+    sums = prompt_values.new_zeros(k, n_layer, n_comp, len(position_labels))
+    counts = prompt_values.new_zeros(len(position_labels))
+    for i, roles in enumerate(prompt_roles):
+        cols = torch.tensor([index[r] for r in roles], device=prompt_values.device)
+        sums.index_add_(3, cols, prompt_values[:, i, :, :, : len(roles)])
+        counts.index_add_(0, cols, torch.ones(len(roles), dtype=counts.dtype, device=counts.device))
+    return sums / counts.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class ComponentScores:
+    """Scores of every head and MLP, per token role, for one or more score kinds.
+
+    Attributes:
+        values: ``[kind, layer, component, pos]`` means over prompts, aligned by role.
+        totals: ``[kind, layer, component]`` whole-component scores (mean over prompts).
+        prompt_values: ``[kind, batch, layer, component, pos]`` per prompt (padding = 0).
+            Components a partial exact run never computed are NaN everywhere (``uncomputed``).
+        prompt_totals: ``[kind, batch, layer, component]``.
+        kinds, component_labels, position_labels: axis labels.
+        prompt_roles: each prompt's role per real position.
+        method: ``"linear"`` or ``"causal"``.
+        per: ``"token"`` (a score per position) or ``"component"`` (exact whole-component
+            patches only: the position axis has one entry, ``"all"``, holding the totals).
+        other: ``[batch]`` informative score of parameters no component owns (linear only).
+        metadata: model, reward, ablation, convention, diff norms, versions.
+    """
+
+    values: Float[Tensor, "kind layer component pos"]
+    totals: Float[Tensor, "kind layer component"]
+    prompt_values: Float[Tensor, "kind batch layer component pos"]
+    prompt_totals: Float[Tensor, "kind batch layer component"]
+    kinds: tuple[ScoreKind, ...]
+    component_labels: tuple[str, ...]
+    position_labels: tuple[str, ...]
+    prompt_roles: tuple[tuple[str, ...], ...]
+    method: Method
+    other: Float[Tensor, " batch"] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    per: Literal["token", "component"] = "token"
+
+    @classmethod
+    def whole_components(
+        cls, prompt_totals: Float[Tensor, "kind batch layer component"], *, prompts: int,
+        token_roles: Any = None, **labels: Any,
+    ) -> ComponentScores:  # fmt: skip
+        """Scores of whole components only (``per="component"``): the position axis has the
+        single entry ``"all"`` and holds the totals."""
+        del token_roles  # the roles of the scored tokens do not label a whole-component score
+        return cls(
+            values=prompt_totals.mean(1)[..., None],
+            totals=prompt_totals.mean(1),
+            prompt_values=prompt_totals[..., None],
+            prompt_totals=prompt_totals,
+            position_labels=("all",),
+            prompt_roles=tuple(("all",) for _ in range(prompts)),
+            per="component",
+            **labels,
+        )
+
+    def __post_init__(self) -> None:
+        from extractive_lens.types import SCORE_KINDS
+
+        for name in ("values", "totals", "prompt_values", "prompt_totals"):
+            t = getattr(self, name)
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise TypeError(
+                    f"ComponentScores.{name} must be a float tensor, got "
+                    f"{getattr(t, 'dtype', type(t).__name__)}."
+                )
+        if self.values.dim() != 4 or self.prompt_values.dim() != 5:
+            raise ValueError(
+                f"values must be [kind, layer, component, pos] and prompt_values [kind, batch, layer, "
+                f"component, pos]; got {tuple(self.values.shape)} and {tuple(self.prompt_values.shape)}."
+            )
+        bad = [k for k in self.kinds if k not in SCORE_KINDS]
+        if bad or len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"kinds must be distinct names from {SCORE_KINDS}, got {self.kinds}.")
+        k, n_layer, n_comp, n_pos = self.values.shape
+        if k != len(self.kinds):
+            raise ValueError(f"values has {k} kinds but kinds={self.kinds}")
+        if n_comp != len(self.component_labels):
+            raise ValueError(
+                f"values has {n_comp} components but {len(self.component_labels)} labels"
+            )
+        if n_pos != len(self.position_labels):
+            raise ValueError(f"values has {n_pos} positions but {len(self.position_labels)} labels")
+        if len(set(self.position_labels)) != n_pos:
+            raise ValueError("position_labels must be unique")
+        if self.totals.shape != (k, n_layer, n_comp):
+            raise ValueError(f"totals shape {tuple(self.totals.shape)} != {(k, n_layer, n_comp)}")
+        if self.prompt_values.shape[:4] != (k, len(self.prompt_roles), n_layer, n_comp):
+            raise ValueError("prompt_values does not match kinds / prompts / layers / components")
+        if self.per not in ("token", "component"):
+            raise ValueError(f"per must be 'token' or 'component', got {self.per!r}")
+        if self.per == "component" and self.position_labels != ("all",):
+            raise ValueError("Whole-component scores have one position entry, labelled 'all'.")
+        if self.method not in ("linear", "causal"):
+            raise ValueError(f"method must be 'linear' or 'causal', got {self.method!r}")
+        if self.prompt_totals.shape != self.prompt_values.shape[:4]:
+            raise ValueError(
+                f"prompt_totals shape {tuple(self.prompt_totals.shape)} != "
+                f"{tuple(self.prompt_values.shape[:4])}"
+            )
+        width = self.prompt_values.shape[-1]
+        for i, roles in enumerate(self.prompt_roles):
+            if len(roles) > width or not set(roles) <= set(self.position_labels):
+                raise ValueError(
+                    f"prompt {i}'s roles do not fit the position labels / {width} positions."
+                )
+        if self.other is not None and self.other.shape != (len(self.prompt_roles),):
+            raise ValueError(
+                f"other must have one value per prompt, shape [{len(self.prompt_roles)}], "
+                f"got {tuple(self.other.shape)}"
+            )
+
+    # ------------------------------------------------------------------ access
+    @property
+    def n_layers(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def n_prompts(self) -> int:
+        return len(self.prompt_roles)
+
+    def kind_index(self, kind: ScoreKind) -> int:
+        if kind not in self.kinds:
+            raise KeyError(f"No {kind!r} scores here; this result has {self.kinds}.")
+        return self.kinds.index(kind)
+
+    def __getitem__(self, kind: ScoreKind) -> Float[Tensor, "layer component pos"]:
+        """``scores["informative"]``: the ``[layer, component, pos]`` tensor of one kind."""
+        return self.values[self.kind_index(kind)]
+
+    def top(
+        self,
+        k: int = 10,
+        kind: ScoreKind | None = None,
+        *,
+        per_token: bool = False,
+        layers: Sequence[int] | None = None,
+    ) -> list[tuple[str, str, float]]:
+        """The ``k`` largest scores by magnitude: ``(kind, label, value)``.
+
+        Whole-component totals by default; ``per_token=True`` ranks (component, position) cells
+        and labels them ``L3H2@lives``. ``layers``: only components of these layers. Cells that
+        were never computed (NaN: ``causal_scores(top_k=..., layers=...)``) are not ranked.
+        """
+        kinds = self.kinds if kind is None else (kind,)
+        keep = None if layers is None else set(layers)
+        rows: list[tuple[str, str, float]] = []
+        for kd in kinds:
+            ki = self.kind_index(kd)
+            if per_token:
+                v = self.values[ki]
+                for (layer, c, p), x in zip(_indices(v.shape), v.flatten().tolist()):
+                    if x == x and (keep is None or layer in keep):
+                        rows.append((kd, f"{self._label(layer, c)}@{self.position_labels[p]}", x))
+            else:
+                v = self.totals[ki]
+                for (layer, c), x in zip(_indices(v.shape), v.flatten().tolist()):
+                    if x == x and (keep is None or layer in keep):
+                        rows.append((kd, self._label(layer, c), x))
+        rows.sort(key=lambda r: -abs(r[2]))
+        return rows[:k]
+
+    def uncomputed(self, kind: ScoreKind) -> list[str]:
+        """Labels of the components never computed for ``kind`` (their scores are NaN), e.g.
+        those outside ``causal_scores(top_k=..., layers=...)``; ``[]`` for a full result."""
+        t = self.totals[self.kind_index(kind)]
+        return [self._label(layer, c) for layer, c in torch.isnan(t).nonzero().tolist()]
+
+    @property
+    def partial(self) -> bool:
+        """Whether some component was never computed (NaN) for some kind."""
+        return bool(torch.isnan(self.totals).any())
+
+    def additivity_note(self) -> str:
+        """One sentence on whether the linear scores add up to the whole change of R (linear
+        results with informative scores; ``""`` otherwise). See ``docs/scores.md`` §11."""
+        check = self.metadata.get("additivity") or self.metadata.get("linearization")
+        if not check:
+            return ""
+        verb = "add up to" if check["ok"] else "do not add up to"
+        return (
+            f"Additivity: Σ informative + other = {check['linear_change']:+.4g} against "
+            f"R(W') - R(W) = {check['exact_change']:+.4g} (gap {check['relative_gap']:.0%}; the "
+            f"scores {verb} the whole change within {check['tolerance']:.0%}). This is about "
+            "the sum, not the ranking: the linear-vs-exact verdicts say whether each kind's map "
+            f"can stand in for the exact one. The 'other' parameters (embeddings, b_O, final "
+            f"norm, unembedding) carry {check['other_share']:.0%} of the linear total."
+        )
+
+    def position_tokens(self) -> dict[str, tuple[str, ...]]:
+        """The distinct tokens found at each position role, over all prompts, in order of first
+        appearance (``{"{name}[-1]": ("T0", "T1", ...), "lives": ("lives",)}``); empty tuples when
+        the model had no tokenizer."""
+        tokens = self.metadata.get("prompt_tokens") or []
+        seen: dict[str, dict[str, None]] = {label: {} for label in self.position_labels}
+        for row, roles in zip(tokens, self.prompt_roles):
+            for token, role in zip(row, roles):
+                if role in seen:
+                    seen[role][token.strip() or token] = None
+        return {label: tuple(found) for label, found in seen.items()}
+
+    def position_ticks(self, examples: int = 2) -> list[str]:
+        """One axis label per position: the token where every prompt has the same one (``lives``),
+        else the role with up to ``examples`` of its tokens (``{name}[-1]: T0, T1, …``)."""
+        ticks = []
+        for label, found in self.position_tokens().items():
+            if len(found) == 1 and found[0] == label:
+                ticks.append(label)
+            elif found:
+                more = ", …" if len(found) > examples else ""
+                ticks.append(f"{label}: {', '.join(found[:examples])}{more}")
+            else:
+                ticks.append(label)
+        return ticks
+
+    def _label(self, layer: int, comp: int) -> str:
+        return f"L{layer}{self.component_labels[comp]}"
+
+    def to_dataframe(self, *, per_prompt: bool = True):
+        """Tidy table: one row per (prompt, kind, layer, component, position), with the token string
+        at that position (``token``; None when the model had no tokenizer).
+
+        ``per_prompt=False`` gives the role-aggregated means instead (no ``prompt`` column).
+        """
+        import pandas as pd
+
+        recs: list[tuple[Any, ...]] = []
+        if per_prompt:
+            pv = self.prompt_values.detach().cpu()
+            tokens = self.metadata.get("prompt_tokens")
+            for ki, kd in enumerate(self.kinds):
+                for b, roles in enumerate(self.prompt_roles):
+                    block = pv[ki, b, :, :, : len(roles)]
+                    row_tokens = tokens[b] if tokens is not None and b < len(tokens) else None
+                    for (layer, c, p), x in zip(_indices(block.shape), block.flatten().tolist()):
+                        token = (
+                            row_tokens[p]
+                            if row_tokens is not None and p < len(row_tokens)
+                            else None
+                        )
+                        recs.append((b, kd, layer, self.component_labels[c], p, roles[p], token, x))
+            return pd.DataFrame(
+                recs,
+                columns=["prompt", "kind", "layer", "component", "pos", "role", "token", "score"],
+            )
+        v = self.values.detach().cpu()
+        for (ki, layer, c, p), x in zip(_indices(v.shape), v.flatten().tolist()):
+            recs.append(
+                (self.kinds[ki], layer, self.component_labels[c], self.position_labels[p], x)
+            )
+        return pd.DataFrame(recs, columns=["kind", "layer", "component", "role", "score"])
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> Path:
+        """``path`` (a directory): ``scores.safetensors`` + ``scores.json`` (labels, metadata)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "values": self.values,
+            "totals": self.totals,
+            "prompt_values": self.prompt_values,
+            "prompt_totals": self.prompt_totals,
+        }
+        if self.other is not None:
+            tensors["other"] = self.other
+        save_file(  # clone: safetensors refuses tensors sharing memory (per="component" views)
+            {
+                k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+                for k, v in tensors.items()
+            },
+            str(path / "scores.safetensors"),
+        )
+        info = {
+            "kinds": list(self.kinds),
+            "component_labels": list(self.component_labels),
+            "position_labels": list(self.position_labels),
+            "prompt_roles": [list(r) for r in self.prompt_roles],
+            "method": self.method,
+            "per": self.per,
+            "metadata": jsonable(self.metadata),
+        }
+        (path / "scores.json").write_text(json.dumps(info, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ComponentScores:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        missing = [f for f in ("scores.safetensors", "scores.json") if not (path / f).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{path} has no {' or '.join(missing)}: pass a directory written by "
+                "ComponentScores.save() (or `extractive-lens score --out`)."
+            )
+        try:
+            t = load_file(str(path / "scores.safetensors"))
+            info = json.loads((path / "scores.json").read_text())
+            fields: dict[str, Any] = dict(
+                kinds=tuple(info["kinds"]),
+                component_labels=tuple(info["component_labels"]),
+                position_labels=tuple(info["position_labels"]),
+                method=info["method"],
+                per=info.get("per", "component" if info["position_labels"] == ["all"] else "token"),
+                prompt_roles=tuple(tuple(r) for r in info["prompt_roles"]),
+                metadata=info["metadata"],
+            )
+            tensors: dict[str, Any] = {
+                k: t[k] for k in ("values", "totals", "prompt_values", "prompt_totals")
+            }
+        except Exception as e:  # KeyError, JSON errors, safetensors' own error for a damaged file
+            raise ValueError(
+                f"{path} is not a complete ComponentScores directory ({type(e).__name__}: {e})."
+            ) from None
+        try:
+            return cls(**tensors, other=t.get("other"), **fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: the saved scores are inconsistent: {e}") from None
+
+    # ------------------------------------------------------------------ display
+    def plot(
+        self, kind: ScoreKind | None = None, part: str = "mlp", position: str | None = None
+    ) -> Any:
+        """``overview()`` of every kind, or one ``heatmap(kind, part)`` (a plotly figure)."""
+        from extractive_lens import plotting
+
+        if kind is None:
+            return plotting.overview(self)
+        return plotting.heatmap(self, kind, part=part, position=position)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return (
+            f"ComponentScores(method={self.method!r}, kinds={self.kinds}, layers={self.n_layers}, "
+            f"components={len(self.component_labels)}, positions={len(self.position_labels)}, "
+            f"prompts={self.n_prompts})"
+        )
+
+    def _repr_html_(self) -> str:
+        """A compact offline summary: the top components of each kind (no network, no scripts)."""
+        rows = []
+        for kd in self.kinds:
+            cells = "".join(
+                f"<td><code>{html.escape(lab)}</code> {val:+.3g}</td>"
+                for _, lab, val in self.top(5, kd)
+            )
+            rows.append(f"<tr><th>{html.escape(kd)}</th>{cells}</tr>")
+        meta = ", ".join(
+            f"{html.escape(str(k))}={html.escape(str(self.metadata.get(k)))}"
+            for k in ("model", "reward", "ablation", "convention")
+            if k in self.metadata
+        )
+        grids = "".join(self._grid_html(kd) for kd in self.kinds)
+        note = self.additivity_note()
+        note = f"<br><small>{html.escape(note)}</small>" if note else ""
+        if self.partial:
+            note += "<br><small>grey: not computed (a partial exact run)</small>"
+        return (
+            f"<div><b>ComponentScores</b> ({html.escape(self.method)}; {self.n_layers} layers × "
+            f"{len(self.component_labels)} components × {len(self.position_labels)} positions; "
+            f"{self.n_prompts} prompts)<br><small>{meta}</small>{note}"
+            f"<table>{''.join(rows)}</table><small>top 5 whole-component scores by |value|</small>"
+            f"<div style='display:flex;gap:1em;flex-wrap:wrap'>{grids}</div></div>"
+        )
+
+    def _grid_html(self, kind: ScoreKind) -> str:
+        """The overview as a static table: layer (top = last) × component, coloured by total."""
+        t = self.totals[self.kind_index(kind)].double()
+        lim = float(t.abs().nan_to_num(0.0).max()) or 1.0
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.component_labels)
+        body = []
+        for layer in reversed(range(t.shape[0])):
+            cells = []
+            for c in range(t.shape[1]):
+                v = float(t[layer, c])
+                label = f"L{layer}{html.escape(self.component_labels[c])}"
+                if v != v:
+                    cells.append(
+                        f"<td title='{label} not computed' style='background:{UNCOMPUTED};"
+                        "width:1.6em;height:1.2em'></td>"
+                    )
+                    continue
+                cells.append(
+                    f"<td title='{label} {v:+.4g}' "
+                    f"style='background:{score_rgba(v / lim)};width:1.6em;height:1.2em'></td>"
+                )
+            body.append(f"<tr><th>L{layer}</th>{''.join(cells)}</tr>")
+        return (
+            f"<table style='border-collapse:collapse;font-size:80%'><caption>{html.escape(kind)}</caption>"
+            f"<tr><th></th>{head}</tr>{''.join(body)}</table>"
+        )
+
+
+UNCOMPUTED = "#cfcfcf"
+"""The colour of a cell that was never computed (NaN), in every figure and table."""
+
+
+def score_rgba(x: float, opacity: float = 1.0) -> str:
+    """The CSS colour of a score scaled to [-1, 1]: plotly RdBu's ends (positive blue, negative
+    red), opacity growing with |x| up to ``opacity``."""
+    rgb = "33,102,172" if x > 0 else "178,24,43"
+    return f"rgba({rgb},{min(1.0, abs(x)) * opacity:.2f})"
+
+
+def _indices(shape: Sequence[int]):
+    import itertools
+
+    return itertools.product(*(range(s) for s in shape))

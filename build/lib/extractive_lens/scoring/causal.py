@@ -1,0 +1,351 @@
+"""Exact causal informative / upstream / downstream scores by activation patching (docs/scores.md §4).
+
+>>> exact = causal_scores(base, diff, batch)                       # per token
+>>> exact = causal_scores(base, diff, batch, per="component")      # whole components
+>>> exact.per, exact.values.shape
+('component', torch.Size([3, 4, 5, 1]))
+>>> exact = causal_scores(base, diff, batch, top_k=5)              # AtP*-style
+
+The engine, not a loop of full forwards:
+- the base run is cached once (residual stream at every boundary, keys and values);
+- a patch of component ``c`` at position ``t`` adds ``Δy = y_new - y`` to the cached stream
+  right after ``c`` and resumes from there: the heads of layer ``l`` re-enter before MLP ``l``
+  (after it, for parallel blocks), MLP ``l`` re-enters before layer ``l + 1``;
+- positions before ``t`` are unchanged (causal attention), so only positions ``>= t`` are
+  recomputed, reading earlier keys and values from the cache (TransformerLens's KV cache);
+- many (prompt, component) interventions share one pass, stacked along the batch axis in
+  chunks of at most ``max_batch`` rows;
+- patch values come from cached quantities: ``f_c(z_c, W'_c)`` from the finetuned layer on the
+  cached base input, ``f_c(z'_c, W_c)`` from the base layer on the finetuned run's input, and
+  ``y*``; upstream's ``W_late`` runs resume inside ``diff.applied``.
+
+The resumed passes run through ``backend.run_blocks``; each kind's patch values and how its
+exact score combines the patch's effects are in ``scoring/kinds/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from extractive_lens import backend as B
+from extractive_lens.batch import PromptBatch
+from extractive_lens.interrupts import guarded
+from extractive_lens.results import ComponentScores
+from extractive_lens.rewards import Reward, reads_answer_positions_only
+from extractive_lens.scoring.ablation import AblationTable, table_for
+from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
+from extractive_lens.scoring.kinds import KINDS
+from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
+from extractive_lens.scoring.runs import AnswerRows, Run, forward_run, readout, wide
+from extractive_lens.types import SCORE_KINDS, Ablation, Component, ScoreKind
+from extractive_lens.weight_diff import WeightDiff
+
+
+def causal_scores(
+    model: Any,
+    diff: WeightDiff,
+    batch: PromptBatch,
+    *,
+    kinds: Sequence[ScoreKind] | ScoreKind = SCORE_KINDS,
+    per: Per = "token",
+    ablation: Ablation = "mean",
+    reference: PromptBatch | None = None,
+    reward: str | Reward | None = None,
+    max_batch: int = 128,
+    top_k: int | None = None,
+    linear: ComponentScores | None = None,
+    layers: Sequence[int] | None = None,
+    batch_size: int | None = 16,
+    resample_k: int = 10,
+    seed: int = 3,
+    show_progress: bool | None = None,
+    rows: Sequence[int] | None = None,
+    compute_dtype: torch.dtype | str | None = None,
+) -> ComponentScores:
+    """Exact scores of every head and MLP, per output position (``per="token"``) or with all
+    positions patched at once (``per="component"``). Definitions: ``docs/scores.md``.
+
+    Args:
+        kinds, ablation, reference, reward: as in ``linear_scores`` (paper convention).
+        max_batch: interventions per resumed pass (memory bound).
+        top_k: score only the ``k`` components the linear scores rank highest (by |total|,
+            per kind, among ``layers`` when given); the others are NaN (never computed: absent
+            from ``top()``, shown as "not computed") and listed in ``metadata["skipped"]``.
+        linear: precomputed linear scores for ``top_k`` (computed if not given).
+        layers: score only the components of these layers (the others are NaN).
+        compute_dtype: as in ``linear_scores`` (float32 for bf16/fp16 models by default).
+
+    Whole-component totals (``totals``) are always the exact whole-component patch, also for
+    ``per="token"`` (where they are not the sum of the per-token scores). The options are those
+    of ``CausalOptions``.
+    """
+    check_arguments("causal_scores", model, diff, batch)
+    options = CausalOptions(
+        kinds=kinds, per=per, ablation=ablation, reference=reference, reward=reward,
+        max_batch=max_batch, top_k=top_k, linear=linear, layers=layers, batch_size=batch_size,
+        resample_k=resample_k, seed=seed, show_progress=show_progress, rows=rows,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
+    return causal_scores_with(model, diff, batch, options)
+
+
+def causal_scores_with(
+    model: Any, diff: WeightDiff, batch: PromptBatch, options: CausalOptions
+) -> ComponentScores:
+    """``causal_scores`` with its options as one ``CausalOptions`` object."""
+    cdt = prepare("causal_scores", model, diff, batch, options)
+    skipped = _skipped(model, diff, batch, options, cdt)
+    scored, plan = plan_chunks(batch, options.rows, options.batch_size)
+    chunks = [c for c, _ in plan]
+    partial = options.top_k is not None or options.layers is not None
+    meta = base_metadata(
+        model, diff, options, batch, cdt, method="causal", per=options.per, top_k=options.top_k,
+        layers=None if options.layers is None else list(options.layers),
+        skipped={k: list(v) for k, v in skipped.items()} if partial else None,
+    )  # fmt: skip
+    per_token, totals = [], []
+    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
+        first = forward_run(model, chunks[0], options.reward_fn, capture=("z", "k", "v"))
+        table = table_for(model, batch, options, chunks, first)
+        for i, chunk in enumerate(chunks):
+            base = first if i == 0 else forward_run(model, chunk, options.reward_fn,
+                                                     capture=("z", "k", "v"))  # fmt: skip
+            c = CausalChunk(model, diff, chunk, base, plan[i][1], table, options)
+            v, t = c.scores(skipped)
+            per_token.append(v)
+            totals.append(t)
+    return assemble(model, scored, options.score_kinds, per_token if options.per == "token" else None,
+                    totals, method="causal", other=None, metadata=meta)  # fmt: skip
+
+
+def _skipped(
+    model: Any, diff: WeightDiff, batch: PromptBatch, options: CausalOptions, cdt: torch.dtype
+) -> dict[str, list[str]]:
+    """Per kind, the component labels not to patch: outside the linear top k, or outside
+    ``layers``."""
+    skipped: dict[str, list[str]] = {}
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    labels = [f"H{h}" for h in range(H)] + (["MLP"] if B.has_mlp(model) else [])
+    if options.layers is not None:
+        bad = [layer for layer in options.layers if not 0 <= layer < L]
+        if bad:
+            raise ValueError(f"layers {bad} out of range 0..{L - 1}")
+    within = range(L) if options.layers is None else sorted(set(options.layers))
+    if options.top_k is not None:
+        linear = options.linear
+        if linear is None:
+            from extractive_lens.scoring.linear import linear_scores
+
+            linear = linear_scores(
+                model, diff, batch, kinds=options.kinds, reward=options.reward_fn,
+                ablation=options.ablation, reference=options.reference, show_progress=False,
+                compute_dtype=cdt,
+            )  # fmt: skip
+        for kind in options.kinds:
+            keep = {lab for _, lab, _ in linear.top(options.top_k, kind, layers=within)}
+            skipped[kind] = [f"L{l}{c}" for l in range(L) for c in labels if f"L{l}{c}" not in keep]
+    if options.layers is not None:
+        outside = {f"L{l}{c}" for l in range(L) if l not in options.layers for c in labels}
+        for kind in options.kinds:
+            skipped[kind] = sorted(set(skipped.get(kind, [])) | outside)
+    return skipped
+
+
+@dataclass
+class _Context:
+    """Where interventions resume: the stream at a boundary, its keys/values, its reward."""
+
+    layer: int
+    stream: Tensor  # [batch pos d_model] right after the component group
+    part: str  # "mid" (before this layer's MLP) or "post" (after the layer)
+    kv: dict[int, tuple[Tensor, Tensor]]  # later layer -> (k, v) [batch pos kv_head d_head]
+    reward: Tensor  # [batch] unpatched reward in this context
+    finetuned: bool
+    post: Tensor | None = None  # part "mid": the stream after this layer's MLP, unpatched
+    mlp_out: Tensor | None = None  # part "mid": this layer's MLP output, unpatched
+
+
+@dataclass
+class CausalChunk:
+    """The exact engine on one chunk of prompts (module docstring): contexts, patched passes."""
+
+    model: Any
+    diff: WeightDiff
+    batch: PromptBatch
+    base: Run
+    rows: list[int]
+    table: AblationTable | None
+    options: CausalOptions
+
+    def __post_init__(self) -> None:
+        self.L, self.H = self.model.cfg.n_layers, self.model.cfg.n_heads
+        self.has_mlp, self.parallel = B.has_mlp(self.model), B.parallel(self.model)
+        self.suffix_ok = reads_answer_positions_only(self.options.reward_fn)
+        self.kv_prefix = B.kv_prefix(self.model)  # else patched passes run whole sequences
+        # the last position any reward reads, per prompt: later patches cannot change R
+        ch = self.batch
+        n_ans = (ch.answer_targets >= 0).sum(-1)
+        self.last_read = (ch.last_prompt_pos + n_ans - 1).clamp(max=ch.lengths - 1).tolist()
+        self.min_prompt_last = int(ch.last_prompt_pos.min())
+
+    # ------------------------------------------------------------------ contexts
+    def context(self, layer: int, group: str, finetuned: bool) -> _Context:
+        base = self.base
+        part = "post" if (group == "mlp" or self.parallel or not self.has_mlp) else "mid"
+        stream = base.post[layer] if part == "post" else base.mid[layer]
+        if not finetuned:
+            kv = {
+                l: (base.captured[l]["k"], base.captured[l]["v"]) for l in range(layer + 1, self.L)
+            }
+            if part == "mid":
+                return _Context(layer, stream, part, kv, base.reward, False, base.post[layer],  # type: ignore[arg-type]
+                                base.mlp_out[layer])  # fmt: skip
+            return _Context(layer, stream, part, kv, base.reward, False)  # type: ignore[arg-type]
+        if group == "heads":
+            d_bO = self.diff.deltas.get(B.attn_out_names(layer)[1])
+            if d_bO is not None:
+                stream = stream + d_bO.to(device=stream.device, dtype=stream.dtype)
+        kv = {}
+
+        def keep_kv(step: B.LayerRun) -> None:
+            kv[step.layer] = (step.captured["k"], step.captured["v"])
+
+        with torch.no_grad(), self.diff.resumed_at(self.model, layer):
+            post = mlp_out = None
+            if part == "mid":
+                mlp_out = B.mlp(self.model, layer, stream)
+                post = stream + mlp_out
+            x = B.run_blocks(self.model, stream if post is None else post, start=(layer, "post"),
+                             capture=("k", "v"), observe=keep_kv)  # fmt: skip
+            R, _, _ = readout(self.model, x, self.batch, self.options.reward_fn)  # type: ignore[arg-type]
+        return _Context(layer, stream, part, kv, R, True, post, mlp_out)
+
+    def patched_rewards(self, ctx: _Context, delta: Tensor, per: str) -> Tensor:
+        """R with ``delta [batch pos comp d_model]`` added in ``ctx``: ``[batch, comp, pos]``
+        (per token; unaffected positions keep the context's reward) or ``[batch, comp]``."""
+        b, pos, n_comp, _ = delta.shape
+        dev = delta.device
+        if per == "component":
+            grid = torch.cartesian_prod(torch.arange(b), torch.arange(n_comp))
+            jobs = torch.cat([grid, torch.full((len(grid), 1), -1)], dim=1)
+            out = torch.empty(b, n_comp, dtype=ctx.reward.dtype, device=ctx.reward.device)
+        else:
+            grid = torch.cartesian_prod(torch.arange(pos), torch.arange(b), torch.arange(n_comp))
+            jobs = grid[:, [1, 2, 0]]  # (prompt, component, position), sorted by position
+            last = torch.tensor(self.last_read)
+            jobs = jobs[jobs[:, 2] <= last[jobs[:, 0]]]
+            out = ctx.reward[:, None, None].expand(b, n_comp, pos).clone()
+        jobs = jobs.to(dev)
+        applied = (
+            self.diff.resumed_at(self.model, ctx.layer)
+            if ctx.finetuned
+            else contextlib.nullcontext()
+        )
+        max_batch = self.options.max_batch
+        with torch.no_grad(), applied:
+            for i in range(0, len(jobs), max_batch):
+                part = jobs[i : i + max_batch]
+                pb, c, t = part[:, 0], part[:, 1], part[:, 2]
+                s = 0 if per == "component" else self._start(int(t.min()))
+                x, entry = self._patched_stream(ctx, delta, per, pb, c, t, s)
+                kv = None if s == 0 else {l: (k[pb, :s], v[pb, :s]) for l, (k, v) in ctx.kv.items()}
+                rows = AnswerRows.of(self.batch, pb) if self.suffix_ok else None
+                read = None if rows is None else rows.read_positions(s)
+                x = cast(Tensor, B.run_blocks(self.model, x, start=(ctx.layer, entry),  # type: ignore[arg-type]
+                                              past_kv=kv, read_pos=read))  # fmt: skip
+                view = rows if rows is not None else self.batch.subset(pb.tolist(), trim=False)
+                R, _, _ = readout(self.model, x, view, self.options.reward_fn, offset=s,  # type: ignore[arg-type]
+                                  gathered=read is not None)  # fmt: skip
+                if per == "component":
+                    out[pb, c] = R.to(out.dtype)
+                else:
+                    out[pb, c, t] = R.to(out.dtype)
+        return out
+
+    def _patched_stream(
+        self, ctx: _Context, delta: Tensor, per: str, pb: Tensor, c: Tensor, t: Tensor, s: int
+    ) -> tuple[Tensor, str]:
+        """The context's stream from position ``s`` on with each row's patch added, and the
+        boundary it enters at."""
+        if per == "component":
+            return ctx.stream[pb, s:] + delta[pb, s:, c].to(ctx.stream.dtype), ctx.part
+        rows = torch.arange(len(pb), device=delta.device)
+        if ctx.part == "mid" and self.has_mlp:
+            # Only position t changed: this layer's MLP runs on that position alone.
+            d = delta[pb, t, c].to(ctx.stream.dtype)
+            xm = ctx.stream[pb, t] + d
+            m = B.mlp(self.model, ctx.layer, xm[:, None])[:, 0]
+            x = ctx.post[pb, s:].clone()  # type: ignore[index]
+            x[rows, t - s] += d + m - ctx.mlp_out[pb, t]  # type: ignore[index]
+            return x, "post"
+        x = ctx.stream[pb, s:].clone()
+        x[rows, t - s] += delta[pb, t, c].to(x.dtype)
+        return x, ctx.part
+
+    def _start(self, t: int | None) -> int:
+        if t is None or not (self.suffix_ok and self.kv_prefix):
+            return 0
+        return min(t, self.min_prompt_last)
+
+    # ------------------------------------------------------------------ all scores
+    def scores(self, skipped: dict[str, list[str]]) -> tuple[Tensor, Tensor]:
+        kinds, per = self.options.kinds, self.options.per
+        b, pos = self.batch.tokens.shape
+        C = self.H + self.has_mlp
+        dtype = wide(self.base.pre[0]).dtype
+        dev = self.base.pre[0].device
+        vals = torch.zeros(len(kinds), b, self.L, C, pos, dtype=dtype, device=dev)
+        tots = torch.zeros(len(kinds), b, self.L, C, dtype=dtype, device=dev)
+        steps = [(k, kind, layer) for k, kind in enumerate(kinds) for layer in range(self.L)]
+        deltas: dict[str, list] = {}
+        for k, kind, layer in progress(
+            steps, len(steps), "causal scores", self.options.show_progress
+        ):
+            skip = set(skipped.get(kind, ()))
+            labels = [f"L{layer}H{h}" for h in range(self.H)] + (
+                [f"L{layer}MLP"] if self.has_mlp else []
+            )
+            if all(lab in skip for lab in labels):
+                continue
+            if kind not in deltas:
+                deltas = {kind: KINDS[kind].patch_values(self)}
+            dh, dm = deltas[kind][layer]
+            groups = [("heads", dh, 0)]
+            if dm is not None:
+                groups.append(("mlp", dm[:, :, None], self.H))
+            for group, delta, offset in groups:
+                keep = [i for i in range(delta.shape[2]) if labels[offset + i] not in skip]
+                if not keep:
+                    continue
+                whole, tok = self._effects(KINDS[kind], layer, group, delta[:, :, keep], per)
+                idx = torch.tensor(keep, device=dev) + offset
+                tots[k, :, layer, idx] = whole.to(dtype)
+                if tok is not None:
+                    vals[k, :, layer, idx] = tok.to(dtype)
+        mask = self.batch.position_mask.to(dev)
+        vals = vals * mask[None, :, None, None, :]
+        for k, kind in enumerate(kinds):  # never computed: NaN, not a score of 0
+            for label in skipped.get(kind, ()):
+                comp = Component.parse(label)
+                c = self.H if comp.is_mlp else comp.head
+                vals[k, :, comp.layer, c] = float("nan")
+                tots[k, :, comp.layer, c] = float("nan")
+        return vals, tots
+
+    def _effects(self, kind: Any, layer: int, group: str, delta: Tensor, per: str
+                 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """The kind's exact score of a group's components: whole and (per token) per position."""
+        whole: dict[str, Tensor] = {}
+        tok: dict[str, Tensor] = {}
+        for name in kind.CONTEXTS:
+            ctx = self.context(layer, group, finetuned=name == "finetuned_late")
+            whole[name] = self.patched_rewards(ctx, delta, "component") - ctx.reward[:, None]
+            if per == "token":
+                tok[name] = self.patched_rewards(ctx, delta, "token") - ctx.reward[:, None, None]
+        return kind.exact(whole), (kind.exact(tok) if per == "token" else None)

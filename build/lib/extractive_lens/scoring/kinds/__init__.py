@@ -1,0 +1,29 @@
+"""One module per score kind: its linearized score and its exact patch values.
+
+A kind module provides (``downstream.py`` is the smallest example):
+
+- ``needs(options) -> set[str]``: what the linear engine must compute for it per chunk
+  (``"finetuned"``: a finetuned forward run; ``"finetuned_grad"``: with gradients;
+  ``"upstream_grads"``: the resumed ``ŷ'`` pass) and ``capture(options)``: the attention hook
+  values the base run must record beyond ``z``;
+- ``linear(chunk: LinearChunk) -> [batch, layer, component, pos]``;
+- ``patch_values(chunk: CausalChunk) -> [(Δ heads, Δ MLP) per layer]``: what the exact engine
+  adds to the stream right after each component;
+- ``exact(effects) -> scores``: the exact score from the patch's effect on R,
+  ``R(patched) - R(unpatched)``, in the contexts named by ``CONTEXTS`` (``"base"``: the base
+  model; ``"finetuned_late"``: the layers after the patch finetuned).
+
+A new kind is one module here plus one line in ``KINDS`` (and its name in ``types.ScoreKind``).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from extractive_lens.scoring.kinds import downstream, informative, upstream
+
+KINDS: dict[str, ModuleType] = {
+    "informative": informative,
+    "upstream": upstream,
+    "downstream": downstream,
+}

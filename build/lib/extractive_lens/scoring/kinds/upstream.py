@@ -1,0 +1,129 @@
+"""Upstream scores (docs/scores.md §4–5, §7): how much each component's output matters to R
+*through* the finetuned later layers. Exact: the effect of ablating the component to ``y*``
+with the layers after it finetuned, minus the same effect in the base model (a double
+difference). Linear: ``<ŷ'_c - ŷ_c, y_c - y*_c>`` with ``ŷ'`` the gradient at the base
+activations with the later layers finetuned ("staircase" pass, below).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from extractive_lens import backend as B
+from extractive_lens.scoring.runs import Run, head_grad, head_out, readout, wide
+
+if TYPE_CHECKING:  # pragma: no cover
+    from extractive_lens.batch import PromptBatch
+    from extractive_lens.rewards import Reward
+    from extractive_lens.scoring.causal import CausalChunk
+    from extractive_lens.scoring.linear import LinearChunk
+    from extractive_lens.scoring.options import ScoreOptions
+    from extractive_lens.weight_diff import WeightDiff
+
+CONTEXTS = ("base", "finetuned_late")
+
+
+def needs(options: ScoreOptions) -> set[str]:
+    # the authors' code takes ŷ' from the finetuned model's own run, the paper at base activations
+    return {"finetuned_grad"} if options.authors else {"upstream_grads"}
+
+
+def capture(options: ScoreOptions) -> tuple[str, ...]:
+    return ()
+
+
+def linear(chunk: LinearChunk) -> Tensor:
+    model, base = chunk.model, chunk.base
+    H, has_mlp = model.cfg.n_heads, B.has_mlp(model)
+    assert chunk.table is not None
+    z_star, m_star = chunk.table.for_rows(chunk.rows, chunk.batch, base)
+    if chunk.options.authors:
+        assert chunk.ft is not None
+        gp_z = [head_grad(wide(g), W) for g, W in zip(chunk.ft.g_attn, chunk.ft.W_O)]
+        gp_mlp = chunk.ft.g_mlp
+    else:
+        assert chunk.gp_attn is not None and chunk.gp_mlp is not None
+        gp_z = [head_grad(wide(g), W) for g, W in zip(chunk.gp_attn, base.W_O)]
+        gp_mlp = chunk.gp_mlp
+    out = chunk.new_scores()
+    for layer in range(model.cfg.n_layers):
+        dz = wide(base.z[layer]) - z_star[:, :, layer]
+        out[:, layer, :H] = ((gp_z[layer] - chunk.g_z[layer]) * dz).sum(-1).transpose(1, 2)
+        if has_mlp:
+            assert m_star is not None
+            dm = wide(base.mlp_out[layer]) - m_star[:, :, layer]
+            g = wide(gp_mlp[layer]) - wide(base.g_mlp[layer])
+            out[:, layer, H] = (g * dm).sum(-1)
+    return out
+
+
+def upstream_gradients(
+    model: Any, diff: WeightDiff, chunk: PromptBatch, base: Run, reward_fn: Reward,
+    group: int | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+    """``ŷ'`` at every layer boundary: ``dR/dy_c`` with ``W_late`` finetuned, at base activations.
+
+    Call with the finetuned weights applied (``with diff.applied(model):``); ``base`` is the
+    cached base run.
+
+    The base residual stream enters the finetuned model right after each component (heads of
+    layer l: where they re-enter, with ``b_O'``; MLP l: after the MLP) as extra rows of one
+    growing batch; one backward gives every boundary's gradient. ``group`` bounds how many
+    boundaries share a pass (memory).
+    """
+    L, has_mlp, parallel = model.cfg.n_layers, B.has_mlp(model), B.parallel(model)
+    parts = ("attn", "mlp") if has_mlp else ("attn",)
+    boundaries = [(layer, part) for layer in range(L) for part in parts]
+    group = group or len(boundaries)
+    grads: dict[tuple[int, str], Tensor] = {}
+    for g0 in range(0, len(boundaries), group):
+        todo = set(boundaries[g0 : g0 + group])
+        entries: list[Tensor] = []
+
+        def inject(layer: int, part: str, x: Tensor | None) -> Tensor | None:
+            if (layer, part) not in todo:
+                return x
+            if part == "mlp":
+                source = base.post[layer]
+            else:
+                d_bO = diff.deltas.get(B.attn_out_names(layer)[1])
+                source = base.post[layer] if parallel else base.mid[layer]
+                if d_bO is not None:
+                    source = source + d_bO.to(device=source.device, dtype=source.dtype)
+            e = source.detach().requires_grad_(True)
+            entries.append(e)
+            return e if x is None else torch.cat([x, e])
+
+        with B.frozen_parameters(model), torch.enable_grad():
+            first = boundaries[g0][0]
+            rows = B.run_blocks(model, None, start=(first, "pre"), inject=inject)
+            assert rows is not None
+            R, _, _ = readout(model, rows, chunk, reward_fn, groups=len(entries))
+            got = torch.autograd.grad(R.sum(), entries)
+        order = [b for b in boundaries[g0 : g0 + group]]
+        for key, g in zip(order, got):
+            grads[key] = g
+    gp_attn = [grads[(layer, "attn")] for layer in range(L)]
+    gp_mlp = [grads[(layer, "mlp")] for layer in range(L)] if has_mlp else []
+    return gp_attn, gp_mlp
+
+
+def patch_values(chunk: CausalChunk) -> list[tuple[Tensor, Tensor | None]]:
+    base = chunk.base
+    assert chunk.table is not None
+    z_star, m_star = chunk.table.for_rows(chunk.rows, chunk.batch, base)
+    out = []
+    with torch.no_grad():
+        for layer in range(chunk.model.cfg.n_layers):
+            dh = head_out(z_star[:, :, layer] - wide(base.z[layer]), base.W_O[layer])
+            dm = None if m_star is None else m_star[:, :, layer] - wide(base.mlp_out[layer])
+            out.append((dh, dm))
+    return out
+
+
+def exact(effects: dict[str, Any]) -> Any:
+    """``[R_late(W) - R_late(patched)] - [R(W) - R(patched)]``, effects being patched - unpatched."""
+    return effects["base"] - effects["finetuned_late"]

@@ -1,0 +1,239 @@
+"""Cached runs and the reward readout, shared by the linear and exact engines.
+
+Notation follows docs/scores.md §4–5. A head's output ``y_h = z_h W_O[h]``; its gradient
+``ŷ_h = dR/d(attn_out)`` is shared by every head of the layer, so head quantities are kept in
+``hook_z`` space: ``<ŷ, Δy_h> = <ŷ W_O[h]^T, Δz_h>`` when ``W_O`` is fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from extractive_lens import backend as B
+from extractive_lens.backend import LayerRun
+from extractive_lens.batch import PromptBatch
+from extractive_lens.rewards import Reward, reads_answer_positions_only
+
+
+@dataclass
+class Run:
+    """One forward pass with every quantity the scores read, per layer (detached)."""
+
+    pre: list[Tensor] = field(default_factory=list)  # resid_pre
+    mid: list[Tensor] = field(default_factory=list)  # resid_mid (= resid_pre + attn_out)
+    post: list[Tensor] = field(default_factory=list)  # resid_post
+    mlp_in: list[Tensor] = field(default_factory=list)  # what the MLP reads
+    z: list[Tensor] = field(default_factory=list)  # [batch pos head d_head]
+    mlp_out: list[Tensor] = field(default_factory=list)
+    captured: list[dict[str, Tensor]] = field(default_factory=list)
+    W_O: list[Tensor] = field(default_factory=list)
+    reward: Tensor | None = None
+    # gradients of sum(R), when requested
+    g_attn: list[Tensor] = field(default_factory=list)
+    g_mlp: list[Tensor] = field(default_factory=list)
+    g_captured: list[dict[str, Tensor]] = field(default_factory=list)
+    g_embed: Tensor | None = None
+    g_logits: Tensor | None = None
+    logits: Tensor | None = None
+    post_final: Tensor | None = None
+
+
+def forward_run(
+    model: Any,
+    batch: PromptBatch,
+    reward_fn: Reward | None = None,
+    *,
+    grad: bool = False,
+    capture: tuple[str, ...] = ("z",),
+    keep_logits: bool = False,
+) -> Run:
+    """Run ``model`` on ``batch``, caching the residual stream at every boundary.
+
+    With ``grad=True`` also returns ``dR/d attn_out``, ``dR/d mlp_out`` (and the captured hook
+    values', the embedding's and the logits') gradients; weights never get ``.grad`` buffers.
+    """
+    run = Run()
+    live: list[LayerRun] = []
+
+    def observe(step: LayerRun) -> None:
+        live.append(step)
+        run.pre.append(step.pre.detach())
+        run.mid.append(step.mid.detach())
+        run.W_O.append(B.W_O(model, step.layer).detach().clone())
+        if step.mlp_out is not None:
+            run.mlp_in.append(step.mlp_in.detach())  # type: ignore[union-attr]
+            run.mlp_out.append(step.mlp_out.detach())
+        run.post.append(step.post.detach())
+        run.z.append(step.captured["z"].detach())
+        run.captured.append({k: v.detach() for k, v in step.captured.items()})
+
+    tokens = batch.tokens.to(model.cfg.device)
+    capture = capture if "z" in capture else ("z", *capture)
+    with B.frozen_parameters(model), torch.set_grad_enabled(grad):
+        x0 = B.embed(model, tokens).detach()
+        if grad:
+            x0.requires_grad_(True)
+        x = B.run_blocks(model, x0, capture=capture, observe=observe)
+        assert x is not None
+        run.post_final = x.detach()
+        if keep_logits:
+            run.logits = B.unembed(model, x).detach()
+        if reward_fn is None:
+            return run
+        R, logits, x_read = readout(model, x, batch, reward_fn)
+        run.post_final = x_read.detach()
+        run.reward = R.detach()
+        if grad:
+            _gradients(run, R, reward_fn, x0, logits, live, capture)
+    return run
+
+
+def _gradients(
+    run: Run, R: Tensor, reward_fn: Reward, x0: Tensor, logits: Tensor, live: list[LayerRun],
+    capture: tuple[str, ...],
+) -> None:  # fmt: skip
+    """``run.g_*``: gradients of ``sum(R)`` at the embedding, logits and each layer's outputs."""
+    if not R.requires_grad:
+        raise ValueError(
+            f"{getattr(reward_fn, '__name__', 'the reward')} is not differentiable in the logits "
+            "(its output has no gradient): linear scores need a reward built from torch "
+            "operations on the logits, without .detach(), argmax or Python numbers."
+        )
+    names = [n for n in capture if n != "z"]
+    mlps = [s.mlp_out for s in live if s.mlp_out is not None]
+    inputs = [x0, logits, *(s.attn_out for s in live), *mlps]
+    inputs += [s.captured[n] for s in live for n in names]
+    grads = torch.autograd.grad(R.sum(), inputs, allow_unused=True)
+    grads = tuple(torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs))
+    L = len(live)
+    run.g_embed, run.g_logits = grads[0], grads[1]
+    run.g_attn = list(grads[2 : 2 + L])
+    run.g_mlp = list(grads[2 + L : 2 + L + len(mlps)])
+    rest = grads[2 + L + len(mlps) :]
+    run.g_captured = [{n: rest[i * len(names) + j] for j, n in enumerate(names)} for i in range(L)]
+
+
+@dataclass(frozen=True)
+class AnswerRows:
+    """The rows of a batch as the built-in rewards read them: answers, candidates and where the
+    prompt ends. ``at_answers()`` is the same rows for logits already gathered at the answer
+    positions (the prompt's last position is then 0)."""
+
+    answer_targets: Tensor
+    candidates: Tensor | None
+    counterfactual: Tensor | None
+    last_prompt_pos: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def of(cls, batch: PromptBatch | AnswerRows, index: Tensor | None = None) -> AnswerRows:
+        """The rows ``index`` (repeats allowed; all when ``None``) of a batch."""
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None or index is None else t[index.to(t.device)]
+
+        if index is None:
+            return cls(batch.answer_targets, batch.candidates, batch.counterfactual,
+                       batch.last_prompt_pos, batch.lengths)  # fmt: skip
+        return cls(pick(batch.answer_targets), pick(batch.candidates), pick(batch.counterfactual),  # type: ignore[arg-type]
+                   pick(batch.last_prompt_pos), pick(batch.lengths))  # type: ignore[arg-type]  # fmt: skip
+
+    def __len__(self) -> int:
+        return self.answer_targets.shape[0]
+
+    @property
+    def answer_first(self) -> Tensor:
+        return self.answer_targets[:, 0]
+
+    def at_answers(self) -> AnswerRows:
+        zero = torch.zeros_like(self.last_prompt_pos)
+        return AnswerRows(self.answer_targets, self.candidates, self.counterfactual, zero,
+                          zero + self.answer_targets.shape[1])  # fmt: skip
+
+    def read_positions(self, offset: int = 0) -> Tensor:
+        """``[rows, K]``: the positions the built-in rewards read, minus ``offset``."""
+        K = self.answer_targets.shape[1]
+        dev = self.lengths.device
+        pos = self.last_prompt_pos.to(dev)[:, None] + torch.arange(K, device=dev)[None, :] - offset
+        return torch.minimum(pos, self.lengths[:, None] - 1 - offset)
+
+
+def readout(
+    model: Any,
+    resid: Tensor,
+    batch: PromptBatch | AnswerRows,
+    reward_fn: Reward,
+    groups: int = 1,
+    offset: int = 0,
+    gathered: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(R, logits, resid_read)`` from the final residual stream of ``groups`` stacked copies of
+    ``batch``. Built-in rewards read only the answer positions, so only those are unembedded
+    (``resid_read`` is the gathered stream); custom rewards get the full logits.
+    ``offset``: ``resid`` holds positions ``offset ..`` only; ``gathered``: ``resid`` already
+    holds just the read positions (built-in rewards only)."""
+    b = len(batch)
+    view: Any
+    if reads_answer_positions_only(reward_fn):
+        rows = AnswerRows.of(batch)
+        if not gathered:
+            pos = rows.read_positions(offset).to(resid.device).repeat(groups, 1)
+            resid = resid.gather(1, pos[..., None].expand(-1, -1, resid.shape[-1]))
+        view = rows.at_answers()
+    else:
+        if offset or not isinstance(batch, PromptBatch):
+            raise ValueError("A custom reward reads the full logits: resume from position 0.")
+        view = batch
+    logits = B.unembed(model, resid)
+    R = torch.cat(
+        [
+            check_reward_output(reward_fn(logits[g * b : (g + 1) * b], view), b, reward_fn)
+            for g in range(groups)
+        ]
+    )
+    return R, logits, resid
+
+
+def check_reward_output(R: Any, n: int, reward_fn: Any) -> Tensor:
+    """A reward must return one finite float per prompt: ``Tensor[batch]``."""
+    name = getattr(reward_fn, "__name__", "the reward")
+    if not isinstance(R, Tensor):
+        raise TypeError(
+            f"{name} returned {type(R).__name__}; a reward must return a float Tensor of shape "
+            f"[batch] ([{n}] here), one value per prompt."
+        )
+    if R.shape != (n,):
+        raise ValueError(
+            f"{name} returned shape {tuple(R.shape)}; a reward must return one value per prompt, "
+            f"shape [batch] = [{n}] (reduce over answer tokens or classes inside the reward)."
+        )
+    if not R.is_floating_point():
+        raise TypeError(
+            f"{name} returned dtype {R.dtype}; a reward must return floats (e.g. log-probabilities)."
+        )
+    if not torch.isfinite(R).all():
+        bad = torch.nonzero(~torch.isfinite(R)).flatten().tolist()
+        raise ValueError(
+            f"{name} returned NaN or inf for prompts {bad}; check the reward (a log of 0, a "
+            "division by 0) and the answers."
+        )
+    return R
+
+
+def head_grad(g_attn: Tensor, W_O: Tensor) -> Tensor:
+    """``ŷ_h W_O[h]^T``: the gradient of R at ``hook_z`` from the gradient at ``attn_out``."""
+    return torch.einsum("bpd,hed->bphe", g_attn, W_O.to(g_attn.dtype))
+
+
+def head_out(z: Tensor, W_O: Tensor) -> Tensor:
+    """Each head's write ``z_h W_O[h]``: ``[batch pos head d_model]`` (one layer at a time)."""
+    return torch.einsum("bphe,hed->bphd", wide(z), W_O.to(wide(z).dtype))
+
+
+def wide(x: Tensor) -> Tensor:
+    """Upcast to float32 at least, for differences of nearly equal things."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))

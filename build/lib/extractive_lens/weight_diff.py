@@ -1,0 +1,499 @@
+"""``WeightDiff``: the finetuning update ``Δ = W' - W``, keyed by TransformerLens parameter names.
+
+>>> diff = WeightDiff.from_models(base, finetuned)
+>>> with diff.applied(base):
+...     logits = base(batch.tokens)    # the finetuned model's logits
+>>> with diff.applied(base, components=["L3H2", "L2MLP"]):
+...     logits = base(batch.tokens)    # only those components finetuned
+>>> graft = diff + (diff - diff) * 0.5
+
+Δ is held in float64 for float32/float64 models and in float32 for 16-bit models, so that
+``W + Δ`` rounds back to ``W'`` exactly. ``applied`` copies the original tensors and restores
+them on exit (never ``+= Δ`` then ``-= Δ``, which is not an exact round trip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from extractive_lens import backend as B
+from extractive_lens.backend import ScorableModel
+from extractive_lens.interrupts import finish_stale, state_change
+from extractive_lens.types import Component, component_axis_labels, parse_components
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+FORMAT_VERSION = 1
+_FORMAT = "extractive_lens.WeightDiff"
+
+
+def delta_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit weights, float64 otherwise (so ``W + Δ`` reproduces ``W'``)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else torch.float64
+
+
+@dataclass(frozen=True)
+class WeightDiff:
+    """A weight update for one architecture. Build with ``from_models`` or ``from_state_dicts``.
+
+    Attributes:
+        deltas: parameter name -> Δ tensor (float32 or wider; CPU or the models' device).
+        signature: the architecture fields both models shared (``extractive_lens.model.signature``).
+        metadata: free-form provenance (model names, finetuning config, ...).
+    """
+
+    deltas: Mapping[str, Tensor]
+    signature: Mapping[str, Any]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.deltas, Mapping):
+            raise TypeError(
+                f"deltas must map parameter names to tensors, got {type(self.deltas).__name__}; build a "
+                "WeightDiff with WeightDiff.from_models(base, finetuned)."
+            )
+        if not isinstance(self.signature, Mapping):
+            raise TypeError(
+                f"signature must be a mapping (model.signature(model)), got {type(self.signature).__name__}."
+            )
+        for name, d in self.deltas.items():
+            if not isinstance(d, Tensor):
+                raise TypeError(f"Δ[{name}] is a {type(d).__name__}, not a tensor.")
+            if d.dtype not in (torch.float32, torch.float64):
+                raise TypeError(
+                    f"Δ[{name}] has dtype {d.dtype}; deltas must be float32 or float64."
+                )
+            if not torch.isfinite(d).all():
+                raise ValueError(
+                    f"Δ[{name}] contains NaN or inf: check the finetuned weights (or the file it came "
+                    "from) before scoring."
+                )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_models(
+        cls,
+        base: ScorableModel,
+        finetuned: ScorableModel,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> WeightDiff:
+        """Δ = finetuned - base, checked parameter by parameter.
+
+        Args:
+            device: where to keep Δ (default: the base model's parameters' device). Use
+                ``"cpu"`` for large models; ``applied`` moves each tensor when it is used.
+            dtype: Δ's dtype (default: ``delta_dtype_for(base.cfg.dtype)``).
+        """
+        sig_b, sig_f = B.signature(base), B.signature(finetuned)
+        diffs = {k: (sig_b[k], sig_f[k]) for k in sig_b if sig_b[k] != sig_f.get(k)}
+        if diffs:
+            detail = ", ".join(f"{k}: base={a!r} finetuned={b!r}" for k, (a, b) in diffs.items())
+            raise ValueError(
+                f"The base and finetuned models differ in architecture or loading ({detail}). "
+                "Load both with the same config, dtype and weight processing."
+            )
+        ft = B.parameters(finetuned)
+        base_params = B.parameters(base)
+        missing = sorted(set(base_params) ^ set(ft))
+        if missing:
+            raise ValueError(f"Parameter names differ between base and finetuned: {missing[:5]}")
+        return cls.from_state_dicts(
+            {n: p.detach() for n, p in base_params.items()},
+            {n: p.detach() for n, p in ft.items()},
+            signature=sig_b,
+            device=device,
+            dtype=dtype,
+            metadata={"base": base.cfg.model_name, "finetuned": finetuned.cfg.model_name},
+        )
+
+    @classmethod
+    def from_state_dicts(
+        cls,
+        base: Mapping[str, Tensor],
+        finetuned: Mapping[str, Tensor],
+        *,
+        signature: Mapping[str, Any] | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> WeightDiff:
+        """Δ from two state dicts with TransformerLens parameter names."""
+        extra = sorted(set(base) ^ set(finetuned))
+        if extra:
+            raise ValueError(f"Parameter names differ between the state dicts: {extra[:5]}")
+        deltas: dict[str, Tensor] = {}
+        for name, b in base.items():
+            f = finetuned[name]
+            if b.shape != f.shape:
+                raise ValueError(
+                    f"{name}: base shape {tuple(b.shape)} != finetuned {tuple(f.shape)}"
+                )
+            if b.dtype != f.dtype:
+                raise ValueError(f"{name}: base dtype {b.dtype} != finetuned dtype {f.dtype}")
+            if b.device != f.device:
+                raise ValueError(
+                    f"{name}: base is on {b.device} but finetuned on {f.device}; move both models "
+                    "to one device first (Δ can then be moved with .to(device))."
+                )
+            ddt = dtype or delta_dtype_for(b.dtype)
+            d = f.to(ddt) - b.to(ddt)
+            if not torch.isfinite(d).all():
+                raise ValueError(f"{name}: Δ contains NaN or inf (check the finetuned weights).")
+            deltas[name] = d.to(device) if device is not None else d
+        sig = dict(signature or {})
+        return cls(deltas, sig, dict(metadata or {}))
+
+    @classmethod
+    def zeros_like(cls, model: ScorableModel) -> WeightDiff:
+        """A zero update for ``model`` (useful as a control and as a sum's start)."""
+        ddt = delta_dtype_for(model.cfg.dtype)
+        return cls(
+            {
+                n: torch.zeros(p.shape, dtype=ddt, device=p.device)
+                for n, p in B.parameters(model).items()
+            },
+            B.signature(model),
+        )
+
+    # ------------------------------------------------------------------ applying
+    @contextlib.contextmanager
+    def applied(
+        self,
+        model: ScorableModel,
+        components: Iterable[str | Component] | None = None,
+        scale: float = 1.0,
+        *,
+        layers: Iterable[int] | None = None,
+    ) -> Iterator[ScorableModel]:
+        """Set the chosen weights to ``W + scale·Δ`` inside the block, restoring them exactly after.
+
+        Args:
+            components: ``None`` for every parameter; otherwise the parameter slices these
+                components own (a head selection also applies the layer's shared ``ln1`` and its
+                key/value group, which every head of the layer reads).
+            scale: multiplies Δ (``scale=ε`` for the small-update limit).
+            layers: restrict to parameters under ``blocks.{layer}`` for these layers.
+        """
+        diff = (
+            self
+            if components is None and layers is None
+            else self.restricted(components, layers=layers)
+        )
+        with diff._set(model, diff.deltas, scale):
+            yield model
+
+    def resumed_at(self, model: ScorableModel, layer: int) -> contextlib.AbstractContextManager:
+        """``applied(model)`` for a forward pass resumed at block ``layer``: the embeddings and the
+        blocks before it (which such a pass never runs) keep their weights, so less is written
+        and restored (on GPT-2 the embedding alone is a quarter of the parameters)."""
+        keep = {}
+        for name, d in self.deltas.items():
+            role = B.param_role(name)
+            if role.part != "embed" and (role.layer is None or role.layer >= layer):
+                keep[name] = d
+        return self._set(model, keep, 1.0)
+
+    def _set(
+        self, model: ScorableModel, deltas: Mapping[str, Tensor], scale: float
+    ) -> contextlib.AbstractContextManager:
+        self.check_compatible(model)
+        params = B.parameters(model)
+
+        def new_values() -> dict[str, Tensor]:
+            out = {}
+            for name, d in deltas.items():
+                p = params[name].detach()
+                d = d.to(p.device)
+                out[name] = (p.to(d.dtype) + (d if scale == 1.0 else scale * d)).to(p.dtype)
+            return out
+
+        return weights_set(model, new_values)
+
+    def check_compatible(self, model: ScorableModel) -> None:
+        """Raise a clear error unless this Δ fits ``model`` (architecture, names, shapes)."""
+        params = B.parameters(model)
+        sig = B.signature(model)
+        for key, value in self.signature.items():
+            if key in ("processed",) or key not in sig:
+                continue
+            if key == "dtype":
+                continue  # a diff may be applied to a model in another dtype (e.g. bf16 copy)
+            if sig[key] != value:
+                raise ValueError(
+                    f"This WeightDiff was made for {key}={value!r} but the model has {sig[key]!r}."
+                )
+        for name, d in self.deltas.items():
+            if name not in params:
+                raise ValueError(
+                    f"The model has no parameter {name!r} (Δ was made for another architecture)."
+                )
+            if params[name].shape != d.shape:
+                raise ValueError(
+                    f"{name}: Δ has shape {tuple(d.shape)} but the model's parameter has "
+                    f"{tuple(params[name].shape)}."
+                )
+
+    # ------------------------------------------------------------------ arithmetic
+    def _combine(self, other: WeightDiff, sign: float) -> WeightDiff:
+        if not isinstance(other, WeightDiff):
+            return NotImplemented
+        keys = (set(self.signature) | set(other.signature)) - {"dtype", "processed"}
+        differ = sorted(k for k in keys if self.signature.get(k) != other.signature.get(k))
+        if differ:
+            detail = ", ".join(
+                f"{k}: {self.signature.get(k)!r} vs {other.signature.get(k)!r}" for k in differ
+            )
+            raise ValueError(
+                f"Cannot {'add' if sign > 0 else 'subtract'} weight changes of different architectures "
+                f"({detail}): combine updates of the same base model only."
+            )
+        names = set(self.deltas) | set(other.deltas)
+        out: dict[str, Tensor] = {}
+        for n in names:
+            a, b = self.deltas.get(n), other.deltas.get(n)
+            if a is not None and b is not None and a.shape != b.shape:
+                raise ValueError(f"{n}: shapes {tuple(a.shape)} and {tuple(b.shape)} differ.")
+            if a is None:
+                assert b is not None
+                out[n] = sign * b
+            elif b is None:
+                out[n] = a.clone()
+            else:
+                dt = torch.promote_types(a.dtype, b.dtype)
+                out[n] = a.to(dt) + sign * b.to(device=a.device, dtype=dt)
+        return WeightDiff(out, dict(self.signature), {"op": "sum" if sign > 0 else "difference"})
+
+    def __add__(self, other: WeightDiff) -> WeightDiff:
+        return self._combine(other, 1.0)
+
+    def __sub__(self, other: WeightDiff) -> WeightDiff:
+        return self._combine(other, -1.0)
+
+    def __mul__(self, alpha: float) -> WeightDiff:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise TypeError(
+                f"A WeightDiff scales by a number (diff * 0.5), got {type(alpha).__name__}; to combine "
+                "two updates use diff_a + diff_b or diff_a - diff_b."
+            )
+        return WeightDiff(
+            {n: alpha * d for n, d in self.deltas.items()},
+            dict(self.signature),
+            {**self.metadata, "scaled_by": alpha},
+        )
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> WeightDiff:
+        return self * -1.0
+
+    def to(self, device: str | torch.device) -> WeightDiff:
+        return WeightDiff(
+            {n: d.to(device) for n, d in self.deltas.items()}, self.signature, self.metadata
+        )
+
+    # ------------------------------------------------------------------ restriction and norms
+    def restricted(
+        self,
+        components: Iterable[str | Component] | None = None,
+        *,
+        layers: Iterable[int] | None = None,
+        model: ScorableModel | None = None,
+    ) -> WeightDiff:
+        """Δ with everything outside the selection set to zero (parameters outside are dropped).
+
+        ``components`` keeps the slices those components own (docs/scores.md §2); ``layers`` keeps every
+        parameter under ``blocks.{layer}``. Given both, a slice must satisfy both.
+        """
+        n_layers, n_heads, mlp = self._shape()
+        comps = parse_components(components, n_layers, n_heads, mlp)
+        layer_set = None if layers is None else {int(x) for x in layers}
+        if layer_set is not None and any(not 0 <= x < n_layers for x in layer_set):
+            raise ValueError(f"layers must be in 0..{n_layers - 1}, got {sorted(layer_set)}")
+        slices = self.slices()
+        keep: dict[str, Tensor] = {}
+        for s in slices:
+            if layer_set is not None and B.layer_of(s.name) not in layer_set:
+                continue
+            if comps is not None and not set(s.owners) & set(comps):
+                continue
+            d = self.deltas[s.name]
+            if s.name not in keep:
+                keep[s.name] = torch.zeros_like(d)
+            if s.index is None:
+                keep[s.name] = d.clone()
+            else:
+                keep[s.name][s.index] = d[s.index]
+        meta = {
+            **self.metadata,
+            "restricted_to": {
+                "components": None if comps is None else [c.label for c in comps],
+                "layers": None if layer_set is None else sorted(layer_set),
+            },
+        }
+        return WeightDiff(keep, dict(self.signature), meta)
+
+    def slices(self) -> list[B.ParamSlice]:
+        """The ownership partition (docs/scores.md §2) of the parameters Δ covers."""
+        sig = self.signature
+        return B.slices_for_names(
+            list(self.deltas), int(sig["n_heads"]), sig.get("n_key_value_heads")
+        )
+
+    def norms(self) -> pd.DataFrame:
+        """Frobenius norm of each component's owned Δ (shared slices counted for every owner), as
+        a ``pandas.DataFrame``: rows ``L0 .. L{n-1}``, columns ``component_labels`` (``H0 ..
+        H{n-1}``, ``MLP``). ``diff.norms().loc["L3", "H2"]``; ``.to_numpy()`` for the array.
+        """
+        import pandas as pd
+
+        n_layers, _, _ = self._shape()
+        return pd.DataFrame(
+            self._norms[0].numpy().copy(),
+            index=pd.Index([f"L{i}" for i in range(n_layers)], name="layer"),
+            columns=pd.Index(self.component_labels, name="component"),
+        )
+
+    def other_norm(self) -> float:
+        """Norm of Δ on parameters no component owns (embeddings, ``b_O``, unembedding)."""
+        return self._norms[1]
+
+    @functools.cached_property
+    def _norms(self) -> tuple[Tensor, float]:
+        n_layers, n_heads, mlp = self._shape()
+        sq = torch.zeros(n_layers, n_heads + int(mlp), dtype=torch.float64)
+        other = 0.0
+        for s in self.slices():
+            d = self.deltas[s.name]
+            part = d if s.index is None else d[s.index]
+            v = float(part.double().pow(2).sum())
+            if not s.owners:
+                other += v
+            for c in s.owners:
+                sq[c.layer, n_heads if c.head is None else c.head] += v
+        return sq.sqrt(), other**0.5
+
+    @property
+    def component_labels(self) -> tuple[str, ...]:
+        """The labels of the component axis within a layer: ``("H0", …, "H{n-1}", "MLP")``, as
+        ``ComponentScores.component_labels``."""
+        _, n_heads, mlp = self._shape()
+        return component_axis_labels(n_heads, mlp)
+
+    def norm(self) -> float:
+        return float(sum(d.double().pow(2).sum() for d in self.deltas.values()) ** 0.5)
+
+    def _shape(self) -> tuple[int, int, bool]:
+        sig = self.signature
+        if "n_layers" not in sig:
+            raise ValueError(
+                "This WeightDiff has no architecture signature; build it with from_models."
+            )
+        return int(sig["n_layers"]), int(sig["n_heads"]), not bool(sig.get("attn_only"))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> Path:
+        """Write Δ and its metadata to a ``.safetensors`` file (never pickle)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "format": _FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "signature": json.dumps(dict(self.signature)),
+            "metadata": json.dumps(dict(self.metadata), default=str),
+        }
+        save_file(
+            {n: d.detach().cpu().contiguous() for n, d in self.deltas.items()},
+            str(path),
+            metadata=meta,
+        )
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str | torch.device = "cpu") -> WeightDiff:
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist (or is not a file): pass a .safetensors file written by "
+                "WeightDiff.save() or `extractive-lens finetune --out`."
+            )
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                meta = f.metadata() or {}
+                deltas = (
+                    {k: f.get_tensor(k) for k in f.keys()} if meta.get("format") == _FORMAT else {}
+                )
+        except Exception as e:  # safetensors' own error type for a file that is not safetensors
+            raise ValueError(
+                f"{path} is not a safetensors file ({e}); pass a file written by WeightDiff.save()."
+            ) from None
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a WeightDiff file written by WeightDiff.save().")
+        version = meta.get("format_version")
+        if version is None or not version.isdigit() or int(version) > FORMAT_VERSION:
+            raise ValueError(
+                f"{path} has WeightDiff format version {version!r}; this extractive_lens reads versions "
+                f"up to {FORMAT_VERSION}. Upgrade extractive_lens or re-save the diff."
+            )
+        try:
+            signature = json.loads(meta["signature"])
+            metadata = json.loads(meta.get("metadata", "{}"))
+        except (KeyError, json.JSONDecodeError):
+            raise ValueError(
+                f"{path}: the architecture signature is missing or not JSON; the file is damaged."
+            ) from None
+        if not isinstance(signature, dict) or not isinstance(metadata, dict):
+            raise ValueError(
+                f"{path}: the signature and metadata must be JSON objects; the file is damaged."
+            )
+        try:
+            return cls(deltas, signature, metadata)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def __repr__(self) -> str:
+        n = sum(d.numel() for d in self.deltas.values())
+        return (
+            f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
+            f"model={self.signature.get('original_architecture') or self.metadata.get('base')})"
+        )
+
+
+@contextlib.contextmanager
+def weights_set(
+    model: ScorableModel, values: dict[str, Tensor] | Callable[[], dict[str, Tensor]]
+) -> Iterator[ScorableModel]:
+    """Inside the block the named parameters hold ``values`` (or what ``values()`` returns, computed
+    once interrupts are deferred); on exit they are restored bit for bit from saved copies,
+    whatever happened (exceptions, KeyboardInterrupt, SIGTERM: see ``interrupts``)."""
+    saved: dict[str, Tensor] = {}
+
+    def change() -> None:
+        with torch.no_grad():
+            new = values() if callable(values) else values
+            params = B.parameters(model)
+            saved.update({name: params[name].detach().clone() for name in new})
+            B.write_parameters(model, new)
+
+    def restore() -> None:
+        if saved:
+            B.write_parameters(model, saved)
+
+    finish_stale()
+    with state_change(change, restore):  # interrupts wait while weights change or are restored
+        yield model
