@@ -158,6 +158,8 @@ class ScoreComparison:
 
 
 def _fmt(x: Any) -> str:
+    if isinstance(x, float) and x != x:
+        return "n/a"
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 

@@ -122,7 +122,10 @@ def mark_uncomputed(fig: go.Figure, *matrices: np.ndarray) -> go.Figure:
         fig.update_xaxes(showgrid=False)
         fig.update_yaxes(showgrid=False)
         title = fig.layout.title.text or ""
-        fig.update_layout(title=f"{title}<br><sup>grey: not computed (a partial exact run)</sup>")
+        fig.update_layout(
+            title=f"{title}<br><sup>grey: not computed (a partial exact run; attention panels "
+            "sum the heads that were computed)</sup>"
+        )
     return fig
 
 

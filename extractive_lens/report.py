@@ -436,4 +436,6 @@ def _table(rows: Sequence[tuple[Any, ...]], header: tuple[str, ...]) -> str:
 
 
 def _fmt(x: Any) -> str:
+    if isinstance(x, float) and x != x:
+        return "n/a"  # not measured (e.g. top-k overlap of a top-k run)
     return f"{x:+.4g}" if isinstance(x, float) else str(x)

@@ -65,6 +65,8 @@ def make_pair(
     from extractive_lens import tiny_model
 
     cfg = dict(FAMILIES[family], dtype=dtype, **overrides)
+    if not _has_hooked() and cfg.get("positional_embedding_type") == "rotary":
+        cfg["rotary_adjacent_pairs"] = True  # the rotation TransformerLens 4's native bridge has
     base = tiny_model_or_skip(cfg, seed=seed)
     ft = tiny_model(cfg, seed=seed)
     gen = torch.Generator().manual_seed(seed + 99)

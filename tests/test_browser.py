@@ -34,7 +34,7 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
     from extractive_lens import compare
     from extractive_lens.plotting import report
 
-    lin, ex = scored
+    lin, ex, _ = scored
     path = report([lin, ex], compare(lin, ex), path=tmp_path / "report.html")
     expected = len(re.findall(r"class='el-figure'", path.read_text()))
     assert expected >= 9

@@ -617,10 +617,15 @@ def load_checkpoint(
             f"{path} has no config.json: pass a Hugging Face checkpoint directory "
             "(save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir))."
         )
+    refuse_remote_code(path)
     with quiet_transformers():
-        hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        hf_config = transformers.AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
         if tokenizer is None and any(path.glob("tokenizer*")):
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=False
+            )
     if backend == "bridge":
         return _boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer)
     tl = _hooked_tl("load_checkpoint(backend='hooked')")
@@ -631,7 +636,7 @@ def load_checkpoint(
         cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
     with quiet_transformers():
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype
+            path, local_files_only=True, dtype=dtype, trust_remote_code=False
         )
     _, conv_name = ARCHITECTURES[cfg.original_architecture]
     from transformer_lens.pretrained import weight_conversions
@@ -650,6 +655,38 @@ def load_checkpoint(
     return model
 
 
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "generation_config.json",
+                     "processor_config.json")  # fmt: skip
+
+
+def refuse_remote_code(path: str | Path) -> None:
+    """Refuse, in one sentence, a checkpoint directory that asks to run its own code
+    (``auto_map`` in its configuration files, or ``.py`` files beside them): extractive_lens
+    never executes code from a checkpoint, and ``transformers`` would otherwise prompt for it."""
+    import json
+
+    path = Path(path)
+    asks = []
+    for name in REMOTE_CODE_FILES:
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            raise ValueError(f"{f} is not valid JSON: is this a Hugging Face checkpoint?") from None
+        if isinstance(data, dict) and "auto_map" in data:
+            asks.append(f"{name} has an auto_map")
+    asks += [f"{p.name} is code" for p in sorted(path.glob("*.py"))]
+    if asks:
+        raise ValueError(
+            f"{path} asks to run code shipped with the checkpoint ({'; '.join(asks[:3])}); "
+            "extractive_lens never runs code from a checkpoint. Use a checkpoint of a model "
+            "class transformers ships, or remove the auto_map entries and .py files if the "
+            "architecture is a standard one."
+        )
+
+
 def _boot_bridge(
     path: Path | str, *, tokenizer: Any, dtype: torch.dtype = torch.float32, device: Any = None
 ) -> Any:
@@ -659,11 +696,13 @@ def _boot_bridge(
 
     from transformer_lens.model_bridge import TransformerBridge
 
+    if Path(path).is_dir():
+        refuse_remote_code(path)
     tokenizer = named_tokenizer(tokenizer)
     with quiet_transformer_lens(), quiet_transformers():
         model = TransformerBridge.boot_transformers(
             str(path), tokenizer=None if tokenizer is None else copy.deepcopy(tokenizer),
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, trust_remote_code=False,
         )  # fmt: skip
     model.cfg.model_name = Path(path).name
     if tokenizer is not None:
