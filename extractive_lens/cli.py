@@ -599,7 +599,12 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        # non-standalone typer *returns* exit codes (Ctrl-C becomes 130) instead of raising them
+        if isinstance(code, int) and code != 0:
+            if code == 130:
+                typer.echo("interrupted", err=True)
+            raise SystemExit(code)
     except (typer.Exit, *_click_errors("Exit")) as e:
         raise SystemExit(getattr(e, "exit_code", 0)) from None
     except _click_errors("NoArgsIsHelpError") as e:

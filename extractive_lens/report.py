@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from extractive_lens.files import write_text_atomic
 from extractive_lens.results import UNCOMPUTED, ComponentScores, score_rgba
 from extractive_lens.types import Component, ScoreKind, jsonable
 
@@ -135,9 +136,7 @@ def report(
         + figures.loader(plotlyjs)
         + "\n</body></html>\n"
     )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    path = write_text_atomic(path, page)  # a symlink planted at path is replaced, not followed
     return path
 
 
@@ -151,9 +150,7 @@ def figure_page(fig: go.Figure, path: str | Path, *, title: str = "") -> Path:
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head>\n<body>\n"
         + body + "\n" + figures.loader("compressed") + "\n</body></html>\n"
     )  # fmt: skip
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    path = write_text_atomic(path, page)  # a symlink planted at path is replaced, not followed
     return path
 
 

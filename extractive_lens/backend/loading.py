@@ -369,6 +369,14 @@ def _write_native(bridge: Any, parameters: dict[str, Tensor]) -> None:
     bridge_backend.write_parameters(bridge, parameters)
 
 
+AS_BRIDGE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2,
+                       torch.bfloat16: 5e-2}  # fmt: skip
+"""``as_bridge``'s self-check: the largest logit difference, relative to the largest logit, that
+rounding in each dtype explains (two implementations that round differently); a bridge that
+computes another function (rotary, RMS or parallel blocks in TransformerLens 3.9's native
+model) differs by tens of percent."""
+
+
 def as_bridge(model: HookedTransformer) -> Any:
     """A TransformerLens ``TransformerBridge`` with ``model``'s configuration, weights, tokenizer
     and notes: TransformerLens's native architecture, booted offline (``boot_native``).
@@ -389,7 +397,7 @@ def as_bridge(model: HookedTransformer) -> Any:
     with torch.no_grad():
         want, got = model(probe), out(probe)
     err = float((got - want).abs().max() / (want.abs().max() + 1e-30))
-    if not err <= (1e-10 if model.cfg.dtype == torch.float64 else 1e-4):
+    if not err <= AS_BRIDGE_TOLERANCE.get(model.cfg.dtype, 1e-4):
         raise NotImplementedError(
             "TransformerLens's native TransformerBridge does not compute what this "
             f"HookedTransformer computes (logits differ by {err:.1e} of their largest value; it "
@@ -618,6 +626,7 @@ def load_checkpoint(
             "(save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir))."
         )
     refuse_remote_code(path)
+    refuse_incomplete_weights(path)
     with quiet_transformers():
         hf_config = transformers.AutoConfig.from_pretrained(
             path, local_files_only=True, trust_remote_code=False
@@ -687,6 +696,41 @@ def refuse_remote_code(path: str | Path) -> None:
         )
 
 
+def refuse_incomplete_weights(path: str | Path) -> None:
+    """Refuse a checkpoint whose weights do not match its ``config.json`` (missing, unexpected
+    or mis-shaped tensors: a config asking for more layers than the weights hold, a truncated
+    shard set), naming them: ``transformers`` would fill the gaps with fresh random values,
+    different on every load, so a base and a finetuned model would differ by noise. Checked on
+    the meta device (no weights are read into memory)."""
+    import transformers
+
+    with quiet_transformers(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            _, info = transformers.AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, trust_remote_code=False, output_loading_info=True,
+                device_map="meta",
+            )  # fmt: skip
+        except Exception:  # not loadable this way: the real load says why
+            return
+    found = {
+        what: sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        for what, key in (("missing", "missing_keys"), ("unexpected", "unexpected_keys"),
+                          ("mis-shaped", "mismatched_keys"))
+    }  # fmt: skip
+    if any(found.values()):
+        said = "; ".join(
+            f"{len(v)} {what} ({', '.join(v[:3])}{', …' if len(v) > 3 else ''})"
+            for what, v in found.items()
+            if v
+        )
+        raise ValueError(
+            f"{path}: the weights do not match config.json: {said}. Loading would fill the gaps "
+            "with random values. Check that every shard is there and that config.json "
+            "(e.g. its number of layers) describes these weights."
+        )
+
+
 def _boot_bridge(
     path: Path | str, *, tokenizer: Any, dtype: torch.dtype = torch.float32, device: Any = None
 ) -> Any:
@@ -698,6 +742,7 @@ def _boot_bridge(
 
     if Path(path).is_dir():
         refuse_remote_code(path)
+        refuse_incomplete_weights(path)
     tokenizer = named_tokenizer(tokenizer)
     with quiet_transformer_lens(), quiet_transformers():
         model = TransformerBridge.boot_transformers(

@@ -1,0 +1,38 @@
+"""Writing files so that a reader never sees half of one, and never through a planted link.
+
+>>> import tempfile, pathlib
+>>> p = write_text_atomic(pathlib.Path(tempfile.mkdtemp()) / "a.txt", "done")
+>>> p.read_text()
+'done'
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, renamed over
+    ``path`` at the end: an interrupted write leaves the old file (or none), and a symlink at
+    ``path`` is replaced, never written through."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    """``write_text_atomic`` for bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
