@@ -117,7 +117,6 @@ def test_report_never_writes_through_a_planted_symlink(tmp_path):
     import torch
 
     from extractive_lens.cli import main
-
     from tests.conftest import make_pair
 
     base, ft = make_pair("ln_gelu", torch.float64, n_layers=1)

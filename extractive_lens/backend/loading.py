@@ -707,10 +707,11 @@ def refuse_incomplete_weights(path: str | Path) -> None:
     with quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            _, info = transformers.AutoModelForCausalLM.from_pretrained(
+            loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, trust_remote_code=False, output_loading_info=True,
                 device_map="meta",
             )  # fmt: skip
+            info: dict[str, Any] = loaded[1]
         except Exception:  # not loadable this way: the real load says why
             return
     found = {
