@@ -508,13 +508,26 @@ def _check_ids(model: Any, ids: Sequence[int], what: str) -> None:
 
 
 def _as_pair(p: Any) -> Pair:
-    if isinstance(p, Pair):
-        return p
     if isinstance(p, Mapping):
-        return Pair(**{k: v for k, v in p.items() if k in Pair.__dataclass_fields__})
-    if isinstance(p, (tuple, list)) and len(p) == 2:
-        return Pair(p[0], p[1])
-    raise TypeError(f"Expected a (prompt, answer) pair, a dict or a Pair; got {p!r}.")
+        missing = [k for k in ("prompt", "answer") if k not in p]
+        if missing:
+            raise ValueError(
+                f"The pair {dict(p)!r} has no {' or '.join(missing)}: each pair needs a prompt "
+                "and the answer to score, e.g. {'prompt': 'John Doe lives in', 'answer': ' Tokyo'}."
+            )
+        p = Pair(**{k: v for k, v in p.items() if k in Pair.__dataclass_fields__})
+    elif isinstance(p, (tuple, list)) and len(p) == 2:
+        p = Pair(p[0], p[1])
+    elif not isinstance(p, Pair):
+        raise TypeError(f"Expected a (prompt, answer) pair, a dict or a Pair; got {p!r}.")
+    for what in ("prompt", "answer"):
+        value = getattr(p, what)
+        if value is None:
+            raise ValueError(
+                f"The pair ({p.prompt!r}, {p.answer!r}) has no {what}: give it as text "
+                "(' Tokyo', with its leading space) or as token ids ([1234])."
+            )
+    return p
 
 
 def _first_token(model: Any, answer: str | int | Sequence[int], pair: Pair) -> int:

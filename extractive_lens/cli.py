@@ -182,6 +182,7 @@ def score(
             "exact scores exist only in the paper convention: use --method linear with "
             "--convention authors_code."
         )
+    _check_out_dir(out)
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
     layer_list = _int_list(layers, "--layers") if layers else None
     common: dict[str, Any] = dict(
@@ -254,6 +255,34 @@ def score(
         for r in results:
             _print_top(r)
         _echo(f"wrote {out}/ (report: {path})")
+
+
+def _check_out_dir(out: Path) -> None:
+    """``--out DIR`` must be (or become) a directory: said before any work is done."""
+    if out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"--out {out} is a file; give a directory to write into.")
+    _check_parent(out)
+
+
+def _check_out_file(out: Path) -> None:
+    """``--out FILE`` must be writable where it is: said before any work is done."""
+    if out.is_dir():
+        raise typer.BadParameter(
+            f"--out {out} is a directory; give a file name, e.g. {out}/diff.safetensors."
+        )
+    _check_parent(out)
+
+
+def _check_parent(out: Path) -> None:
+    import os
+
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise typer.BadParameter(f"--out {out}: {parent} is a file, not a directory.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"--out {out}: {parent} is not writable; choose another place.")
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -357,6 +386,7 @@ def finetune(
     from extractive_lens import FinetuneConfig
     from extractive_lens import finetune as run_finetune
 
+    _check_out_file(out)
     m = _load_model(model, dtype, device, backend)
     batch = _batch(m, data)
     if lr is None:
@@ -576,6 +606,9 @@ ONE_LINE_ERRORS = (
     NotImplementedError,
     PermissionError,
     IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+    ImportError,
 )
 
 

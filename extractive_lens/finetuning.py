@@ -12,6 +12,7 @@ the model's own parameters (one model in memory); the original tensors are resto
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,9 +48,10 @@ class FinetuneConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.epochs < 1 or self.batch_size < 1:
+        if not (math.isfinite(self.lr) and self.lr > 0) or self.epochs < 1 or self.batch_size < 1:
             raise ValueError(
-                f"lr, epochs and batch_size must be positive (got {self.lr}, {self.epochs}, {self.batch_size})."
+                f"lr, epochs and batch_size must be positive and finite (got {self.lr}, "
+                f"{self.epochs}, {self.batch_size}), e.g. FinetuneConfig(lr=3e-4, epochs=20)."
             )
         if self.optimizer not in ("adam", "adamw"):
             raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
@@ -121,6 +123,13 @@ def finetune(
     ``diff.metadata["losses"]`` holds the mean training loss of each epoch (nats per answer).
     """
     check_arguments("finetune", model, batch=data, need_diff=False)
+    if model.cfg.dtype == torch.float16:
+        raise ValueError(
+            "finetune does not train float16 models: a finetune-sized Adam update underflows "
+            "in float16 (and its loss scale overflows), so the weights would not move or would "
+            "turn to inf. Load the model in bfloat16 or float32 to finetune it (scores of a "
+            "float16 model are fine: they are computed in float32)."
+        )
     cfg = config or FinetuneConfig()
     params = dict(model.named_parameters())  # what the optimiser trains: the stored weights
     masks = M.raw_masks(model, _trainable_mask(model, cfg))

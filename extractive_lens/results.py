@@ -296,6 +296,11 @@ class ComponentScores:
         from safetensors.torch import save_file
 
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise ValueError(
+                f"{path} is a file; ComponentScores.save writes a directory (scores.safetensors "
+                "and scores.json): pass a directory path."
+            )
         path.mkdir(parents=True, exist_ok=True)
         tensors = {
             "values": self.values,

@@ -42,6 +42,39 @@ def delta_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else torch.float64
 
 
+def expected_shape(name: str, sig: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The shape of TransformerLens parameter ``name`` in a model with this signature (``None``
+    where the signature does not say: a name or size it does not record)."""
+    import re
+
+    g = {k: sig.get(k) for k in ("d_model", "d_vocab", "n_ctx", "n_heads", "d_head", "d_mlp")}
+    g["n_kv"] = sig.get("n_key_value_heads") or g["n_heads"]
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m is not None:
+        n_layers = sig.get("n_layers")
+        if isinstance(n_layers, int) and int(m.group(1)) >= n_layers:
+            return ()  # no such layer: no shape fits
+        name = m.group(2)
+    table: dict[str, tuple[str, ...]] = {
+        "embed.W_E": ("d_vocab", "d_model"), "pos_embed.W_pos": ("n_ctx", "d_model"),
+        "unembed.W_U": ("d_model", "d_vocab"), "unembed.b_U": ("d_vocab",),
+        "ln1.w": ("d_model",), "ln1.b": ("d_model",), "ln2.w": ("d_model",),
+        "ln2.b": ("d_model",), "ln_final.w": ("d_model",), "ln_final.b": ("d_model",),
+        "attn.W_Q": ("n_heads", "d_model", "d_head"), "attn.W_K": ("n_heads", "d_model", "d_head"),
+        "attn.W_V": ("n_heads", "d_model", "d_head"), "attn.W_O": ("n_heads", "d_head", "d_model"),
+        "attn._W_K": ("n_kv", "d_model", "d_head"), "attn._W_V": ("n_kv", "d_model", "d_head"),
+        "attn.b_Q": ("n_heads", "d_head"), "attn.b_K": ("n_heads", "d_head"),
+        "attn.b_V": ("n_heads", "d_head"), "attn._b_K": ("n_kv", "d_head"),
+        "attn._b_V": ("n_kv", "d_head"), "attn.b_O": ("d_model",),
+        "mlp.W_in": ("d_model", "d_mlp"), "mlp.W_gate": ("d_model", "d_mlp"),
+        "mlp.b_in": ("d_mlp",), "mlp.W_out": ("d_mlp", "d_model"), "mlp.b_out": ("d_model",),
+    }  # fmt: skip
+    dims = table.get(name)
+    if dims is None or any(not isinstance(g[d], int) for d in dims):
+        return None
+    return tuple(int(g[d]) for d in dims)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class WeightDiff:
     """A weight update for one architecture. Build with ``from_models`` or ``from_state_dicts``.
@@ -77,6 +110,13 @@ class WeightDiff:
                 raise ValueError(
                     f"Δ[{name}] contains NaN or inf: check the finetuned weights (or the file it came "
                     "from) before scoring."
+                )
+            want = expected_shape(name, self.signature)
+            if want is not None and tuple(d.shape) != want:
+                raise ValueError(
+                    f"Δ[{name}] has shape {tuple(d.shape)}, but the model it was made for "
+                    f"(its signature) has {want} there: the diff is damaged or was edited; "
+                    "rebuild it with WeightDiff.from_models(base, finetuned)."
                 )
 
     # ------------------------------------------------------------------ construction
@@ -186,6 +226,15 @@ class WeightDiff:
             scale: multiplies Δ (``scale=ε`` for the small-update limit).
             layers: restrict to parameters under ``blocks.{layer}`` for these layers.
         """
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or scale != scale
+            or (abs(scale) == float("inf"))
+        ):
+            raise ValueError(
+                f"applied(scale=...) takes a finite number (W + scale·Δ), got {scale!r}."
+            )
         diff = (
             self
             if components is None and layers is None

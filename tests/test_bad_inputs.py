@@ -216,6 +216,83 @@ CASES = [
         "Wrap it, e.g. reward=lambda logits, batch: metric(logits)",
     ),
     (
+        "rows that are not whole numbers",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], rows=[1.7]),
+        ValueError,
+        "rows takes prompt indices (whole numbers)",
+    ),
+    (
+        "top_k ranked by the linear scores of another batch",
+        lambda e: causal_scores(
+            e["base"],
+            e["diff"],
+            e["batch"],
+            kinds=("downstream",),
+            top_k=2,
+            linear=linear_scores(
+                e["base"], e["diff"], e["batch"].subset([0, 1]), kinds=("downstream",)
+            ),
+        ),  # fmt: skip
+        ValueError,
+        "Pass linear_scores(model, diff, batch) of this batch",
+    ),
+    (
+        "applied(scale=nan)",
+        lambda e: e["diff"].applied(e["base"], scale=float("nan")).__enter__(),
+        ValueError,
+        "takes a finite number",
+    ),
+    (
+        "a diff whose tensor has the wrong shape",
+        lambda e: WeightDiff(
+            {**e["diff"].deltas, "blocks.0.attn.W_Q": torch.zeros(3, 3)}, e["diff"].signature
+        ),  # fmt: skip
+        ValueError,
+        "rebuild it with WeightDiff.from_models(base, finetuned)",
+    ),
+    (
+        "ComponentScores.save onto a file",
+        lambda e: e["lin"].save(e["tmp"] / "diff.safetensors"),
+        ValueError,
+        "pass a directory path",
+    ),
+    (
+        "a pair without an answer",
+        lambda e: make_batch(e["base"], [{"prompt": [1, 2, 3]}]),
+        ValueError,
+        "each pair needs a prompt and the answer to score",
+    ),
+    (
+        "an answer of None",
+        lambda e: make_batch(e["base"], [([1, 2, 3], None)]),
+        ValueError,
+        "give it as text",
+    ),
+    (
+        "a batch made for another model",
+        lambda e: linear_scores(
+            e["base"],
+            e["diff"],
+            make_batch(make_pair("ln_gelu", torch.float64, d_vocab=80)[0], [([1, 2, 70], [75])]),
+        ),  # fmt: skip
+        ValueError,
+        "Make it with this one: make_batch(model, pairs)",
+    ),
+    (
+        "finetune a float16 model",
+        lambda e: finetune(
+            *[make_pair("ln_gelu", torch.float16)[0]] * 1, make_batch(e["base"], [([1, 2, 3], [4])])
+        ),  # fmt: skip
+        ValueError,
+        "Load the model in bfloat16 or float32 to finetune it",
+    ),
+    (
+        "finetune(lr=inf)",
+        lambda e: FinetuneConfig(lr=float("inf")),
+        ValueError,
+        "positive and finite",
+    ),
+    (
         "exact scores in the authors' convention",
         lambda e: causal_scores(e["base"], e["diff"], e["batch"], convention="authors_code"),
         ValueError,
@@ -683,6 +760,21 @@ def test_init_from_env_sets_a_timeout(monkeypatch):
 # ---------------------------------------------------------------------------------------------- CLI
 
 CLI_CASES = [
+    (
+        "score: --out is a file",
+        ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--out", "GOOD"],
+        "is a file; give a directory",
+    ),
+    (
+        "finetune: --out inside a file",
+        ["finetune", "--model", "world", "--data", "GOOD", "--out", "GOOD/diff.safetensors"],
+        "is a file, not a directory",
+    ),
+    (
+        "finetune: --out is a directory",
+        ["finetune", "--model", "world", "--data", "GOOD", "--out", "TMP"],
+        "give a file name",
+    ),
     (
         "score: data is a directory",
         ["score", "--base", "world", "--diff", "DIFF", "--data", "TMP"],

@@ -142,6 +142,19 @@ def _skipped(
     within = range(L) if options.layers is None else sorted(set(options.layers))
     if options.top_k is not None:
         linear = options.linear
+        if linear is not None:
+            from extractive_lens.scoring.assemble import prompts_digest
+
+            digest = linear.metadata.get("prompts_digest")
+            if (digest is not None and digest != prompts_digest(batch)) or (
+                linear.n_layers != L or len(linear.component_labels) != len(labels)
+            ):
+                raise ValueError(
+                    "causal_scores(top_k=..., linear=...): these linear scores were computed on "
+                    "other prompts (or another model), so their top components are not this "
+                    "batch's. Pass linear_scores(model, diff, batch) of this batch, or leave "
+                    "linear=None to compute them."
+                )
         if linear is None:
             from extractive_lens.scoring.linear import linear_scores
 

@@ -74,6 +74,10 @@ class ScoreOptions:
                 f"once), got {self.batch_size!r}"
             )
         if self.rows is not None:
+            if any(_not_index(r) for r in self.rows):
+                raise ValueError(
+                    f"rows takes prompt indices (whole numbers), got {list(self.rows)}."
+                )
             set_(self, "rows", tuple(int(r) for r in self.rows))
         if self.reference is not None and not isinstance(self.reference, PromptBatch):
             raise TypeError(
@@ -190,6 +194,15 @@ def _positive_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
+def _not_index(r: Any) -> bool:
+    """Whether ``r`` is not a whole number (``1.7``, ``True``, ``"1"``)."""
+    import numbers
+
+    return isinstance(r, bool) or not (
+        isinstance(r, numbers.Integral) or (isinstance(r, float) and r.is_integer())
+    )
+
+
 def check_arguments(
     fn: str, model: Any, diff: Any = None, batch: Any = None, *, need_diff: bool = True
 ) -> None:
@@ -222,3 +235,11 @@ def check_arguments(
             f"{call}: batch must be a PromptBatch, got {type(batch).__name__}; "
             "build one with make_batch(model, [(prompt, answer), ...])."
         )
+    if batch is not None and len(batch):
+        top = int(batch.tokens.max())
+        if top >= model.cfg.d_vocab:
+            raise ValueError(
+                f"{call}: the batch holds token id {top}, but this model's vocabulary has "
+                f"{model.cfg.d_vocab} tokens: the batch was made for another model. Make it "
+                "with this one: make_batch(model, pairs)."
+            )
