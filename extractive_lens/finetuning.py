@@ -21,7 +21,7 @@ import torch
 
 from extractive_lens import backend as M
 from extractive_lens.batch import PromptBatch
-from extractive_lens.interrupts import guarded, state_change
+from extractive_lens.interrupts import guarded, one_call_per_model, state_change
 from extractive_lens.rewards import answer_logprob
 from extractive_lens.scoring.options import check_arguments
 from extractive_lens.types import Component, parse_components
@@ -101,6 +101,7 @@ def _trainable_mask(model: M.ScorableModel, cfg: FinetuneConfig) -> dict[str, to
     return masks
 
 
+@one_call_per_model
 def finetune(
     model: M.ScorableModel,
     data: PromptBatch,
@@ -279,6 +280,7 @@ def rank_trajectory(
     return diff, pd.DataFrame(rows, columns=["epoch", "split", "mean_rank"])
 
 
+@one_call_per_model
 def mean_rank(model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | None = None) -> float:
     """Mean 0-indexed rank of the answer's first token among the candidates' first tokens, read
     at the last prompt position (docs/scores.md §8); chance is ``(n_candidates - 1) / 2``."""

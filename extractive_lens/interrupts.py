@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -219,16 +220,50 @@ def guarded(model: Any) -> Iterator[None]:
     removed) and the forward-mode AD level. Weights are restored by the contexts that change
     them (``WeightDiff.applied``, ``finetune``), each shielded the same way.
     """
-    finish_stale()
-    state: dict[str, Any] = {}
+    with _model_lock(model):  # one public call at a time per model, whatever the thread
+        finish_stale()
+        state: dict[str, Any] = {}
 
-    def change() -> None:
-        state.update(_snapshot(model))
-        if state["level"] < 0:
-            reset_forward_ad()  # a level leaked by an earlier interrupt, seen only by torch's C++ side
+        def change() -> None:
+            state.update(_snapshot(model))
+            if state["level"] < 0:
+                reset_forward_ad()  # a level leaked by an earlier interrupt, seen only by C++
 
-    with state_change(change, lambda: _restore(model, state)):
-        yield
+        with state_change(change, lambda: _restore(model, state)):
+            yield
+
+
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def one_call_per_model(fn: Any) -> Any:
+    """Decorator for a public call whose first argument is a model: the call holds the model's
+    lock (``_model_lock``) from its argument checks to its return, so that a second thread
+    neither sees the first one's temporary hooks or weights nor changes them."""
+    import functools
+
+    @functools.wraps(fn)
+    def call(model: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            lock = _model_lock(model)
+        except TypeError:  # not weak-referenceable: not a model; the call's checks say so
+            return fn(model, *args, **kwargs)
+        with lock:
+            return fn(model, *args, **kwargs)
+
+    return call
+
+
+def _model_lock(model: Any) -> threading.RLock:
+    """The model's re-entrant lock: scoring and finetuning change a model's weights, modes and
+    hooks while they run, so two threads calling into one model take turns (a call inside a
+    call, as ``causal_scores(top_k=...)`` makes, re-enters)."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.batch import PromptBatch
-from extractive_lens.interrupts import guarded
+from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward, reads_answer_positions_only
 from extractive_lens.scoring.ablation import AblationTable, table_for
@@ -98,6 +98,7 @@ def causal_scores(
     return causal_scores_with(model, diff, batch, options)
 
 
+@one_call_per_model
 def causal_scores_with(
     model: Any, diff: WeightDiff, batch: PromptBatch, options: CausalOptions
 ) -> ComponentScores:

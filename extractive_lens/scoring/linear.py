@@ -25,7 +25,7 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.batch import PromptBatch
-from extractive_lens.interrupts import guarded
+from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
 from extractive_lens.scoring.ablation import AblationTable, table_for
@@ -96,6 +96,7 @@ def linear_scores(
     return linear_scores_with(model, diff, batch, options)
 
 
+@one_call_per_model
 def linear_scores_with(
     model: Any, diff: WeightDiff, batch: PromptBatch, options: LinearOptions
 ) -> ComponentScores:
