@@ -118,6 +118,7 @@ def distributed_scores(
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn(model, diff, batch, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
+    _same_inputs_everywhere(method, diff, batch, rank, world)
     top_k = kwargs.get("top_k") is not None  # chosen over all the layers: not per layer shard
     if shard == "auto":
         shard = "prompts" if (method == "linear" or top_k or len(batch) >= 2 * world) else "layers"
@@ -198,6 +199,45 @@ def distributed_scores(
             warn=rank == 0,
         )
     return result
+
+
+def inputs_digest(method: str, diff: Any, batch: PromptBatch) -> dict[str, str]:
+    """Fingerprints of what a rank is about to score: the diff (names, shapes and each tensor's
+    sum and sum of squares, one read of Δ) and the batch (token ids, answers, roles)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for name in sorted(diff.deltas):
+        d = diff.deltas[name].detach().double()
+        h.update(f"{name}{tuple(d.shape)}{float(d.sum())!r}{float((d * d).sum())!r}".encode())
+    b = hashlib.sha1(prompts_digest(batch).encode())
+    b.update(repr(batch.answer_targets.tolist()).encode() + repr(batch.roles).encode())
+    return {"method": method, "diff": h.hexdigest()[:16], "batch": b.hexdigest()[:16]}
+
+
+def _same_inputs_everywhere(
+    method: str, diff: Any, batch: PromptBatch, rank: int, world: int
+) -> None:
+    """Every rank must score the same diff and batch (each computes its shard of one result):
+    gather their fingerprints and refuse, on every rank, if any differs from rank 0's."""
+    import torch.distributed as dist
+
+    mine = inputs_digest(method, diff, batch)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    differ = [
+        f"rank {r} has another {what}"
+        for r, theirs in enumerate(every)
+        for what in ("method", "diff", "batch")
+        if theirs[what] != every[0][what]
+    ]
+    if differ:
+        raise ValueError(
+            "distributed_scores: the processes are not scoring the same inputs ("
+            + "; ".join(differ[:4])
+            + " than rank 0), so their shards would merge into a wrong result. Load the same "
+            "diff and data files on every rank."
+        )
 
 
 def _rebuild(

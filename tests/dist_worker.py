@@ -36,3 +36,33 @@ def run(rank: int, world: int, port: int, out: str, method: str, shard: str, per
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_mismatched(rank: int, world: int, port: int, out: str, what: str) -> None:
+    """Rank 1 scores another diff (``what="diff"``) or another batch of the same size
+    (``"batch"``); each rank writes the error it raised to ``out/rank{rank}.err``."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    from extractive_lens import WeightDiff, make_batch
+    from extractive_lens.distributed import distributed_scores, process_group
+    from tests.conftest import make_pair
+
+    with process_group("cpu", timeout_s=120):
+        base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
+        diff = WeightDiff.from_models(base, ft)
+        pairs = [([1, 2, 3], [4]), ([1, 5, 6], [7]), ([2, 5, 9], [8]), ([3, 4, 5], [6])]
+        if rank == 1 and what == "diff":
+            diff = diff * 1.001
+        if rank == 1 and what == "batch":
+            pairs[2] = ([2, 5, 10], [8])
+        try:
+            distributed_scores("linear", base, diff, make_batch(base, pairs))
+            message = "no error"
+        except ValueError as e:
+            message = str(e)
+        with open(f"{out}/rank{rank}.err", "w") as f:
+            f.write(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -50,3 +50,20 @@ def test_two_threads_scoring_one_model_take_turns():
         else:
             assert torch.allclose(got.values, alone[what].values, atol=1e-12, rtol=0)
     assert all(torch.equal(a, p) for a, p in zip(before, base.parameters()))
+
+
+@pytest.mark.parametrize("what", ["diff", "batch"])
+def test_ranks_scoring_different_inputs_are_refused(tmp_path, what):
+    """Rank 1 holds a slightly different diff, or a batch of the same size with one other
+    token: every rank refuses (instead of merging shards of two different results)."""
+    import torch.multiprocessing as mp
+
+    from tests import dist_worker
+    from tests.test_distributed import _port
+
+    mp.spawn(dist_worker.run_mismatched, args=(2, _port(), str(tmp_path), what), nprocs=2,
+             join=True)  # fmt: skip
+    for rank in (0, 1):
+        err = (tmp_path / f"rank{rank}.err").read_text()
+        assert "not scoring the same inputs" in err and f"rank 1 has another {what}" in err, err
+        assert "Load the same diff and data files on every rank" in err
