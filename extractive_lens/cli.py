@@ -246,11 +246,17 @@ def score(
             results.append(ex)
         if rank != 0:
             return
+        import uuid
+
+        from extractive_lens.files import write_text_atomic
+
+        run_id = uuid.uuid4().hex[:12]  # in each result: `report` refuses a mix of two runs
         for r in results:
+            r.metadata["run_id"] = run_id
             r.save(out / r.method)
         cmp = compare(results[0], results[1]) if len(results) == 2 else None
         if cmp is not None:
-            cmp.summary.to_csv(out / "comparison.csv", index=False)
+            write_text_atomic(out / "comparison.csv", cmp.summary.to_csv(index=False))
         path = report(results, cmp, path=out / "report.html")
         for r in results:
             _print_top(r)
@@ -320,6 +326,12 @@ def report(
         raise typer.BadParameter(
             f"{scores_dir} holds no saved scores (scores.json, or linear/ and causal/ "
             "subdirectories as `extractive-lens score --out` writes them)."
+        )
+    runs = {r.metadata.get("run_id") for r in results}
+    if len(results) == 2 and None not in runs and len(runs) == 2:
+        raise typer.BadParameter(
+            f"{scores_dir}: linear/ and causal/ come from two different `score` runs (one was "
+            "interrupted, or the folder was reused); score again into an empty --out."
         )
     cmp = None
     if len(results) == 2:

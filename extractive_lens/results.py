@@ -292,7 +292,11 @@ class ComponentScores:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
-        """``path`` (a directory): ``scores.safetensors`` + ``scores.json`` (labels, metadata)."""
+        """``path`` (a directory): ``scores.safetensors`` + ``scores.json`` (labels, metadata).
+
+        Each file is replaced whole (written beside it, then renamed), and both carry one save
+        id: an interrupted save over an earlier result leaves it loadable, or refused by
+        ``load`` (one file of each save), never the new tensors under the old labels."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -301,7 +305,12 @@ class ComponentScores:
                 f"{path} is a file; ComponentScores.save writes a directory (scores.safetensors "
                 "and scores.json): pass a directory path."
             )
+        import uuid
+
+        from extractive_lens.files import replacing, write_text_atomic
+
         path.mkdir(parents=True, exist_ok=True)
+        save_id = uuid.uuid4().hex  # in both files: load refuses two files of different saves
         tensors = {
             "values": self.values,
             "totals": self.totals,
@@ -310,14 +319,17 @@ class ComponentScores:
         }
         if self.other is not None:
             tensors["other"] = self.other
-        save_file(  # clone: safetensors refuses tensors sharing memory (per="component" views)
-            {
-                k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
-                for k, v in tensors.items()
-            },
-            str(path / "scores.safetensors"),
-        )
+        with replacing(path / "scores.safetensors") as tmp:  # each file whole, old or new
+            save_file(  # clone: safetensors refuses tensors sharing memory (per="component")
+                {
+                    k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+                    for k, v in tensors.items()
+                },
+                str(tmp),
+                metadata={"save_id": save_id},
+            )
         info = {
+            "save_id": save_id,
             "kinds": list(self.kinds),
             "component_labels": list(self.component_labels),
             "position_labels": list(self.position_labels),
@@ -326,7 +338,7 @@ class ComponentScores:
             "per": self.per,
             "metadata": jsonable(self.metadata),
         }
-        (path / "scores.json").write_text(json.dumps(info, indent=1))
+        write_text_atomic(path / "scores.json", json.dumps(info, indent=1))
         return path
 
     @classmethod
@@ -341,8 +353,14 @@ class ComponentScores:
                 "ComponentScores.save() (or `extractive-lens score --out`)."
             )
         try:
+            from safetensors import safe_open
+
+            with safe_open(str(path / "scores.safetensors"), framework="pt") as f:
+                tensor_save = (f.metadata() or {}).get("save_id")
             t = load_file(str(path / "scores.safetensors"))
             info = json.loads((path / "scores.json").read_text())
+            if info.get("save_id") != tensor_save:
+                raise _MixedSave()
             fields: dict[str, Any] = dict(
                 kinds=tuple(info["kinds"]),
                 component_labels=tuple(info["component_labels"]),
@@ -355,6 +373,11 @@ class ComponentScores:
             tensors: dict[str, Any] = {
                 k: t[k] for k in ("values", "totals", "prompt_values", "prompt_totals")
             }
+        except _MixedSave:
+            raise ValueError(
+                f"{path}: scores.safetensors and scores.json come from two different saves (one "
+                "was interrupted); score again, or restore the directory from a backup."
+            ) from None
         except Exception as e:  # KeyError, JSON errors, safetensors' own error for a damaged file
             raise ValueError(
                 f"{path} is not a complete ComponentScores directory ({type(e).__name__}: {e})."
@@ -439,6 +462,10 @@ class ComponentScores:
 
 UNCOMPUTED = "#cfcfcf"
 """The colour of a cell that was never computed (NaN), in every figure and table."""
+
+
+class _MixedSave(Exception):
+    """The two files of a saved result carry different save ids."""
 
 
 def score_rgba(x: float, opacity: float = 1.0) -> str:

@@ -453,22 +453,29 @@ class WeightDiff:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
-        """Write Δ and its metadata to a ``.safetensors`` file (never pickle)."""
+        """Write Δ and its metadata to a ``.safetensors`` file (never pickle), atomically: an
+        interrupted save leaves the previous file whole."""
         from safetensors.torch import save_file
 
+        from extractive_lens.files import replacing
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise ValueError(
+                f"{path} is a directory; WeightDiff.save writes one .safetensors file."
+            )
         meta = {
             "format": _FORMAT,
             "format_version": str(FORMAT_VERSION),
             "signature": json.dumps(dict(self.signature)),
             "metadata": json.dumps(dict(self.metadata), default=str),
         }
-        save_file(
-            {n: d.detach().cpu().contiguous() for n, d in self.deltas.items()},
-            str(path),
-            metadata=meta,
-        )
+        with replacing(path) as tmp:  # the old file stays whole until the new one is complete
+            save_file(
+                {n: d.detach().cpu().contiguous() for n, d in self.deltas.items()},
+                str(tmp),
+                metadata=meta,
+            )
         return path
 
     @classmethod

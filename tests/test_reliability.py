@@ -67,3 +67,194 @@ def test_ranks_scoring_different_inputs_are_refused(tmp_path, what):
         err = (tmp_path / f"rank{rank}.err").read_text()
         assert "not scoring the same inputs" in err and f"rank 1 has another {what}" in err, err
         assert "Load the same diff and data files on every rank" in err
+
+
+# ------------------------------------------------------------------ saves that cannot mislead
+
+
+def synthetic_scores(seed: int, size: int = 8) -> el.ComponentScores:
+    """A ComponentScores of random values (no model needed); ``size`` scales its tensors."""
+    g = torch.Generator().manual_seed(seed)
+    k, b, layers, comps, pos = 3, size, 4, 5, 6
+    pv = torch.randn(k, b, layers, comps, pos, generator=g, dtype=torch.float64)
+    roles = tuple(tuple(f"p{i}" for i in range(pos)) for _ in range(b))
+    return el.ComponentScores(
+        values=pv.mean(1), totals=pv.sum(-1).mean(1), prompt_values=pv, prompt_totals=pv.sum(-1),
+        kinds=("informative", "upstream", "downstream"),
+        component_labels=("H0", "H1", "H2", "H3", "MLP"),
+        position_labels=tuple(f"p{i}" for i in range(pos)), prompt_roles=roles, method="linear",
+        other=torch.randn(b, generator=g, dtype=torch.float64), metadata={"seed": seed},
+    )  # fmt: skip
+
+
+def synthetic_diff(seed: int, size: int = 64) -> el.WeightDiff:
+    g = torch.Generator().manual_seed(seed)
+    return el.WeightDiff(
+        {f"blocks.{i}.mlp.W_in": torch.randn(size, size, generator=g) for i in range(4)},
+        {"n_layers": 4},
+    )
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, el.WeightDiff):
+        return a.deltas.keys() == b.deltas.keys() and all(
+            torch.equal(a.deltas[n], b.deltas[n]) for n in a.deltas
+        )
+    return (
+        torch.equal(a.prompt_values, b.prompt_values) and a.metadata["seed"] == b.metadata["seed"]
+    )
+
+
+class _Injected(BaseException):
+    pass
+
+
+SAVES = {
+    "ComponentScores": (synthetic_scores, lambda obj, p: obj.save(p), el.ComponentScores.load),
+    "WeightDiff": (synthetic_diff, lambda obj, p: obj.save(p), el.WeightDiff.load),
+}
+
+
+def _fs_calls(monkeypatch, when: str, k: int) -> list[str]:
+    """Patch every file-system call a save makes (opening, writing, syncing, renaming; the
+    safetensors writer as one call) to raise on its k-th occurrence, before or after it."""
+    import builtins
+    import os
+
+    import safetensors.torch
+
+    seen: list[str] = []
+
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            seen.append(name)
+            if len(seen) == k and when == "before":
+                raise _Injected(name)
+            out = fn(*args, **kwargs)
+            if len(seen) == k and when == "after":
+                raise _Injected(name)
+            return out
+
+        return call
+
+    for module, name in [(os, "replace"), (os, "fsync"), (os, "chmod"), (os, "rename"),
+                         (builtins, "open"), (safetensors.torch, "save_file")]:  # fmt: skip
+        monkeypatch.setattr(module, name, wrap(name, getattr(module, name)))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "mkstemp", wrap("mkstemp", tempfile.mkstemp))
+    import pathlib
+
+    monkeypatch.setattr(pathlib.Path, "write_text", wrap("write_text", pathlib.Path.write_text))
+    return seen
+
+
+@pytest.mark.parametrize("kind", list(SAVES))
+def test_an_interrupt_at_any_file_system_call_leaves_old_new_or_a_refusal(
+    kind, tmp_path, monkeypatch
+):
+    """Over an existing result, an interrupt before or after each file-system call of a save:
+    afterwards the path loads as the old result or the new one, or load refuses in one line
+    (never a mix of the two)."""
+    make, save, load = SAVES[kind]
+    old, new = make(1), make(2)
+    with monkeypatch.context() as m:  # the calls one save makes
+        seen = _fs_calls(m, "never", 0)
+        save(new, tmp_path / "count")
+        calls = list(seen)
+    assert calls, "the save made no file-system call that could be interrupted"
+    outcomes = set()
+    for when in ("before", "after"):
+        for k in range(1, len(calls) + 1):
+            path = tmp_path / f"{when}{k}" / ("scores" if kind == "ComponentScores" else "d.st")
+            save(old, path)
+            with monkeypatch.context() as m:
+                _fs_calls(m, when, k)
+                with pytest.raises(_Injected):
+                    save(new, path)
+            try:
+                got = load(path)
+            except (ValueError, FileNotFoundError) as e:
+                assert len(str(e).splitlines()) == 1
+                outcomes.add("refused")
+                continue
+            assert _same(got, old) or _same(got, new), (when, k, calls[k - 1])
+            outcomes.add("old" if _same(got, old) else "new")
+    assert "old" in outcomes and "new" in outcomes, outcomes
+    if kind == "WeightDiff":  # one file: replaced in one step, so never lost
+        assert "refused" not in outcomes
+
+
+SAVER = """
+import sys, itertools
+sys.path.insert(0, {root!r})
+from tests.test_reliability import SAVES
+make, save, load = SAVES[{kind!r}]
+a, b = make(1, {size}), make(2, {size})
+print("ready", flush=True)
+for obj in itertools.cycle((a, b)):
+    save(obj, {path!r})
+"""
+
+
+@pytest.mark.parametrize("kind", list(SAVES))
+def test_sigkill_during_large_saves_never_leaves_a_mix(kind, tmp_path):
+    """A process saving two large results over one path in a loop, killed (SIGKILL) at random
+    moments: the path always loads as one of the two whole results, or (the two files of a
+    ComponentScores directory from two saves) is refused in one line. A killed save may leave
+    its hidden temporary file behind; it is never read."""
+    import random
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    make, save, load = SAVES[kind]
+    size = 400 if kind == "ComponentScores" else 700  # ~20 MB and ~16 MB a save
+    a, b = make(1, size), make(2, size)
+    path = tmp_path / ("scores" if kind == "ComponentScores" else "d.st")
+    save(a, path)
+    rng = random.Random(0)
+    root = str(Path(__file__).resolve().parents[1])
+    seen = set()
+    for _ in range(6):
+        code = SAVER.format(root=root, kind=kind, size=size, path=str(path))
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 1.0))
+        proc.kill()
+        proc.wait(timeout=60)
+        try:
+            got = load(path)
+        except (ValueError, FileNotFoundError) as e:
+            assert len(str(e).splitlines()) == 1
+            seen.add("refused")
+            continue
+        assert _same(got, a) or _same(got, b)
+        seen.add("a" if _same(got, a) else "b")
+    assert seen
+    if kind == "WeightDiff":  # one file replaced in one step: the previous diff survives
+        assert "refused" not in seen
+
+
+def test_report_refuses_linear_and_exact_of_two_different_score_runs(tmp_path, capsys):
+    """`score --out` stamps one run id in every result it writes; `report` refuses a folder
+    whose linear/ and causal/ come from two runs (an interrupted run, or a reused folder)."""
+    import dataclasses
+
+    from extractive_lens.cli import main
+
+    lin = synthetic_scores(1)
+    ex = dataclasses.replace(synthetic_scores(1), method="causal", other=None)
+    for run, r in (("run-a", lin), ("run-b", ex)):
+        r.metadata["run_id"] = run
+        r.save(tmp_path / r.method)
+    with pytest.raises(SystemExit) as done:
+        main(["report", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and len(err.splitlines()) == 1 and "two different" in err
+    ex.metadata["run_id"] = "run-a"
+    ex.save(tmp_path / "causal")
+    with pytest.raises(SystemExit) as done:
+        main(["report", str(tmp_path)])
+    assert done.value.code == 0

@@ -49,13 +49,14 @@ def test_api_refuses_checkpoint_code(malicious, backend):
     assert not marker.exists()
 
 
-def test_cli_refuses_checkpoint_code_even_when_told_yes(malicious, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cli_refuses_checkpoint_code_even_when_told_yes(malicious, tmp_path, backend):
     ckpt, marker = malicious
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps({"prompt": "a", "answer": " b"}))
     run = subprocess.run(
         [sys.executable, "-m", "extractive_lens.cli", "rank", "--model", str(ckpt), "--data",
-         str(data)],
+         str(data), "--backend", backend],
         input="y\ny\ny\n", capture_output=True, text=True, timeout=300,
         cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip

@@ -207,12 +207,13 @@ def run_experiment(
 
 
 def _write(run: ExperimentRun, per_seed: Any, directory: Path, quick: bool) -> None:
+    from extractive_lens.files import write_text_atomic
     from extractive_lens.report import figure_page
 
     directory.mkdir(parents=True, exist_ok=True)
     for seed, res in run.results.items():
-        (directory / f"seed{seed}.json").write_text(
-            res.to_dataframe().to_json(orient="records", indent=1)
+        write_text_atomic(
+            directory / f"seed{seed}.json", res.to_dataframe().to_json(orient="records", indent=1)
         )
         figure_page(res.plot(), directory / f"seed{seed}.html", title=f"{run.name}, seed {seed}")
     meta = {
@@ -222,5 +223,5 @@ def _write(run: ExperimentRun, per_seed: Any, directory: Path, quick: bool) -> N
         "summary": json.loads(run.summary.to_json(orient="records")),
         "per_seed": json.loads(per_seed.to_json(orient="records")),
     }
-    (directory / "summary.json").write_text(json.dumps(meta, indent=1))
-    (directory / "summary.md").write_text(run.markdown() + "\n")
+    write_text_atomic(directory / "summary.json", json.dumps(meta, indent=1))
+    write_text_atomic(directory / "summary.md", run.markdown() + "\n")
