@@ -338,6 +338,10 @@ def authors_informative(base, diff, batch, reward):
     assert not any(".ln1." in n for n in diff.deltas), "closed form needs an unchanged ln1"
     cfg = base.cfg
     L, H = cfg.n_layers, cfg.n_heads
+    group = H // (cfg.n_key_value_heads or H)
+    if group > 1:  # grouped-query: hook_k / hook_v per *query* head, each its own copy
+        base = copy.deepcopy(base)
+        base.cfg.ungroup_grouped_query_attention = True
     names = [
         f"blocks.{l}.{x}"
         for l in range(L)
@@ -354,10 +358,15 @@ def authors_informative(base, diff, batch, reward):
     out = torch.zeros(len(batch), L, H, batch.tokens.shape[1], dtype=torch.float64)
     for l in range(L):
         ln = base.blocks[l].ln1
-        x = act[f"blocks.{l}.ln1.hook_normalized"] * ln.w + ln.b
+        x = act[f"blocks.{l}.ln1.hook_normalized"] * ln.w + getattr(ln, "b", 0)
         for part in ("q", "k", "v"):
             W = diff.deltas.get(f"blocks.{l}.attn.W_{part.upper()}")
             b = diff.deltas.get(f"blocks.{l}.attn.b_{part.upper()}")
+            if part != "q" and group > 1:  # the group's shared change, copied to each head
+                W = diff.deltas.get(f"blocks.{l}.attn._W_{part.upper()}")
+                b = diff.deltas.get(f"blocks.{l}.attn._b_{part.upper()}")
+                W = None if W is None else W.repeat_interleave(group, dim=0)
+                b = None if b is None else b.repeat_interleave(group, dim=0)
             if W is None and b is None:
                 continue
             d = (0 if W is None else torch.einsum("bpd,hde->bphe", x, W)) + (0 if b is None else b)

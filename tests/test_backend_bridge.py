@@ -131,6 +131,27 @@ def test_hf_bridge_scores_equal_hooked(checkpoints):
 
 
 @needs_hooked
+def test_authors_convention_on_a_grouped_query_bridge(checkpoints):
+    """The authors' upstream and downstream (read at hook_z, per query head already) on a
+    grouped-query Llama bridge equal the HookedTransformer's; their informative score needs each
+    query head's own key/value copy, which only the HookedTransformer has: the bridge says so."""
+    if checkpoints[0] == "gpt2":
+        pytest.skip("GPT-2 has no grouped-query attention")
+    hb, hf_, bb, bf = _hf_pairs(checkpoints, torch.float32)
+    d_h, d_b = el.WeightDiff.from_models(hb, hf_), el.WeightDiff.from_models(bb, bf)
+    batch = _batch(hb)
+    kw = dict(convention="authors_code", kinds=("upstream", "downstream"), show_progress=False)
+    a, b = el.linear_scores(hb, d_h, batch, **kw), el.linear_scores(bb, d_b, batch, **kw)
+    for kind in a.kinds:
+        assert a[kind].abs().max() > 1e-4
+        assert (a[kind] - b[kind]).abs().max() < 5e-6, kind
+    with pytest.raises(NotImplementedError, match="backend='hooked'"):
+        el.linear_scores(bb, d_b, batch, convention="authors_code", kinds=("informative",))
+    inf = el.linear_scores(hb, d_h, batch, convention="authors_code", kinds=("informative",))
+    assert inf["informative"].abs().max() > 1e-4
+
+
+@needs_hooked
 def test_weight_diff_moves_between_classes(checkpoints):
     """A Δ made on HookedTransformers applies to the bridge (and back), and the bridge is restored
     bit for bit after ``applied``."""

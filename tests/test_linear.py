@@ -249,16 +249,22 @@ def test_model_left_bit_identical_and_no_hooks(pair64):
     assert all(not m._forward_hooks for m in base.modules())
 
 
-def test_gqa_authors_convention_is_refused():
+def test_gqa_authors_convention_runs_on_hooked_and_a_bridge_says_what_to_do():
+    """Grouped-query informative in the authors' convention: a HookedTransformer scores it (and
+    its view flag is restored); a TransformerBridge (the TransformerLens 4 run) refuses it with
+    what to load instead, and still scores upstream and downstream in that convention."""
     base, ft = make_pair("rms_gated_rotary_gqa", torch.float64)
-    with pytest.raises(NotImplementedError, match="grouped-query"):
-        linear_scores(
-            base,
-            WeightDiff.from_models(base, ft),
-            small_batch(base),
-            convention="authors_code",
-            reward="answer_logprob",
-        )
+    diff, batch = WeightDiff.from_models(base, ft), small_batch(base)
+    kw = dict(convention="authors_code", reward="answer_logprob")
+    if type(base).__name__ == "HookedTransformer":
+        s = linear_scores(base, diff, batch, **kw)
+        assert s["informative"].abs().max() > 0
+        assert base.cfg.ungroup_grouped_query_attention is False
+    else:
+        with pytest.raises(NotImplementedError, match=r"grouped-query.*backend='hooked'"):
+            linear_scores(base, diff, batch, **kw)
+        s = linear_scores(base, diff, batch, kinds=("upstream", "downstream"), **kw)
+        assert s["downstream"].abs().max() > 0
 
 
 def test_argument_mixups_say_what_to_pass():

@@ -68,7 +68,50 @@ def test_authors_informative_per_token_all_four_matrices():
     assert got_o.other.abs().max() < 1e-12
 
 
-@pytest.mark.parametrize("family", ["ln_gelu", "parallel_rotary"])
+def test_authors_informative_per_token_grouped_query():
+    """Grouped-query attention (4 query heads, 2 key/value heads, rotary, RMS): Q and O parts at
+    the query position, each head's K and V parts at the key position through its own copy of
+    the group's keys and values, against the closed form on TransformerLens hooks with K/V
+    expanded per query head."""
+    base, ft = make_pair("rms_gated_rotary_gqa", torch.float64)
+    diff = _no_ln1(base, ft)
+    batch = small_batch(base)
+    got = linear_scores(base, diff, batch, kinds=("informative",), convention="authors_code")
+    want = ref.authors_informative(base, diff, batch, logit_margin)
+    assert want.abs().max() > 1e-3
+    _close(got.prompt_values[0, :, :, : base.cfg.n_heads], want)
+    assert base.cfg.ungroup_grouped_query_attention is False  # restored
+
+
+@pytest.mark.parametrize("part", ["K", "V"])
+def test_authors_group_parts_add_up_to_the_groups_change(part):
+    """Only one key/value group's shared W_K (or W_V) changes: the heads of that group carry the
+    whole first-order change of R between them (their sum over heads and positions is the
+    derivative along that ΔK / ΔV, by central differences through the model's own forward),
+    each head its own share, and the other group's heads carry nothing."""
+    base, ft = make_pair("rms_gated_rotary_gqa", torch.float64)
+    full = WeightDiff.from_models(base, ft)
+    name = f"blocks.1.attn._W_{part}"
+    delta = torch.zeros_like(full.deltas[name])
+    delta[1] = full.deltas[name][1]  # key/value head 1: query heads 2 and 3
+    diff = WeightDiff({name: delta}, full.signature)
+    batch = small_batch(base)
+    got = linear_scores(base, diff, batch, kinds=("informative",), convention="authors_code")
+    per_head = got.prompt_totals[0, :, 1, : base.cfg.n_heads]  # [prompt, head]
+    eps = 1e-6
+    with torch.no_grad():
+        with diff.applied(base, scale=eps):
+            up = logit_margin(base(batch.tokens), batch)
+        with diff.applied(base, scale=-eps):
+            down = logit_margin(base(batch.tokens), batch)
+    jvp = (up - down) / (2 * eps)
+    assert torch.allclose(per_head[:, 2:].sum(-1), jvp, rtol=1e-6, atol=1e-9)
+    assert per_head[:, :2].abs().max() == 0
+    assert (per_head[:, 2] - per_head[:, 3]).abs().max() > 1e-6  # each head its own share
+    assert got.other.abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("family", ["ln_gelu", "parallel_rotary", "rms_gated_rotary_gqa"])
 def test_authors_downstream_and_upstream_per_token(family):
     base, ft = make_pair(family, torch.float64)
     diff = WeightDiff.from_models(base, ft)

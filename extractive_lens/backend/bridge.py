@@ -318,6 +318,23 @@ def _self_check(model: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
+def ungrouped_kv(model: Any) -> Iterator[None]:
+    """See ``hooked.ungrouped_kv``. A bridge runs the Hugging Face attention, which expands the
+    shared keys and values inside its attention function, after every hook point: there is no
+    per-query-head copy to credit, so grouped-query bridges are refused."""
+    if _gqa(model):
+        raise NotImplementedError(
+            "convention='authors_code' informative scores of a grouped-query model credit each "
+            "query head through its own copy of the shared keys and values, which a "
+            "TransformerBridge does not expose (Hugging Face expands them inside attention). "
+            "Load the checkpoint as a HookedTransformer (TransformerLens 3.9: "
+            "load_checkpoint(dir, backend='hooked')), score kinds=('upstream', 'downstream') "
+            "in this convention, or use convention='paper'."
+        )
+    yield
+
+
+@contextlib.contextmanager
 def standard_flags(model: Any) -> Iterator[None]:
     """Nothing to turn off: the pieces read the bridge's hook points directly."""
     yield

@@ -159,7 +159,8 @@ def check_scorable(model: Any) -> None:
         )
 
 
-VIEW_FLAGS = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+VIEW_FLAGS = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in",
+              "ungroup_grouped_query_attention")  # fmt: skip
 """TransformerLens flags that change which hooks fire and how attention inputs are shaped, not
 what the model computes: scoring turns them off while it runs (``standard_flags``)."""
 
@@ -183,6 +184,29 @@ def standard_flags(model: Any) -> Iterator[None]:
     def restore() -> None:
         for f, v in saved.items():
             setattr(cfg, f, v)
+
+    with state_change(change, restore):
+        yield
+
+
+@contextlib.contextmanager
+def ungrouped_kv(model: Any) -> Iterator[None]:
+    """Keys and values per *query* head at ``hook_k`` / ``hook_v`` inside the block (each query
+    head computes its own copy from the expanded ``W_K`` / ``W_V``; TransformerLens's
+    ``ungroup_grouped_query_attention``): what the authors' convention credits a grouped-query
+    model's shared key/value change through (docs/scores.md §7). Values are unchanged."""
+    from extractive_lens.interrupts import state_change
+
+    cfg = model.cfg
+    if not (cfg.n_key_value_heads and cfg.n_key_value_heads != cfg.n_heads):
+        yield
+        return
+
+    def change() -> None:
+        cfg.ungroup_grouped_query_attention = True
+
+    def restore() -> None:
+        cfg.ungroup_grouped_query_attention = False
 
     with state_change(change, restore):
         yield

@@ -16,6 +16,7 @@ Each kind's own computation is in ``scoring/kinds/``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -103,19 +104,14 @@ def linear_scores_with(
     """``linear_scores`` with its options as one ``LinearOptions`` object."""
     cdt = prepare("linear_scores", model, diff, batch, options)
     cfg = model.cfg
-    gqa = cfg.n_key_value_heads and cfg.n_key_value_heads != cfg.n_heads
-    if options.authors and gqa and "informative" in options.kinds:
-        raise NotImplementedError(
-            "convention='authors_code' credits key/value changes at the key position per head, "
-            "which needs one key/value head per query head; this model uses grouped-query "
-            "attention. Use convention='paper'."
-        )
+    per_query_head = options.authors and "informative" in options.kinds  # K/V at the key pos.
     deltas = {n: d.to(cfg.device) for n, d in diff.deltas.items()}
     _check_covered(deltas)
     scored, plan = plan_chunks(batch, options.rows, options.batch_size)
     meta = base_metadata(model, diff, options, batch, cdt, method="linear")
     with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
-        chunks = _scores(model, diff, deltas, batch, plan, options)
+        with B.ungrouped_kv(model) if per_query_head else contextlib.nullcontext():
+            chunks = _scores(model, diff, deltas, batch, plan, options)
     per_token = [cast(Tensor, c.scores) for c in chunks]
     other = [cast(Tensor, c.other) for c in chunks]
     result = assemble(model, scored, options.score_kinds, per_token, [v.sum(-1) for v in per_token],
