@@ -273,8 +273,6 @@ def _snapshot(model: Any) -> dict[str, Any]:
     import torch
     import torch.autograd.forward_ad as fwAD
 
-    from extractive_lens.backend.hooked import VIEW_FLAGS
-
     modules = list(model.modules())
     return dict(
         grad=torch.is_grad_enabled(),
@@ -284,9 +282,7 @@ def _snapshot(model: Any) -> dict[str, Any]:
         ],  # functional_call swaps these
         flags=[(p, p.requires_grad) for p in model.parameters()],
         dtype=getattr(getattr(model, "cfg", None), "dtype", None),
-        cfg_flags={
-            f: getattr(model.cfg, f) for f in VIEW_FLAGS if hasattr(getattr(model, "cfg", None), f)
-        },
+        cfg_flags=_cfg_flags(getattr(model, "cfg", None)),
         hooks=[
             (
                 m,
@@ -297,6 +293,13 @@ def _snapshot(model: Any) -> dict[str, Any]:
         ],
         level=getattr(fwAD, "_current_level", -1),
     )
+
+
+def _cfg_flags(cfg: Any) -> dict[str, bool]:
+    """Every on/off switch of a model's config (TransformerLens's view flags among them): what a
+    call may flip while it runs, snapshot without knowing the backend's names for them."""
+    fields = getattr(cfg, "__dict__", {})
+    return {k: v for k, v in fields.items() if isinstance(v, bool)}
 
 
 def _restore(model: Any, state: dict[str, Any]) -> None:
@@ -326,7 +329,8 @@ def _restore(model: Any, state: dict[str, Any]) -> None:
     if state["dtype"] is not None:
         model.cfg.dtype = state["dtype"]
     for flag, value in state["cfg_flags"].items():
-        setattr(model.cfg, flag, value)
+        if getattr(model.cfg, flag, value) is not value:  # only what changed: a bridge's config
+            setattr(model.cfg, flag, value)  # acts on some assignments
     for p, flag in state["flags"]:
         p.requires_grad_(flag)
     for m, mode in state["training"]:

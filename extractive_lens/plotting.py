@@ -16,30 +16,21 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from extractive_lens.results import ComponentScores
+from extractive_lens import report as html_report
+from extractive_lens.files import write_text_atomic
+from extractive_lens.style import COLORSCALE, REWARD_UNITS, UNCOMPUTED, score_unit  # noqa: F401
 from extractive_lens.types import ScoreKind
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
     import plotly.graph_objects as go
 
     from extractive_lens.comparison import ScoreComparison
+    from extractive_lens.results import ComponentScores
 
 Part = Literal["mlp", "attn", "heads", "all_heads"]
-COLORSCALE = "RdBu"
-
-# What one unit of score is, by reward (docs/scores.md §3): a score is a change of R.
-REWARD_UNITS = {
-    "answer_logprob": "Δ log p(answer), nats",
-    "logit_margin": "Δ logit margin",
-    "logit_diff": "Δ logit difference",
-}
 POSITION_AXIS = "token position (role: tokens)"
-
-
-def score_unit(scores: ComponentScores) -> str:
-    """The unit of ``scores``' values, from its reward: ``"Δ log p(answer), nats"`` by default."""
-    reward = scores.metadata.get("reward")
-    return REWARD_UNITS.get(str(reward), f"Δ {reward}" if reward else "Δ reward")
 
 
 def notebook_renderer() -> str:
@@ -115,8 +106,6 @@ def _abs_max(z: np.ndarray) -> float:
 def mark_uncomputed(fig: go.Figure, *matrices: np.ndarray) -> go.Figure:
     """Grey behind a heat map's cells that were never computed (NaN; plotly leaves them
     transparent), and a note under the title, when any of ``matrices`` has such a cell."""
-    from extractive_lens.results import UNCOMPUTED
-
     if any(np.isnan(m).any() for m in matrices):
         fig.update_layout(plot_bgcolor=UNCOMPUTED)
         fig.update_xaxes(showgrid=False)
@@ -554,4 +543,82 @@ def table_heatmap(
     return fig
 
 
-from extractive_lens.report import report as report  # noqa: E402  (re-exported: el.plotting.report)
+def report(
+    scores: ComponentScores | list[ComponentScores],
+    comparison: ScoreComparison | None = None,
+    path: str | Path = "report.html",
+    *,
+    title: str = "extractive_lens report",
+    extra_figures: list[tuple[str, go.Figure]] | None = None,
+    token_views: list[tuple[str, Any]] | None = None,
+    plotlyjs: html_report.PlotlyJS = "compressed",
+) -> Path:
+    """Write one self-contained HTML report of ``scores`` (one result or several, e.g. linear and
+    exact) and, optionally, their ``comparison``.
+
+    ``extra_figures``: ``(caption, figure)`` pairs appended as their own sections.
+    ``token_views``: ``(caption, view)`` pairs of circuitsvis views (``plotting.token_view``) to
+    embed instead of the default token table. ``plotlyjs="inline"`` embeds plotly.js
+    uncompressed (for browsers without ``DecompressionStream``: before Chrome 80 / Firefox 113 /
+    Safari 16.4). The page makes no network requests; token strings are escaped.
+    """
+    results = scores if isinstance(scores, list) else [scores]
+    if not results:
+        raise ValueError("report() needs at least one ComponentScores.")
+    if plotlyjs not in ("compressed", "inline"):
+        raise ValueError(f"plotlyjs must be 'compressed' or 'inline', got {plotlyjs!r}")
+    figures = html_report._Figures()
+    body = [
+        f"<h1>{html.escape(title)}</h1>",
+        html_report._summary(results),
+        html_report._how_to_read(results),
+    ]
+    if comparison is not None or any(s.additivity_note() for s in results):
+        body.append(html_report._what_to_trust(results, comparison))
+    body.append(html_report._top_components(results))
+    for s in results:
+        unit = score_unit(s)
+        body.append(f"<h2>{html.escape(s.method)} scores</h2>")
+        body.append(
+            figures.add(
+                overview(s),
+                f"Mean {s.method} score of each layer's MLP and attention (its heads summed) at "
+                f"each token position, over {s.n_prompts} prompts, in {unit}. "
+                "Blue: the component's change helps the correct answer; red: it hurts. "
+                "Each panel has its own colour scale (read values on hover).",
+            )
+        )
+        if any(c != "MLP" for c in s.component_labels) and s.per == "token":
+            for kind in s.kinds:
+                body.append(
+                    figures.add(
+                        heatmap(s, kind, part="all_heads"),
+                        f"{s.method} {kind} score of every head (rows, layer 0 at the bottom, a "
+                        f"line between layers) at each token position, in {unit}. Heads are "
+                        "credited at the position they write to (the query position).",
+                    )
+                )
+    if comparison is not None:
+        body.append("<h2>linear vs exact</h2>")
+        body.append(
+            figures.add(
+                comparison_plot(comparison),
+                f"One point per compared cell ({comparison.level} level): linear score (x) "
+                "against exact score (y). On the dashed line the linear score is exact; r is "
+                "Pearson's correlation.",
+            )
+        )
+    for name, fig in extra_figures or []:
+        body.append(f"<h2>{html.escape(name)}</h2>" + figures.add(fig, ""))
+    body.append(html_report._token_section(results, token_views))
+    body.append(html_report._metadata(results))
+    page = (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{html_report.STYLE}</style></head>\n<body>\n"
+        + "\n".join(body)
+        + "\n"
+        + figures.loader(plotlyjs)
+        + "\n</body></html>\n"
+    )
+    path = write_text_atomic(path, page)  # a symlink planted at path is replaced, not followed
+    return path

@@ -1,4 +1,4 @@
-"""The self-contained HTML report that explains itself (``plotting.report`` is this ``report``).
+"""The building blocks of the self-contained HTML report (``plotting.report`` puts them together).
 
 >>> path = report([linear, exact], compare(linear, exact), path="report.html")  # doctest: +SKIP
 
@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from extractive_lens.files import write_text_atomic
-from extractive_lens.results import UNCOMPUTED, ComponentScores, score_rgba
+from extractive_lens.style import UNCOMPUTED, score_rgba, score_unit
 from extractive_lens.types import Component, ScoreKind, jsonable
 
 if TYPE_CHECKING:  # pragma: no cover
     import plotly.graph_objects as go
 
-    from extractive_lens.comparison import ScoreComparison
+    from extractive_lens.results import ComponentScores
 
 PlotlyJS = Literal["compressed", "inline"]
 
@@ -55,89 +55,6 @@ table.tokens td small{color:#555}
 code{background:#f3f3f3;padding:0 .2em}
 .el-figure{width:100%}
 """.strip()
-
-
-def report(
-    scores: ComponentScores | list[ComponentScores],
-    comparison: ScoreComparison | None = None,
-    path: str | Path = "report.html",
-    *,
-    title: str = "extractive_lens report",
-    extra_figures: list[tuple[str, go.Figure]] | None = None,
-    token_views: list[tuple[str, Any]] | None = None,
-    plotlyjs: PlotlyJS = "compressed",
-) -> Path:
-    """Write one self-contained HTML report of ``scores`` (one result or several, e.g. linear and
-    exact) and, optionally, their ``comparison``.
-
-    ``extra_figures``: ``(caption, figure)`` pairs appended as their own sections.
-    ``token_views``: ``(caption, view)`` pairs of circuitsvis views (``plotting.token_view``) to
-    embed instead of the default token table. ``plotlyjs="inline"`` embeds plotly.js
-    uncompressed (for browsers without ``DecompressionStream``: before Chrome 80 / Firefox 113 /
-    Safari 16.4). The page makes no network requests; token strings are escaped.
-    """
-    from extractive_lens import plotting
-
-    results = scores if isinstance(scores, list) else [scores]
-    if not results:
-        raise ValueError("report() needs at least one ComponentScores.")
-    if plotlyjs not in ("compressed", "inline"):
-        raise ValueError(f"plotlyjs must be 'compressed' or 'inline', got {plotlyjs!r}")
-    figures = _Figures()
-    body = [
-        f"<h1>{html.escape(title)}</h1>",
-        _summary(results),
-        _how_to_read(results),
-    ]
-    if comparison is not None or any(s.additivity_note() for s in results):
-        body.append(_what_to_trust(results, comparison))
-    body.append(_top_components(results))
-    for s in results:
-        unit = plotting.score_unit(s)
-        body.append(f"<h2>{html.escape(s.method)} scores</h2>")
-        body.append(
-            figures.add(
-                plotting.overview(s),
-                f"Mean {s.method} score of each layer's MLP and attention (its heads summed) at "
-                f"each token position, over {s.n_prompts} prompts, in {unit}. "
-                "Blue: the component's change helps the correct answer; red: it hurts. "
-                "Each panel has its own colour scale (read values on hover).",
-            )
-        )
-        if any(c != "MLP" for c in s.component_labels) and s.per == "token":
-            for kind in s.kinds:
-                body.append(
-                    figures.add(
-                        plotting.heatmap(s, kind, part="all_heads"),
-                        f"{s.method} {kind} score of every head (rows, layer 0 at the bottom, a "
-                        f"line between layers) at each token position, in {unit}. Heads are "
-                        "credited at the position they write to (the query position).",
-                    )
-                )
-    if comparison is not None:
-        body.append("<h2>linear vs exact</h2>")
-        body.append(
-            figures.add(
-                plotting.comparison_plot(comparison),
-                f"One point per compared cell ({comparison.level} level): linear score (x) "
-                "against exact score (y). On the dashed line the linear score is exact; r is "
-                "Pearson's correlation.",
-            )
-        )
-    for name, fig in extra_figures or []:
-        body.append(f"<h2>{html.escape(name)}</h2>" + figures.add(fig, ""))
-    body.append(_token_section(results, token_views))
-    body.append(_metadata(results))
-    page = (
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head>\n<body>\n"
-        + "\n".join(body)
-        + "\n"
-        + figures.loader(plotlyjs)
-        + "\n</body></html>\n"
-    )
-    path = write_text_atomic(path, page)  # a symlink planted at path is replaced, not followed
-    return path
 
 
 def figure_page(fig: go.Figure, path: str | Path, *, title: str = "") -> Path:
@@ -206,15 +123,13 @@ def _script_json(text: str) -> str:
 
 
 def _summary(results: Sequence[ComponentScores]) -> str:
-    from extractive_lens import plotting
-
     s = results[0]
     m = s.metadata
     facts = [
         ("model", m.get("model")),
         ("prompts", s.n_prompts),
         ("score kinds", ", ".join(s.kinds)),
-        ("reward", f"{m.get('reward')} (scores in {plotting.score_unit(s)})"),
+        ("reward", f"{m.get('reward')} (scores in {score_unit(s)})"),
         ("convention", m.get("convention")),
         ("upstream ablation y*", m.get("ablation")),
         ("compute dtype", m.get("compute_dtype")),
@@ -239,10 +154,8 @@ def _summary(results: Sequence[ComponentScores]) -> str:
 
 
 def _how_to_read(results: Sequence[ComponentScores]) -> str:
-    from extractive_lens import plotting
-
     s = results[0]
-    unit = plotting.score_unit(s)
+    unit = score_unit(s)
     kinds = [k for k in KIND_MEANING if any(k in r.kinds for r in results)]
     items = [
         f"<b>Units and sign.</b> Every score is a change of the reward R, in {html.escape(unit)}, "
@@ -301,8 +214,6 @@ def _what_to_trust(results: Sequence[ComponentScores], comparison: Any) -> str:
 
 
 def _top_components(results: Sequence[ComponentScores]) -> str:
-    from extractive_lens import plotting
-
     rows = []
     for s in results:
         for kind in s.kinds:
@@ -320,7 +231,7 @@ def _top_components(results: Sequence[ComponentScores]) -> str:
             rows.append(
                 f"<tr><th>{html.escape(s.method)}</th><th>{html.escape(kind)}</th>{''.join(cells)}</tr>"
             )
-    unit = plotting.score_unit(results[0])
+    unit = score_unit(results[0])
     return (
         "<h2>top components</h2><p class='caption'>The five largest whole-component scores of "
         f"each kind by magnitude, in {html.escape(unit)}, each with the TransformerLens "

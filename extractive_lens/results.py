@@ -21,6 +21,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from extractive_lens.style import UNCOMPUTED, score_rgba  # noqa: F401  (also importable here)
 from extractive_lens.types import Method, ScoreKind, jsonable
 
 
@@ -460,19 +461,8 @@ class ComponentScores:
         )
 
 
-UNCOMPUTED = "#cfcfcf"
-"""The colour of a cell that was never computed (NaN), in every figure and table."""
-
-
 class _MixedSave(Exception):
     """The two files of a saved result carry different save ids."""
-
-
-def score_rgba(x: float, opacity: float = 1.0) -> str:
-    """The CSS colour of a score scaled to [-1, 1]: plotly RdBu's ends (positive blue, negative
-    red), opacity growing with |x| up to ``opacity``."""
-    rgb = "33,102,172" if x > 0 else "178,24,43"
-    return f"rgba({rgb},{min(1.0, abs(x)) * opacity:.2f})"
 
 
 def _indices(shape: Sequence[int]):

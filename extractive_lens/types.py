@@ -57,9 +57,9 @@ class Component:
         >>> Component(3, 1).hook_name, Component(3).hook_name
         ('blocks.3.attn.hook_z', 'blocks.3.hook_mlp_out')
         """
-        from extractive_lens.backend.names import hook_name
-
-        return hook_name(self)
+        if self.head is None:
+            return f"blocks.{self.layer}.hook_mlp_out"
+        return f"blocks.{self.layer}.attn.hook_z"
 
     @property
     def short_label(self) -> str:

@@ -100,7 +100,7 @@ def signature(model: Any, arch: str | None = None) -> dict[str, Any]:
 
 def describe(model: Any, arch: str | None = None, backend: str = NAME) -> dict[str, Any]:
     """What a result records about the model it was computed on."""
-    from extractive_lens.backend.loading import version
+    from extractive_lens.backend.installed import version
 
     return {
         "model": model.cfg.model_name,

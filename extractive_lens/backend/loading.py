@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens.backend.hooked import notes
+from extractive_lens.backend.installed import has_hooked, version  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformer_lens import HookedTransformer
@@ -59,11 +60,6 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def has_hooked() -> bool:
-    """Whether the installed TransformerLens has ``HookedTransformer`` (3.x; 4.0 removed it)."""
-    return version().startswith(("0.", "1.", "2.", "3."))
 
 
 def _tl():
@@ -406,17 +402,6 @@ def as_bridge(model: HookedTransformer) -> Any:
             "load_checkpoint(dir, backend='bridge') instead."
         )
     return out
-
-
-def version() -> str:
-    """The installed TransformerLens version (its package metadata: 3.x has no ``__version__``)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-
-    try:
-        return package_version("transformer-lens")
-    except PackageNotFoundError:
-        return str(getattr(_tl(), "__version__", "unknown"))
 
 
 def _common(hf: Any, **extra: Any) -> dict[str, Any]:

@@ -126,6 +126,4 @@ def hook_name(component: Component) -> str:
     >>> hook_name(Component(3, 1)), hook_name(Component(3))
     ('blocks.3.attn.hook_z', 'blocks.3.hook_mlp_out')
     """
-    if component.head is None:
-        return f"blocks.{component.layer}.hook_mlp_out"
-    return f"blocks.{component.layer}.attn.hook_z"
+    return component.hook_name
