@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast test-tl4 smoke doctest demo lint bench clean
+.PHONY: setup test test-fast test-tl4 smoke doctest docs demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,8 +58,14 @@ lint: $(STAMP)
 doctest: $(STAMP)
 	$(BIN)/python -m pytest -q --doctest-modules extractive_lens -p no:cacheprovider
 
+# The documentation site (mkdocs-material, API pages from the docstrings, the notebooks with
+# their outputs) into site/; --strict turns every broken link or reference into an error.
+docs: $(STAMP)
+	rm -rf docs/notebooks && mkdir -p docs/notebooks && cp examples/*.ipynb docs/notebooks/
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_linear.py
 
 clean:
-	rm -rf $(VENV) $(TL4) $(SMOKE) .pytest_cache
+	rm -rf $(VENV) $(TL4) $(SMOKE) .pytest_cache site docs/notebooks

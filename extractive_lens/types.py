@@ -26,8 +26,9 @@ _LABEL = re.compile(r"^L(\d+)(?:H(\d+)|(MLP))$")
 class Component:
     """One attention head ``(layer, head)`` or one MLP ``(layer, None)``.
 
-    >>> [c.label for c in iter_components(n_layers=1, n_heads=2)]
-    ['L0H0', 'L0H1', 'L0MLP']
+    Examples:
+        >>> [c.label for c in iter_components(n_layers=1, n_heads=2)]
+        ['L0H0', 'L0H1', 'L0MLP']
     """
 
     layer: int

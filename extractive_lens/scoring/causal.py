@@ -73,7 +73,10 @@ def causal_scores(
     positions patched at once (``per="component"``). Definitions: ``docs/scores.md``.
 
     Args:
-        kinds, ablation, reference, reward: as in ``linear_scores`` (paper convention).
+        kinds: as in ``linear_scores``.
+        ablation: as in ``linear_scores`` (the paper convention's default, ``"mean"``).
+        reference: as in ``linear_scores``.
+        reward: as in ``linear_scores``.
         max_batch: interventions per resumed pass (memory bound).
         top_k: score only the ``k`` components the linear scores rank highest (by |total|,
             per kind, among ``layers`` when given); the others are NaN (never computed: absent

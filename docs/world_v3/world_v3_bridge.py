@@ -1,8 +1,8 @@
 """Where the second hop's bridge (the city) reaches the last token (issue #18, second-hop layer
 freezing; docs/world_v3_trials.md, "Where the bridge arrives").
 
-    python scripts/world_v3_bridge.py --seeds 0,1,2 [--version 2]
-    python scripts/world_v3_bridge.py --models /tmp/v3/variant_l6t25 --landmarks two
+    python docs/world_v3/world_v3_bridge.py --seeds 0,1,2 [--version 2]
+    python docs/world_v3/world_v3_bridge.py --models /tmp/v3/variant_l6t25 --landmarks two
 
 Prints, per world model, ``extractive_lens.world.check.bridge_arrival`` (after the embeddings and
 after every block, the share of implication prompts ``"The {role} of the city that contains

@@ -1,8 +1,8 @@
 """Layer freezing on the shipped v3 world models under other finetuning recipes (issue #18).
 
-    python scripts/world_v3_finetune_sweep.py --seeds 0,1,2 --recipe lr=3e-4,epochs=60
-    python scripts/world_v3_finetune_sweep.py --seeds 0,1,2 --recipe lr=3e-4 --pretrain lr=3e-4 --order
-    python scripts/world_v3_finetune_sweep.py --models /tmp/v3/variant_l6t25 --recipe lr=3e-4 \
+    python docs/world_v3/world_v3_finetune_sweep.py --seeds 0,1,2 --recipe lr=3e-4,epochs=60
+    python docs/world_v3/world_v3_finetune_sweep.py --seeds 0,1,2 --recipe lr=3e-4 --pretrain lr=3e-4 --order
+    python docs/world_v3/world_v3_finetune_sweep.py --models /tmp/v3/variant_l6t25 --recipe lr=3e-4 \
         --pretrain lr=3e-4 --share --order --pre      # a saved variant (world_v3_variant.py --out)
 
 The world models are the shipped/cached v3 ones (no retraining); only the finetuning on the test

@@ -2,7 +2,7 @@
 shared pools (only the pair identifies a person), more layers, and finetuning of the blocks only
 (as in the paper's OLMo runs) against all parameters.
 
-    python scripts/world_v3_trial.py --layers 6 --steps 1200 --tag a   # ~6 min, one thread
+    python docs/world_v3/world_v3_trial.py --layers 6 --steps 1200 --tag a   # ~6 min, one thread
 
 Trains a world model on the v2 world with renamed people, saves it to /tmp/v3/model_TAG, and
 prints per finetune variant (blocks / all) and hop: mean ranks of facts and implications before

@@ -1,10 +1,10 @@
 """Train a variant of world v3 with the package code and measure it (issue #18; the later rows of
 docs/world_v3_trials.md).
 
-    python scripts/world_v3_variant.py --seed 2 --records 16 --steps 3000           # ~9 min
-    python scripts/world_v3_variant.py --seed 0 --landmarks two --freeze             # + freezing
-    python scripts/world_v3_variant.py --seed 0 --layers 6 --steps 2500 --trim --freeze --order
-    python scripts/world_v3_variant.py --seed 0 --landmarks two --officials 4 --trim --freeze \
+    python docs/world_v3/world_v3_variant.py --seed 2 --records 16 --steps 3000           # ~9 min
+    python docs/world_v3/world_v3_variant.py --seed 0 --landmarks two --freeze             # + freezing
+    python docs/world_v3/world_v3_variant.py --seed 0 --layers 6 --steps 2500 --trim --freeze --order
+    python docs/world_v3/world_v3_variant.py --seed 0 --landmarks two --officials 4 --trim --freeze \
         --order --finetune-lr 3e-4
 
 The world is ``build_world(seed, version=3)`` with the changes asked for: records per attribute,
