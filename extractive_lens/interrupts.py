@@ -214,7 +214,7 @@ def shielded() -> bool:
 def guarded(model: Any) -> Iterator[None]:
     """Run a public call so that an interrupt anywhere leaves the model and torch as they were.
 
-    Restored on exit, shielded: every module's parameter and buffer objects (``functional_call``
+    Restored on exit, shielded: every module's parameter and buffer objects (``compute.substituted``
     swaps them and is not interrupt-safe), grad mode, every module's training mode, every parameter's
     ``requires_grad``, ``model.cfg.dtype``, the hooks on every module (any added inside are
     removed) and the forward-mode AD level. Weights are restored by the contexts that change
@@ -279,7 +279,7 @@ def _snapshot(model: Any) -> dict[str, Any]:
         training=[(m, m.training) for m in modules],
         tensors=[
             (m, dict(m._parameters), dict(m._buffers)) for m in modules
-        ],  # functional_call swaps these
+        ],  # compute.substituted swaps these
         flags=[(p, p.requires_grad) for p in model.parameters()],
         dtype=getattr(getattr(model, "cfg", None), "dtype", None),
         cfg_flags=_cfg_flags(getattr(model, "cfg", None)),
@@ -312,7 +312,7 @@ def _restore(model: Any, state: dict[str, Any]) -> None:
         reset_forward_ad()
     while getattr(fwAD, "_current_level", -1) > state["level"]:
         fwAD.exit_dual_level()
-    for m, params, buffers in state["tensors"]:  # torch's functional_call is not interrupt-safe
+    for m, params, buffers in state["tensors"]:  # a swap cut short by an interrupt
         for table, saved in ((m._parameters, params), (m._buffers, buffers)):
             if table.keys() != saved.keys() or any(table[k] is not v for k, v in saved.items()):
                 table.clear()

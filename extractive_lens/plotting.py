@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from extractive_lens import report as html_report
-from extractive_lens.files import write_text_atomic
 from extractive_lens.style import COLORSCALE, REWARD_UNITS, UNCOMPUTED, score_unit  # noqa: F401
 from extractive_lens.types import ScoreKind
 
@@ -612,13 +611,4 @@ def report(
         body.append(f"<h2>{html.escape(name)}</h2>" + figures.add(fig, ""))
     body.append(html_report._token_section(results, token_views))
     body.append(html_report._metadata(results))
-    page = (
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>{html_report.STYLE}</style></head>\n<body>\n"
-        + "\n".join(body)
-        + "\n"
-        + figures.loader(plotlyjs)
-        + "\n</body></html>\n"
-    )
-    path = write_text_atomic(path, page)  # a symlink planted at path is replaced, not followed
-    return path
+    return html_report.write_page(path, title, body, figures, plotlyjs)

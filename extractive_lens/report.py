@@ -57,18 +57,25 @@ code{background:#f3f3f3;padding:0 .2em}
 """.strip()
 
 
+def write_page(
+    path: str | Path, title: str, body: list[str], figures: _Figures, plotlyjs: PlotlyJS
+) -> Path:
+    """The page around ``body`` (HTML parts, figure placeholders from ``figures``), with the
+    script that renders the figures, written atomically: a symlink planted at ``path`` is
+    replaced, not followed."""
+    page = (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head>\n<body>\n"
+        + "\n".join(body) + "\n" + figures.loader(plotlyjs) + "\n</body></html>\n"
+    )  # fmt: skip
+    return write_text_atomic(path, page)
+
+
 def figure_page(fig: go.Figure, path: str | Path, *, title: str = "") -> Path:
     """One figure as a self-contained HTML page with the report's gzip-compressed plotly.js
     (about a third of ``fig.write_html(include_plotlyjs=True)``); no network requests."""
     figures = _Figures()
-    body = figures.add(fig, "")
-    page = (
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head>\n<body>\n"
-        + body + "\n" + figures.loader("compressed") + "\n</body></html>\n"
-    )  # fmt: skip
-    path = write_text_atomic(path, page)  # a symlink planted at path is replaced, not followed
-    return path
+    return write_page(path, title, [figures.add(fig, "")], figures, "compressed")
 
 
 class _Figures:

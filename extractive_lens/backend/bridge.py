@@ -87,6 +87,13 @@ def parameters(model: Any) -> dict[str, Tensor]:
     return params
 
 
+def stored_names(model: Any) -> set[str]:
+    """The TransformerLens names that are views of weights the wrapped model stores (the others
+    are zeros TransformerLens shows for biases the model does not have)."""
+    storages = _raw_storages(model)
+    return {n for n, t in parameters(model).items() if _stored(t, storages)}
+
+
 def _raw_storages(model: Any) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
@@ -431,16 +438,10 @@ def _recorded(model: Any, n: int, device: torch.device) -> list[dict[str, Any]]:
             )
             for layer, b in enumerate(model.blocks)
         ]
-        # the model's own forward, in the dtype its weights are stored in: inside
-        # ``computing_in`` cfg.dtype names the compute dtype, and a TransformerLens 4 bridge
-        # casts its weights to cfg.dtype when it runs (a lasting change of the model)
-        compute, stored = model.cfg.dtype, next(model.parameters()).dtype
         try:
-            model.cfg.dtype = stored
             with torch.no_grad():
                 model(torch.zeros(1, n, dtype=torch.long, device=device))
         finally:
-            model.cfg.dtype = compute
             for h in handles:
                 h.remove()
         cache[key] = [rec[layer] for layer in range(len(model.blocks))]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 # ---------------------------------------------------------------------------------------------
 # Compute precision: score a bf16/fp16 model in float32 without a second copy of it
@@ -188,18 +188,6 @@ def frozen_parameters(model: Any) -> Iterator[None]:
 
     with state_change(change, restore):
         yield
-
-
-class _Call(nn.Module):
-    """``fn(model, *args)`` as a module, so ``functional_call`` can substitute ``model``'s weights."""
-
-    def __init__(self, model: Any, fn: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.fn = fn
-
-    def forward(self, *args: Any) -> Any:
-        return self.fn(self.model, *args)
 
 
 def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:

@@ -259,13 +259,12 @@ def _tiny_bridge(cfg: dict[str, Any], seed: int, *, tokenizer: Any, init_scale: 
     from extractive_lens.backend import bridge as bridge_backend
 
     params = bridge_backend.parameters(out)
-    storages = bridge_backend._raw_storages(out)
     values = _tiny_weights({n: (tuple(p.shape), p.dtype) for n, p in params.items()}, seed,
                            init_scale)  # fmt: skip
-    head_bias = "bias" in dict(out.unembed.original_component.named_buffers(recurse=False))
-    _write_native(out, {n: v for n, v in values.items()  # biases the native model lacks stay 0
-                        if bridge_backend._stored(params[n], storages)
-                        or (n == "unembed.b_U" and head_bias)})  # fmt: skip
+    keep = bridge_backend.stored_names(out)  # biases the native model lacks stay 0
+    if "bias" in dict(out.unembed.original_component.named_buffers(recurse=False)):
+        keep.add("unembed.b_U")  # a fixed buffer in TransformerLens 4: _write_native sets it
+    _write_native(out, {n: v for n, v in values.items() if n in keep})
     return out
 
 
