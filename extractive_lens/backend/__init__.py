@@ -40,13 +40,14 @@ from extractive_lens.backend.names import (
     param_role,
     slices_for_names,
 )
+from extractive_lens.backend.shift import W_O_shift, shifted, unshifted
 
 __all__ = [
     "BACKENDS", "Backend", "LayerRun", "ParamRole", "ParamSlice", "ScorableModel", "W_O",
     "attention", "attn_out_names", "backend_for", "check_scorable", "computing_in", "describe",
     "embed", "frozen_parameters", "has_mlp", "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
     "notes", "on_block", "on_final", "parallel", "param_role", "parameter_slices", "parameters",
-    "raw_masks", "resolve_compute_dtype", "run_blocks", "signature", "slices_for_names", "standard_flags",
+    "raw_masks", "resolve_compute_dtype", "run_blocks", "shifted", "signature", "unshifted", "slices_for_names", "standard_flags",
     "tl_view", "unembed", "weights_processed", "write_parameters",
 ]  # fmt: skip
 
@@ -166,8 +167,14 @@ def on_final(model: Any, x: Tensor) -> Tensor:
 
 
 def W_O(model: Any, layer: int) -> Tensor:
-    """``[head, d_head, d_model]``: the heads' output weights of a layer."""
-    return backend_for(model).W_O(model, layer)
+    """``[head, d_head, d_model]``: the heads' output weights of a layer (``W_O + α·ΔW_O``
+    inside ``shifted(model, diff, alpha)``)."""
+    w = backend_for(model).W_O(model, layer)
+    d = W_O_shift(model, layer)
+    if d is None:
+        return w
+    dt = torch.promote_types(w.dtype, d.dtype)
+    return w.detach().to(dt) + d.to(device=w.device, dtype=dt)
 
 
 def has_mlp(model: Any) -> bool:

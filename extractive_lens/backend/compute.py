@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,27 +92,47 @@ def upcast_call(
     module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any, upcast_buffer: Any = None
 ) -> Any:
     """``fn(module, *args)`` with the parameters under ``prefixes`` (``""``: all) in the compute
-    dtype (see ``computing_in``); plain ``fn(module, *args)`` when there is nothing to upcast."""
+    dtype (see ``computing_in``) and, inside ``shift.shifted``, at ``W + α·Δ``; plain
+    ``fn(module, *args)`` when there is nothing to substitute. The model is never written: the
+    substitutes live in the module's registries only while ``fn`` runs."""
+    from extractive_lens.backend import shift
+
     dtype = _COMPUTE_DTYPE.get()
-    if dtype is None:
+    shifting = shift.any_active()
+    if dtype is None and not shifting:
         return fn(module, *args)
     subs: dict[str, Tensor] = {}
-    sources: dict[int, Tensor] = {}
+    sources: dict[int, tuple[Tensor, Any, torch.dtype]] = {}
     for name, p in module.named_parameters():
-        if name.startswith(prefixes) and p.dtype != dtype:
-            up = p.to(dtype)
-            subs["model." + name] = up
-            sources[up.untyped_storage().data_ptr()] = p
-    for name, b in module.named_buffers():
-        if name.startswith(prefixes) and b.is_floating_point() and b.dtype != dtype:
-            subs["model." + name] = (upcast_buffer or _plain_upcast)(module, name, b, dtype)
+        if not name.startswith(prefixes):
+            continue
+        dt = dtype or p.dtype
+        s = shift.active(p) if shifting else None
+        if s is not None and s.offset(p) is not None:
+            new = s.value(p, dt)
+            again = functools.partial(s.value, p, dt)
+        elif p.dtype != dt:
+            new = p.to(dt)
+            again = functools.partial(_upcast_again, p, dt)
+        else:
+            continue
+        subs["model." + name] = new
+        sources[new.untyped_storage().data_ptr()] = (p, again, dt)
+    if dtype is not None:
+        for name, b in module.named_buffers():
+            if name.startswith(prefixes) and b.is_floating_point() and b.dtype != dtype:
+                subs["model." + name] = (upcast_buffer or _plain_upcast)(module, name, b, dtype)
     if not subs:
         return fn(module, *args)
     with substituted(module, subs):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not sources:
             return fn(module, *args)
-        with torch.autograd.graph.saved_tensors_hooks(*_weights_not_saved(sources, dtype)):
+        with torch.autograd.graph.saved_tensors_hooks(*_weights_not_saved(sources)):
             return fn(module, *args)
+
+
+def _upcast_again(p: Tensor, dtype: torch.dtype) -> Tensor:
+    return p.detach().to(dtype)
 
 
 @contextlib.contextmanager
@@ -139,25 +160,27 @@ def substituted(module: Any, tensors: dict[str, Tensor]) -> Iterator[None]:
             registry[leaf] = original
 
 
-def _weights_not_saved(sources: dict[int, Tensor], dtype: torch.dtype) -> tuple[Any, Any]:
-    """Saved-tensor hooks that keep a reference to the stored weight instead of its upcast copy
-    (a view of it, as matmuls save them) and upcast it again when the backward pass needs it."""
+def _weights_not_saved(sources: dict[int, tuple[Tensor, Any, torch.dtype]]) -> tuple[Any, Any]:
+    """Saved-tensor hooks that keep a reference to the stored weight instead of its substitute
+    (an upcast copy, or ``W + α·Δ``; a view of it, as matmuls save them) and form the substitute
+    again when the backward pass needs it: a backward pass holds no weight copies."""
 
     def pack(t: Tensor) -> Any:
-        src = sources.get(t.untyped_storage().data_ptr()) if t.dtype == dtype else None
-        if src is None:
+        found = sources.get(t.untyped_storage().data_ptr())
+        if found is None or t.dtype != found[2]:
             return t
-        return (src, src._version, t.size(), t.stride(), t.storage_offset())
+        src, again, _ = found
+        return (src, again, src._version, t.size(), t.stride(), t.storage_offset())
 
     def unpack(packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        src, version, size, stride, offset = packed
+        src, again, version, size, stride, offset = packed
         if src._version != version:
             raise RuntimeError(
                 "A weight changed between the forward and backward pass of a scoring run."
             )
-        return src.detach().to(dtype).as_strided(size, stride, offset)
+        return again().as_strided(size, stride, offset)
 
     return pack, unpack
 
@@ -200,6 +223,8 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
     """
     import torch.autograd.forward_ad as fwAD
 
+    from extractive_lens.backend import shift
+
     params = dict(model.named_parameters(remove_duplicate=False))
     unknown = sorted(set(tangents) - set(params))
     if unknown:
@@ -210,7 +235,9 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
         for name, t in tangents.items():
             p = params[name].detach()
             dt = dtype or p.dtype  # in a compute dtype, the weights and Δ are upcast, not Δ rounded
-            duals["model." + name] = fwAD.make_dual(p.to(dt), t.to(device=p.device, dtype=dt))
+            s = shift.active(params[name])
+            primal = p.to(dt) if s is None else s.value(params[name], dt)
+            duals["model." + name] = fwAD.make_dual(primal, t.to(device=p.device, dtype=dt))
         with substituted(model, duals):
             result = fn(model, *args)
         return _unpack(result)

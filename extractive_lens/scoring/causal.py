@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -202,6 +202,13 @@ class CausalChunk:
     rows: list[int]
     table: AblationTable | None
     options: CausalOptions
+    _cache: dict[str, Any] = field(default_factory=dict)
+
+    def cached(self, key: str, make: Any) -> Any:
+        """``make()``, computed once per chunk (the finetuned run, ``y*``)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def __post_init__(self) -> None:
         self.L, self.H = self.model.cfg.n_layers, self.model.cfg.n_heads
@@ -236,7 +243,7 @@ class CausalChunk:
         def keep_kv(step: B.LayerRun) -> None:
             kv[step.layer] = (step.captured["k"], step.captured["v"])
 
-        with torch.no_grad(), self.diff.resumed_at(self.model, layer):
+        with torch.no_grad(), B.shifted(self.model, self.diff):
             post = mlp_out = None
             if part == "mid":
                 mlp_out = B.mlp(self.model, layer, stream)
@@ -262,11 +269,7 @@ class CausalChunk:
             jobs = jobs[jobs[:, 2] <= last[jobs[:, 0]]]
             out = ctx.reward[:, None, None].expand(b, n_comp, pos).clone()
         jobs = jobs.to(dev)
-        applied = (
-            self.diff.resumed_at(self.model, ctx.layer)
-            if ctx.finetuned
-            else contextlib.nullcontext()
-        )
+        applied = B.shifted(self.model, self.diff) if ctx.finetuned else contextlib.nullcontext()
         max_batch = self.options.max_batch
         with torch.no_grad(), applied:
             for i in range(0, len(jobs), max_batch):
@@ -323,7 +326,6 @@ class CausalChunk:
         vals = torch.zeros(len(kinds), b, self.L, C, pos, dtype=dtype, device=dev)
         tots = torch.zeros(len(kinds), b, self.L, C, dtype=dtype, device=dev)
         steps = [(k, kind, layer) for k, kind in enumerate(kinds) for layer in range(self.L)]
-        deltas: dict[str, list] = {}
         for k, kind, layer in progress(
             steps, len(steps), "causal scores", self.options.show_progress
         ):
@@ -333,9 +335,7 @@ class CausalChunk:
             )
             if all(lab in skip for lab in labels):
                 continue
-            if kind not in deltas:
-                deltas = {kind: KINDS[kind].patch_values(self)}
-            dh, dm = deltas[kind][layer]
+            dh, dm = KINDS[kind].patch_values(self, layer)
             groups = [("heads", dh, 0)]
             if dm is not None:
                 groups.append(("mlp", dm[:, :, None], self.H))

@@ -17,7 +17,7 @@ Each kind's own computation is in ``scoring/kinds/``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -103,9 +103,8 @@ def linear_scores_with(
 ) -> ComponentScores:
     """``linear_scores`` with its options as one ``LinearOptions`` object."""
     cdt = prepare("linear_scores", model, diff, batch, options)
-    cfg = model.cfg
     per_query_head = options.authors and "informative" in options.kinds  # K/V at the key pos.
-    deltas = {n: d.to(cfg.device) for n, d in diff.deltas.items()}
+    deltas = diff.deltas  # read one layer at a time (moved to the device where it is used)
     _check_covered(deltas)
     scored, plan = plan_chunks(batch, options.rows, options.batch_size)
     meta = base_metadata(model, diff, options, batch, cdt, method="linear")
@@ -128,7 +127,7 @@ class LinearChunk:
 
     model: Any
     diff: WeightDiff
-    deltas: dict[str, Tensor]
+    deltas: Mapping[str, Tensor]
     batch: PromptBatch
     base: Run
     rows: list[int]
@@ -157,7 +156,7 @@ class LinearChunk:
 
 
 def _scores(
-    model: Any, diff: WeightDiff, deltas: dict[str, Tensor], batch: PromptBatch,
+    model: Any, diff: WeightDiff, deltas: Mapping[str, Tensor], batch: PromptBatch,
     plan: list[tuple[PromptBatch, list[int]]], options: LinearOptions,
 ) -> list[LinearChunk]:  # fmt: skip
     """Every chunk's scores, "other" shares and ``R(W') - R(W)``."""
@@ -197,7 +196,7 @@ def _finetuned_passes(c: LinearChunk, needs: set[str]) -> None:
     want_run = bool(needs & {"finetuned", "finetuned_grad"})
     if not want_run and "upstream_grads" not in needs:
         return
-    with c.diff.applied(c.model):
+    with B.shifted(c.model, c.diff):
         if want_run:
             c.ft = forward_run(
                 c.model, c.batch, c.options.reward_fn, grad="finetuned_grad" in needs
@@ -291,7 +290,7 @@ def _auto_group(model: Any, chunk: PromptBatch) -> int | None:
     return None if staircase <= UPSTREAM_AUTO_BYTES else 1
 
 
-def _check_covered(deltas: dict[str, Tensor]) -> None:
+def _check_covered(deltas: Mapping[str, Tensor]) -> None:
     for n in deltas:
         if B.param_role(n).part == "unknown":
             raise NotImplementedError(

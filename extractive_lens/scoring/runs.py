@@ -7,6 +7,7 @@ Notation follows docs/scores.md §4–5. A head's output ``y_h = z_h W_O[h]``; i
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
-from extractive_lens.backend import LayerRun
+from extractive_lens.backend import LayerRun, shift
 from extractive_lens.batch import PromptBatch
 from extractive_lens.rewards import Reward, reads_answer_positions_only
 
@@ -30,7 +31,7 @@ class Run:
     z: list[Tensor] = field(default_factory=list)  # [batch pos head d_head]
     mlp_out: list[Tensor] = field(default_factory=list)
     captured: list[dict[str, Tensor]] = field(default_factory=list)
-    W_O: list[Tensor] = field(default_factory=list)
+    W_O: Sequence[Tensor] = ()  # per layer, formed when read (LayerW_O)
     reward: Tensor | None = None
     # gradients of sum(R), when requested
     g_attn: list[Tensor] = field(default_factory=list)
@@ -63,7 +64,6 @@ def forward_run(
         live.append(step)
         run.pre.append(step.pre.detach())
         run.mid.append(step.mid.detach())
-        run.W_O.append(B.W_O(model, step.layer).detach().clone())
         if step.mlp_out is not None:
             run.mlp_in.append(step.mlp_in.detach())  # type: ignore[union-attr]
             run.mlp_out.append(step.mlp_out.detach())
@@ -73,6 +73,9 @@ def forward_run(
 
     tokens = batch.tokens.to(model.cfg.device)
     capture = capture if "z" in capture else ("z", *capture)
+    run.W_O = LayerW_O(model, shift.for_model(model))
+    if grad and reward_fn is not None and layerwise(model, batch):
+        return _layerwise_run(model, batch, reward_fn, capture, run, observe, tokens)
     with B.frozen_parameters(model), torch.set_grad_enabled(grad):
         x0 = B.embed(model, tokens).detach()
         if grad:
@@ -90,6 +93,132 @@ def forward_run(
         if grad:
             _gradients(run, R, reward_fn, x0, logits, live, capture)
     return run
+
+
+LAYERWISE_BYTES = 512 * 2**20
+"""Past this estimate of the activations a backward pass through the whole model would keep,
+gradients are taken one layer at a time (``layerwise``)."""
+
+
+def layerwise(model: Any, batch: PromptBatch | int, n_pos: int | None = None) -> bool:
+    """Whether gradients through ``model`` on ``batch`` are taken one layer at a time: a forward
+    pass without a graph that keeps only the stream at each layer boundary, then per layer (last
+    first) the layer re-run with a graph and one vector-Jacobian product. The working set is one
+    layer's activations instead of every layer's, for a second forward pass's time."""
+    cfg = model.cfg
+    rows = batch if isinstance(batch, int) else len(batch)
+    pos = n_pos if n_pos is not None else batch.n_pos  # type: ignore[union-attr]
+    per_layer = rows * pos * (cfg.d_model * 12 + (cfg.d_mlp or 0) * 5) * 4  # bytes kept
+    return per_layer * cfg.n_layers > LAYERWISE_BYTES
+
+
+class LayerW_O(Sequence[Tensor]):
+    """Per layer, the heads' output weights of a run (``W_O + α·ΔW_O`` for a run of a shifted
+    model), formed when read rather than kept for every layer."""
+
+    def __init__(self, model: Any, s: Any) -> None:
+        self.model, self.shift = model, s
+
+    def __len__(self) -> int:
+        return int(self.model.cfg.n_layers)
+
+    def __getitem__(self, layer: int) -> Tensor:  # type: ignore[override]
+        if not 0 <= layer < len(self):
+            raise IndexError(layer)
+        with shift.unshifted(self.model), shift.within(self.shift):
+            return B.W_O(self.model, layer).detach()
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (self[layer] for layer in range(len(self)))
+
+
+def _layerwise_run(
+    model: Any, batch: PromptBatch, reward_fn: Reward, capture: tuple[str, ...], run: Run,
+    observe: Any, tokens: Tensor,
+) -> Run:  # fmt: skip
+    """``forward_run(grad=True)`` one layer at a time (``layerwise``): the same numbers."""
+    with B.frozen_parameters(model):
+        with torch.no_grad():
+            x0 = B.embed(model, tokens)
+            x = B.run_blocks(model, x0, capture=capture, observe=observe)
+        assert x is not None
+        with torch.enable_grad():
+            xf = x.detach().requires_grad_(True)
+            R, logits, x_read = readout(model, xf, batch, reward_fn)
+            if not R.requires_grad:
+                _gradients(run, R, reward_fn, xf, logits, [], capture)  # raises the reward error
+            g, run.g_logits = torch.autograd.grad(R.sum(), [xf, logits])
+        run.post_final, run.reward = x_read.detach(), R.detach()
+        names = [n for n in capture if n != "z"]
+        L = model.cfg.n_layers
+        run.g_attn, run.g_mlp = [None] * L, [None] * L  # type: ignore[list-item]
+        run.g_captured = [{} for _ in range(L)]
+        for layer in reversed(range(L)):
+            g, step = layer_vjp(model, run.pre[layer], (layer, "pre"), g, capture)
+            assert step is not None
+            run.g_attn[layer] = step.attn_out
+            run.g_mlp[layer] = step.mlp_out  # type: ignore[assignment]
+            run.g_captured[layer] = {n: step.captured[n] for n in names}
+        if not B.has_mlp(model):
+            run.g_mlp = []
+        run.g_embed = g
+    return run
+
+
+def layer_vjp(
+    model: Any, x: Tensor, start: tuple[int, Any], g_out: Tensor, capture: tuple[str, ...] = ()
+) -> tuple[Tensor, LayerRun | None]:
+    """One layer's vector-Jacobian product: the layer (from boundary ``start``, ``"pre"`` or
+    ``"mid"``, to the stream after it) re-run on ``x`` with a graph, and the gradient ``g_out``
+    at its output carried back to ``x``. Returns ``(dR/dx, grads)``: for a ``"pre"`` start,
+    ``grads`` is a ``LayerRun`` holding the gradients at the layer's ``attn_out``, ``mlp_out``
+    and captured hook values (zeros where nothing flows)."""
+    live: list[LayerRun] = []
+    with torch.enable_grad():
+        xin = x.detach().requires_grad_(True)
+        y = B.run_blocks(model, xin, start=start, stop=start[0] + 1, capture=capture,
+                         observe=live.append)  # fmt: skip
+        assert y is not None
+        if not live:
+            (gx,) = torch.autograd.grad(y, [xin], g_out)
+            return gx, None
+        step = live[0]
+        names = [n for n in capture if n != "z"]
+        inputs = [xin, step.attn_out]
+        if step.mlp_out is not None:
+            inputs.append(step.mlp_out)
+        inputs += [step.captured[n] for n in names]
+        got = torch.autograd.grad(y, inputs, g_out, allow_unused=True)
+    got = tuple(torch.zeros_like(i) if gi is None else gi for gi, i in zip(got, inputs))
+    k = 3 if step.mlp_out is not None else 2
+    grads = LayerRun(step.layer, got[0], got[1], dict(zip(names, got[k:])), got[0],
+                     None, got[2] if k == 3 else None, got[0])  # fmt: skip
+    return got[0], grads
+
+
+def grad_at(
+    model: Any, x: Tensor, start: tuple[int, Any], batch: PromptBatch, reward_fn: Reward
+) -> Tensor:
+    """``dR/dx`` for the stream ``x`` at boundary ``start``, one layer at a time: a forward pass
+    without a graph from ``start`` to the reward, then ``layer_vjp`` back through each layer."""
+    layer, where = start
+    segments: list[tuple[tuple[int, Any], Tensor]] = []
+    if where == "mid":
+        segments.append((start, x))
+
+    def keep(step: LayerRun) -> None:
+        segments.append(((step.layer, "pre"), step.pre))
+
+    with torch.no_grad():
+        xf = B.run_blocks(model, x, start=start, observe=keep)
+    assert xf is not None
+    with torch.enable_grad():
+        xr = xf.detach().requires_grad_(True)
+        R, _, _ = readout(model, xr, batch, reward_fn)
+        (g,) = torch.autograd.grad(R.sum(), [xr])
+    for seg_start, seg_x in reversed(segments):
+        g, _ = layer_vjp(model, seg_x, seg_start, g)
+    return g
 
 
 def _gradients(

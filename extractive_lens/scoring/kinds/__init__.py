@@ -7,8 +7,9 @@ A kind module provides (``downstream.py`` is the smallest example):
   ``"upstream_grads"``: the resumed ``ŷ'`` pass) and ``capture(options)``: the attention hook
   values the base run must record beyond ``z``;
 - ``linear(chunk: LinearChunk) -> [batch, layer, component, pos]``;
-- ``patch_values(chunk: CausalChunk) -> [(Δ heads, Δ MLP) per layer]``: what the exact engine
-  adds to the stream right after each component;
+- ``patch_values(chunk: CausalChunk, layer) -> (Δ heads, Δ MLP)``: what the exact engine adds
+  to the stream right after each component of ``layer`` (formed one layer at a time; what every
+  layer shares, such as a finetuned run, is kept with ``chunk.cached(key, make)``);
 - ``exact(effects) -> scores``: the exact score from the patch's effect on R,
   ``R(patched) - R(unpatched)``, in the contexts named by ``CONTEXTS`` (``"base"``: the base
   model; ``"finetuned_late"``: the layers after the patch finetuned).

@@ -45,20 +45,21 @@ def linear(chunk: LinearChunk) -> Tensor:
     return out
 
 
-def patch_values(chunk: CausalChunk) -> list[tuple[Tensor, Tensor | None]]:
+def patch_values(chunk: CausalChunk, layer: int) -> tuple[Tensor, Tensor | None]:
     model, base = chunk.model, chunk.base
-    out = []
+
+    def finetuned_run() -> Any:
+        with B.shifted(model, chunk.diff):
+            return forward_run(model, chunk.batch)
+
     with torch.no_grad():
-        with chunk.diff.applied(model):
-            ft = forward_run(model, chunk.batch)
-        for layer in range(model.cfg.n_layers):
-            _, cap = B.attention(model, layer, ft.pre[layer])
-            dh = head_out(wide(cap["z"]) - wide(base.z[layer]), base.W_O[layer])
-            dm = None
-            if B.has_mlp(model):
-                dm = wide(B.mlp(model, layer, ft.mlp_in[layer])) - wide(base.mlp_out[layer])
-            out.append((dh, dm))
-    return out
+        ft = chunk.cached("finetuned_run", finetuned_run)
+        _, cap = B.attention(model, layer, ft.pre[layer])
+        dh = head_out(wide(cap["z"]) - wide(base.z[layer]), base.W_O[layer])
+        dm = None
+        if B.has_mlp(model):
+            dm = wide(B.mlp(model, layer, ft.mlp_in[layer])) - wide(base.mlp_out[layer])
+    return dh, dm
 
 
 def exact(effects: dict[str, Any]) -> Any:

@@ -33,68 +33,73 @@ def capture(options: ScoreOptions) -> tuple[str, ...]:
 def linear(chunk: LinearChunk) -> Tensor:
     """``Ī[batch, layer, component, pos]``; sets ``chunk.other`` to the "other" parameters' share.
 
-    One forward-mode pass: every layer's attention and MLP re-run on its cached base input with
-    the weights' tangent set to Δ (``b_O`` excluded, and ``W_O`` in the authors' convention: they
-    are credited separately).
+    One forward-mode pass per layer: the layer's attention and MLP re-run on their cached base
+    inputs with the weights' tangent set to that layer's Δ (``b_O`` excluded, and ``W_O`` in the
+    authors' convention: they are credited separately), so only one layer's Δ and duals exist at
+    a time; then one for the embedding and the unembedding ("other").
     """
     model, base, deltas, authors = chunk.model, chunk.base, chunk.deltas, chunk.options.authors
     L, H, has_mlp = model.cfg.n_layers, model.cfg.n_heads, B.has_mlp(model)
-    dtype = chunk.dtype
+    dtype, device = chunk.dtype, model.cfg.device
     inf = chunk.new_scores()
     other = torch.zeros(inf.shape[0], dtype=dtype, device=inf.device)
     parts = {"attn", "mlp", "embed", "final"} | (set() if authors else {"attn_out"})
-    tang = {n: d for n, d in deltas.items() if B.param_role(n).part in parts}
-    tokens = chunk.batch.tokens.to(model.cfg.device)
+    by_layer: dict[int | None, list[str]] = {}
+    for n in deltas:
+        if B.param_role(n).part in parts:
+            by_layer.setdefault(B.layer_of(n), []).append(n)
     capture = ("z", "q", "k", "v") if authors else ("z",)
 
-    def pieces(m: Any) -> tuple[list[dict[str, Tensor]], list[Tensor], Tensor, Tensor]:
-        caps = [B.attention(m, l, base.pre[l], capture)[1] for l in range(L)]
-        outs = [B.mlp(m, l, base.mlp_in[l]) for l in range(L)] if has_mlp else []
-        return caps, outs, B.embed(m, tokens), B.unembed(m, base.post_final)  # type: ignore[arg-type]
+    def tangents(layer: int | None) -> dict[str, Tensor]:
+        return {n: deltas[n].to(device) for n in by_layer.get(layer, [])}
 
-    with torch.no_grad():  # one forward-mode pass for every component and the "other" parameters
-        _, (cap_dot, mlp_dot, e_dot, l_dot) = B.jvp(model, pieces, (), tang)
+    def pieces(m: Any, layer: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"cap": B.attention(m, layer, base.pre[layer], capture)[1]}
+        if has_mlp:
+            out["mlp"] = B.mlp(m, layer, base.mlp_in[layer])
+        return out
+
     for layer in range(L):
-        dot = cap_dot[layer]
+        with torch.no_grad():  # one forward-mode pass for this layer's components
+            _, dot = B.jvp(model, pieces, (layer,), tangents(layer))
         if authors:  # Q credited at the query position, K and V at the key position
             g = base.g_captured[layer]
-            per = sum((wide(g[n]) * wide(dot[n])).sum(-1) for n in ("q", "k", "v"))
+            per = sum((wide(g[n]) * wide(dot["cap"][n])).sum(-1) for n in ("q", "k", "v"))
         else:
-            per = (chunk.g_z[layer] * wide(dot["z"])).sum(-1)
+            per = (chunk.g_z[layer] * wide(dot["cap"]["z"])).sum(-1)
         inf[:, layer, :H] = per.transpose(1, 2)  # type: ignore[union-attr]
         W_O_name, b_O_name = B.attn_out_names(layer)
-        d_WO = deltas.get(W_O_name)
-        if d_WO is not None:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
+        if W_O_name in deltas:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
+            d_WO = deltas[W_O_name].to(device)
             w_o = (head_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
             inf[:, layer, :H] += w_o.transpose(1, 2)
-        d_bO = deltas.get(b_O_name)
-        if d_bO is not None:
-            other += (wide(base.g_attn[layer]).sum(1) * d_bO.to(dtype)).sum(-1)
+        if b_O_name in deltas:
+            d_bO = deltas[b_O_name].to(device=device, dtype=dtype)
+            other += (wide(base.g_attn[layer]).sum(1) * d_bO).sum(-1)
         if has_mlp:
-            inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(mlp_dot[layer])).sum(-1)
+            inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(dot["mlp"])).sum(-1)
+    tokens = chunk.batch.tokens.to(device)
+
+    def ends(m: Any) -> tuple[Tensor, Tensor]:
+        return B.embed(m, tokens), B.unembed(m, base.post_final)  # type: ignore[arg-type]
+
+    with torch.no_grad():
+        _, (e_dot, l_dot) = B.jvp(model, ends, (), tangents(None))
     other += (wide(base.g_embed) * wide(e_dot)).sum((-1, -2))  # type: ignore[arg-type]
     other += (wide(base.g_logits) * wide(l_dot)).sum((-1, -2))  # type: ignore[arg-type]
     chunk.other = other
     return inf
 
 
-def patch_values(chunk: CausalChunk) -> list[tuple[Tensor, Tensor | None]]:
+def patch_values(chunk: CausalChunk, layer: int) -> tuple[Tensor, Tensor | None]:
     model, base = chunk.model, chunk.base
-    has_mlp = B.has_mlp(model)
-    new = []
-    with torch.no_grad():
-        with chunk.diff.applied(model):
-            for layer in range(model.cfg.n_layers):
-                _, cap = B.attention(model, layer, base.pre[layer])
-                W_O = B.W_O(model, layer).detach().clone()
-                m = B.mlp(model, layer, base.mlp_in[layer]) if has_mlp else None
-                new.append((cap["z"], W_O, m))
-        out = []
-        for layer, (z_new, W_O_new, m_new) in enumerate(new):
-            dh = head_out(z_new, W_O_new) - head_out(base.z[layer], base.W_O[layer])
-            dm = None if m_new is None else wide(m_new) - wide(base.mlp_out[layer])
-            out.append((dh, dm))
-    return out
+    with torch.no_grad(), B.shifted(model, chunk.diff):
+        _, cap = B.attention(model, layer, base.pre[layer])
+        dh = head_out(cap["z"], B.W_O(model, layer)) - head_out(base.z[layer], base.W_O[layer])
+        dm = None
+        if B.has_mlp(model):
+            dm = wide(B.mlp(model, layer, base.mlp_in[layer])) - wide(base.mlp_out[layer])
+    return dh, dm
 
 
 def exact(effects: dict[str, Any]) -> Any:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
-from extractive_lens.scoring.runs import Run, head_grad, head_out, readout, wide
+from extractive_lens.scoring.runs import Run, grad_at, head_grad, head_out, layerwise, readout, wide
 
 if TYPE_CHECKING:  # pragma: no cover
     from extractive_lens.batch import PromptBatch
@@ -74,11 +74,17 @@ def upstream_gradients(
     growing batch; one backward gives every boundary's gradient. ``group`` bounds how many
     boundaries share a pass (memory).
     """
-    L, has_mlp, parallel = model.cfg.n_layers, B.has_mlp(model), B.parallel(model)
+    L, has_mlp = model.cfg.n_layers, B.has_mlp(model)
     parts = ("attn", "mlp") if has_mlp else ("attn",)
     boundaries = [(layer, part) for layer in range(L) for part in parts]
     group = group or len(boundaries)
     grads: dict[tuple[int, str], Tensor] = {}
+    if layerwise(model, chunk):  # one boundary at a time, one layer's graph at a time
+        with B.frozen_parameters(model):
+            for layer, part in boundaries:
+                source, start = _entry(model, diff, base, layer, part)
+                grads[(layer, part)] = grad_at(model, source, start, chunk, reward_fn)
+        return _split(grads, L, has_mlp)
     for g0 in range(0, len(boundaries), group):
         todo = set(boundaries[g0 : g0 + group])
         entries: list[Tensor] = []
@@ -86,14 +92,7 @@ def upstream_gradients(
         def inject(layer: int, part: str, x: Tensor | None) -> Tensor | None:
             if (layer, part) not in todo:
                 return x
-            if part == "mlp":
-                source = base.post[layer]
-            else:
-                d_bO = diff.deltas.get(B.attn_out_names(layer)[1])
-                source = base.post[layer] if parallel else base.mid[layer]
-                if d_bO is not None:
-                    source = source + d_bO.to(device=source.device, dtype=source.dtype)
-            e = source.detach().requires_grad_(True)
+            e = _entry(model, diff, base, layer, part)[0].detach().requires_grad_(True)
             entries.append(e)
             return e if x is None else torch.cat([x, e])
 
@@ -106,22 +105,38 @@ def upstream_gradients(
         order = [b for b in boundaries[g0 : g0 + group]]
         for key, g in zip(order, got):
             grads[key] = g
+    return _split(grads, L, has_mlp)
+
+
+def _split(grads: dict[tuple[int, str], Tensor], L: int, has_mlp: bool
+           ) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
     gp_attn = [grads[(layer, "attn")] for layer in range(L)]
     gp_mlp = [grads[(layer, "mlp")] for layer in range(L)] if has_mlp else []
     return gp_attn, gp_mlp
 
 
-def patch_values(chunk: CausalChunk) -> list[tuple[Tensor, Tensor | None]]:
-    base = chunk.base
-    assert chunk.table is not None
-    z_star, m_star = chunk.table.for_rows(chunk.rows, chunk.batch, base)
-    out = []
+def _entry(model: Any, diff: WeightDiff, base: Run, layer: int, part: str
+           ) -> tuple[Tensor, tuple[int, str]]:  # fmt: skip
+    """The base stream right after a component group (heads: with ``b_O'``) and the boundary it
+    enters the finetuned model at."""
+    if part == "mlp":
+        return base.post[layer], (layer, "post")
+    d_bO = diff.deltas.get(B.attn_out_names(layer)[1])
+    sequential = B.has_mlp(model) and not B.parallel(model)
+    source = base.mid[layer] if sequential else base.post[layer]
+    if d_bO is not None:
+        source = source + d_bO.to(device=source.device, dtype=source.dtype)
+    return source, ((layer, "mid") if sequential else (layer, "post"))
+
+
+def patch_values(chunk: CausalChunk, layer: int) -> tuple[Tensor, Tensor | None]:
+    base, table = chunk.base, chunk.table
+    assert table is not None
+    z_star, m_star = chunk.cached("y_star", lambda: table.for_rows(chunk.rows, chunk.batch, base))
     with torch.no_grad():
-        for layer in range(chunk.model.cfg.n_layers):
-            dh = head_out(z_star[:, :, layer] - wide(base.z[layer]), base.W_O[layer])
-            dm = None if m_star is None else m_star[:, :, layer] - wide(base.mlp_out[layer])
-            out.append((dh, dm))
-    return out
+        dh = head_out(z_star[:, :, layer] - wide(base.z[layer]), base.W_O[layer])
+        dm = None if m_star is None else m_star[:, :, layer] - wide(base.mlp_out[layer])
+    return dh, dm
 
 
 def exact(effects: dict[str, Any]) -> Any:

@@ -1,0 +1,197 @@
+"""The weights ``W + α·Δ`` supplied to the forward pieces, never written into the model.
+
+>>> with shifted(model, diff):            # the finetuned model W' = W + Δ ...
+...     logits = B.unembed(model, B.run_blocks(model, B.embed(model, tokens)))
+>>> with shifted(model, diff, alpha=0.5): # ... or any point of the straight path W + αΔ
+...     ...
+
+Inside the block every piece (``embed``, ``attention``, ``mlp``, ``unembed``) runs with its own
+module's parameters replaced by ``W + α·Δ`` while it runs (``compute.upcast_call``), in the
+compute dtype; the model's parameters and buffers are never written, so there is nothing to save
+or restore, and an interrupt cannot leave the model changed.
+
+Δ is held one layer at a time where the pieces run: the tensors of the layer a piece belongs to
+are moved to the model's device when that layer first runs (``non_blocking`` from pinned host
+memory) and the next layer's are prefetched on a side stream on CUDA; at most ``KEEP_LAYERS``
+layers of Δ are on the device at once. A diff whose tensors are formed on demand
+(``WeightDiff.from_checkpoints``) is read the same way, one layer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from extractive_lens.backend.names import layer_of
+
+KEEP_LAYERS = 2
+"""Layers of Δ kept on the device at once (the one running and the next, prefetched)."""
+
+_SHIFTS: contextvars.ContextVar[tuple[Shift, ...]] = contextvars.ContextVar(
+    "extractive_lens_shifts", default=()
+)
+
+
+class Shift:
+    """``W + alpha·Δ`` for one model: which stored tensor gets which offset, one layer at a time."""
+
+    def __init__(self, model: Any, diff: Any, alpha: float) -> None:
+        from extractive_lens import backend as B
+
+        self.model, self.diff, self.alpha = model, diff, float(alpha)
+        self.backend = B.backend_for(model)
+        self.device = torch.device(model.cfg.device) if model.cfg.device else None
+        # the tensors the model stores, by identity, grouped by the layer that runs them
+        self.group: dict[int, int | None] = {}
+        in_block = {}
+        for layer, block in enumerate(model.blocks):
+            for p in block.parameters():
+                in_block[id(p)] = layer
+        self.raw_names: dict[str, int] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.group[id(p)] = in_block.get(id(p))
+            self.raw_names[name] = id(p)
+        self.names_by_group: dict[int | None, list[str]] = {}
+        for name in diff.deltas:
+            self.names_by_group.setdefault(layer_of(name), []).append(name)
+        self._loaded: OrderedDict[int | None, dict[int, Tensor]] = OrderedDict()
+        self._pending: dict[int | None, tuple[Any, dict[int, Tensor]]] = {}
+
+    def covers(self, p: Tensor) -> bool:
+        return id(p) in self.group
+
+    def offset(self, p: Tensor) -> Tensor | None:
+        """``Δ`` for the stored tensor ``p`` (on its device), or ``None`` where Δ is zero."""
+        g = self.group.get(id(p))
+        if id(p) not in self.group:
+            return None
+        return self._layer(g).get(id(p))
+
+    def value(self, p: Tensor, dtype: torch.dtype) -> Tensor:
+        """``p + alpha·Δ`` in ``dtype`` (``p`` upcast first: no rounding to the stored dtype)."""
+        d = self.offset(p)
+        if d is None:
+            return p.detach().to(dtype)
+        wide = torch.promote_types(torch.promote_types(p.dtype, d.dtype), dtype)
+        step = d if self.alpha == 1.0 else self.alpha * d
+        return (p.detach().to(wide) + step.to(wide)).to(dtype)
+
+    # ---------------------------------------------------------------- one layer at a time
+    def _layer(self, g: int | None) -> dict[int, Tensor]:
+        found = self._loaded.get(g)
+        if found is None:
+            found = self._wait(g) if g in self._pending else self._load(g)
+            self._loaded[g] = found
+            while len(self._loaded) > KEEP_LAYERS:
+                self._loaded.popitem(last=False)
+            if isinstance(g, int) and g + 1 < self.model.cfg.n_layers:
+                self._prefetch(g + 1)
+        else:
+            self._loaded.move_to_end(g)
+        return found
+
+    def _load(self, g: int | None, non_blocking: bool = False) -> dict[int, Tensor]:
+        names = self.names_by_group.get(g, [])
+        if not names:
+            return {}
+        values = {}
+        for n in names:
+            d = self.diff.deltas[n]
+            dev = self.device or d.device
+            blocking = not (non_blocking and d.device.type == "cpu" and d.is_pinned())
+            values[n] = d.to(dev, non_blocking=not blocking)
+        dtype = torch.promote_types(next(iter(values.values())).dtype, torch.float32)
+        raw = self.backend.raw_tangents(self.model, values, dtype)
+        return {self.raw_names[n]: t for n, t in raw.items() if n in self.raw_names}
+
+    def _prefetch(self, g: int) -> None:
+        if g in self._loaded or g in self._pending or self.device is None:
+            return
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            return
+        stream = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(stream):
+            self._pending[g] = (stream, self._load(g, non_blocking=True))
+
+    def _wait(self, g: int | None) -> dict[int, Tensor]:
+        stream, values = self._pending.pop(g)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(stream)
+        for t in values.values():
+            t.record_stream(current)
+        return values
+
+
+def active(p: Tensor) -> Shift | None:
+    """The innermost shift that covers the stored tensor ``p`` (``None``: no shift applies)."""
+    for s in reversed(_SHIFTS.get()):
+        if s.covers(p):
+            return s
+    return None
+
+
+def any_active() -> bool:
+    return bool(_SHIFTS.get())
+
+
+def for_model(model: Any) -> Shift | None:
+    """The innermost shift of ``model`` (``None`` outside one)."""
+    for s in reversed(_SHIFTS.get()):
+        if s.model is model:
+            return s
+    return None
+
+
+@contextlib.contextmanager
+def shifted(model: Any, diff: Any, alpha: float = 1.0) -> Iterator[Shift]:
+    """Run ``model``'s pieces with weights ``W + alpha·Δ`` inside the block (module docstring).
+
+    Nothing about the model changes: the shift is a context variable the pieces read, so a
+    thread or task outside the block sees the base weights.
+    """
+    s = Shift(model, diff, alpha)
+    token = _SHIFTS.set((*_SHIFTS.get(), s))
+    try:
+        yield s
+    finally:
+        _SHIFTS.reset(token)
+
+
+@contextlib.contextmanager
+def within(s: Shift | None) -> Iterator[None]:
+    """Inside the block, the shift ``s`` applies again (``None``: nothing changes)."""
+    if s is None:
+        yield
+        return
+    token = _SHIFTS.set((*_SHIFTS.get(), s))
+    try:
+        yield
+    finally:
+        _SHIFTS.reset(token)
+
+
+@contextlib.contextmanager
+def unshifted(model: Any) -> Iterator[None]:
+    """The base weights of ``model`` inside the block, whatever shifts enclose it."""
+    token = _SHIFTS.set(tuple(s for s in _SHIFTS.get() if s.model is not model))
+    try:
+        yield
+    finally:
+        _SHIFTS.reset(token)
+
+
+def W_O_shift(model: Any, layer: int) -> Tensor | None:
+    """``alpha·ΔW_O`` of ``layer`` under the innermost shift of ``model`` (``None``: none)."""
+    s = for_model(model)
+    if s is None:
+        return None
+    d = s.diff.deltas.get(f"blocks.{layer}.attn.W_O")
+    if d is None:
+        return None
+    return d if s.alpha == 1.0 else s.alpha * d

@@ -1,0 +1,141 @@
+"""Scoring never writes the model (#29): W + αΔ is supplied to each piece while it runs.
+
+Every parameter's and buffer's version counter, data pointer and bits are compared before and
+after each public scoring call; ``shifted`` is checked against writing the weights
+(``diff.applied``), and the layer-at-a-time gradients against whole-graph ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import extractive_lens.scoring.runs as runs
+from extractive_lens import WeightDiff, causal_scores, linear_scores
+from extractive_lens import backend as B
+from tests.conftest import make_pair
+from tests.test_linear import small_batch
+
+
+def snapshot(model):
+    out = {}
+    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in items:
+            out[(kind, name)] = (t, t._version, t.data_ptr(), t.detach().clone())
+    return out
+
+
+def assert_untouched(model, before):
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for key, (t, version, ptr, bits) in before.items():
+        t2, version2, ptr2, _ = after[key]
+        assert t2 is t, f"{key} was replaced"
+        assert version2 == version, f"{key} was written (version {version} -> {version2})"
+        assert ptr2 == ptr, f"{key} moved"
+        assert torch.equal(t2.detach(), bits), f"{key} changed"
+
+
+CALLS = {
+    "linear": lambda m, d, b: linear_scores(m, d, b),
+    "linear_authors": lambda m, d, b: linear_scores(
+        m, d, b, convention="authors_code", kinds=("upstream", "downstream")
+    ),
+    "causal_token": lambda m, d, b: causal_scores(m, d, b),
+    "causal_component": lambda m, d, b: causal_scores(m, d, b, per="component"),
+    "causal_top_k": lambda m, d, b: causal_scores(m, d, b, top_k=3),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("layerwise", [False, True], ids=["graph", "layerwise"])
+def test_scoring_never_writes_the_model(pair64, call, layerwise, monkeypatch):
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base)
+    if layerwise:
+        monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+    before = snapshot(base)
+    with _quiet():  # the additivity warning is not this test's business
+        CALLS[call](base, diff, batch)
+    assert_untouched(base, before)
+
+
+def test_a_16_bit_model_is_not_written_either():
+    base, ft = make_pair("ln_gelu", torch.bfloat16)
+    diff = WeightDiff.from_models(base, ft)
+    before = snapshot(base)
+    with _quiet():
+        linear_scores(base, diff, small_batch(base))
+    causal_scores(base, diff, small_batch(base), per="component")
+    assert_untouched(base, before)
+
+
+class _quiet:
+    def __enter__(self):
+        import warnings
+
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.simplefilter("ignore")
+
+    def __exit__(self, *exc):
+        return self._w.__exit__(*exc)
+
+
+def _logits(model, tokens):
+    x = B.run_blocks(model, B.embed(model, tokens))
+    return B.unembed(model, x)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5, -0.25])
+def test_shifted_pieces_equal_written_weights(pair64, alpha):
+    """The pieces inside ``shifted(model, diff, alpha)`` compute what the model with its weights
+    set to W + αΔ computes (a forward pass of TransformerLens's own model), without the write."""
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    tokens = small_batch(base).tokens
+    before = snapshot(base)
+    with torch.no_grad(), B.shifted(base, diff, alpha):
+        got = _logits(base, tokens)
+    assert_untouched(base, before)
+    with torch.no_grad(), diff.applied(base, scale=alpha):
+        want = base(tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    with torch.no_grad():  # outside the block: the base model again
+        torch.testing.assert_close(_logits(base, tokens), base(tokens), rtol=0, atol=1e-12)
+
+
+def test_shift_keeps_at_most_two_layers_of_delta(pair64, monkeypatch):
+    from extractive_lens.backend import shift
+
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    seen = []
+    original = shift.Shift._layer
+
+    def spy(self, g):
+        out = original(self, g)
+        seen.append(len(self._loaded))
+        return out
+
+    monkeypatch.setattr(shift.Shift, "_layer", spy)
+    with torch.no_grad(), B.shifted(base, diff):
+        _logits(base, small_batch(base).tokens)
+    assert seen and max(seen) <= shift.KEEP_LAYERS
+
+
+@pytest.mark.parametrize("kind", ["informative", "upstream", "downstream"])
+def test_layerwise_gradients_equal_whole_graph_gradients(pair64, kind, monkeypatch):
+    """Gradients taken one layer at a time (a forward without a graph, then one VJP per layer)
+    are the whole-graph gradients: the linear scores agree to 1e-12 in float64."""
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base)
+    want = linear_scores(base, diff, batch, kinds=(kind,))
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+    assert runs.layerwise(base, batch)
+    got = linear_scores(base, diff, batch, kinds=(kind,))
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
+    if kind == "informative":
+        torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
