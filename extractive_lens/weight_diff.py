@@ -99,6 +99,10 @@ class WeightDiff:
             raise TypeError(
                 f"signature must be a mapping (model.signature(model)), got {type(self.signature).__name__}."
             )
+        from extractive_lens.backend.checkpoint import LazyDeltas
+
+        if isinstance(self.deltas, LazyDeltas):
+            return  # each tensor is checked (finite, shapes agree) when it is formed
         for name, d in self.deltas.items():
             if not isinstance(d, Tensor):
                 raise TypeError(f"Δ[{name}] is a {type(d).__name__}, not a tensor.")
@@ -194,6 +198,75 @@ class WeightDiff:
             deltas[name] = d.to(device) if device is not None else d
         sig = dict(signature or {})
         return cls(deltas, sig, dict(metadata or {}))
+
+    @classmethod
+    def from_checkpoints(
+        cls,
+        base: str | Path | ScorableModel,
+        finetuned: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> WeightDiff:
+        """Δ between two checkpoints, formed one tensor at a time when it is used: nothing of
+        either model is held beyond the layer being read.
+
+        >>> diff = WeightDiff.from_checkpoints("runs/base", "runs/finetuned")  # doctest: +SKIP
+        >>> diff = WeightDiff.from_checkpoints(base_model, "runs/finetuned")  # doctest: +SKIP
+
+        Args:
+            base: a checkpoint directory, or the loaded base model (its parameters are read
+                where Δ is formed: do not change them while the diff is in use).
+            finetuned: a Hugging Face checkpoint directory with ``*.safetensors`` files, of the
+                same architecture.
+            dtype: the dtype both models' weights are taken in before subtracting (default: the
+                base model's, or float32 for two directories); Δ is
+                ``delta_dtype_for(dtype)`` (float32 for 16-bit weights: the difference of two
+                bf16 values is exact in float32).
+            device: where each Δ tensor is formed (default: where the base weights are).
+
+        ``deltas`` is a mapping that forms each tensor when read; ``save``, ``to``, the algebra
+        and ``restricted`` read every tensor once and give an ordinary, resident diff. A
+        ``HookedTransformer`` base (or two directories under TransformerLens 3.9) reads the
+        files through TransformerLens's weight conversion one layer at a time; a
+        ``TransformerBridge`` base reads the same views of the files' tensors.
+        """
+        from extractive_lens.backend import checkpoint
+        from extractive_lens.backend.loading import refuse_incomplete_weights, refuse_remote_code
+
+        refuse_remote_code(finetuned)
+        refuse_incomplete_weights(finetuned)
+        base_values: Mapping[str, Tensor]
+        if isinstance(base, (str, Path)):
+            refuse_remote_code(base)
+            refuse_incomplete_weights(base)
+            conv = checkpoint.Converted(base, dtype or torch.float32)
+            base_values, sig, dt = conv, conv.signature(), conv.dtype
+            ft_values: Mapping[str, Tensor] = checkpoint.Converted(finetuned, dt)
+            name = Path(base).name
+        else:
+            dt = dtype or base.cfg.dtype
+            sig = B.signature(base)
+            base_values = B.parameters(base)
+            if B.backend_for(base).NAME == "transformer_bridge":
+                ft_values = checkpoint.BridgeViews(base, finetuned)
+            else:
+                ft_values = checkpoint.Converted(finetuned, dt)
+            name = base.cfg.model_name
+        if isinstance(ft_values, checkpoint.Converted):
+            other = ft_values.signature()
+            differ = {k: (sig.get(k), v) for k, v in other.items()
+                      if k not in ("dtype", "processed") and sig.get(k) != v}  # fmt: skip
+            if differ:
+                detail = ", ".join(
+                    f"{k}: base={a!r} finetuned={b!r}" for k, (a, b) in differ.items()
+                )
+                raise ValueError(
+                    f"The base and finetuned checkpoints differ in architecture ({detail})."
+                )
+        deltas = checkpoint.LazyDeltas(base_values, ft_values, delta_dtype_for(dt), device)
+        meta = {"base": name, "finetuned": Path(finetuned).name, "formed": "on demand"}
+        return cls(deltas, dict(sig), meta)
 
     @classmethod
     def zeros_like(cls, model: ScorableModel) -> WeightDiff:

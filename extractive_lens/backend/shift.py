@@ -156,34 +156,34 @@ def shifted(model: Any, diff: Any, alpha: float = 1.0) -> Iterator[Shift]:
     thread or task outside the block sees the base weights.
     """
     s = Shift(model, diff, alpha)
-    token = _SHIFTS.set((*_SHIFTS.get(), s))
-    try:
+    with _shifts((*_SHIFTS.get(), s)):
         yield s
-    finally:
-        _SHIFTS.reset(token)
 
 
 @contextlib.contextmanager
 def within(s: Shift | None) -> Iterator[None]:
     """Inside the block, the shift ``s`` applies again (``None``: nothing changes)."""
-    if s is None:
+    with _shifts(_SHIFTS.get() if s is None else (*_SHIFTS.get(), s)):
         yield
-        return
-    token = _SHIFTS.set((*_SHIFTS.get(), s))
-    try:
-        yield
-    finally:
-        _SHIFTS.reset(token)
 
 
 @contextlib.contextmanager
 def unshifted(model: Any) -> Iterator[None]:
     """The base weights of ``model`` inside the block, whatever shifts enclose it."""
-    token = _SHIFTS.set(tuple(s for s in _SHIFTS.get() if s.model is not model))
+    with _shifts(tuple(s for s in _SHIFTS.get() if s.model is not model)):
+        yield
+
+
+@contextlib.contextmanager
+def _shifts(now: tuple[Shift, ...]) -> Iterator[None]:
+    """The shifts in force inside the block; the previous ones again after it, whatever happens
+    (an interrupt before the ``try`` leaves nothing set, one inside it is undone)."""
+    previous = _SHIFTS.get()
     try:
+        _SHIFTS.set(now)
         yield
     finally:
-        _SHIFTS.reset(token)
+        _SHIFTS.set(previous)
 
 
 def W_O_shift(model: Any, layer: int) -> Tensor | None:
