@@ -79,14 +79,13 @@ def linear(chunk: LinearChunk) -> Tensor:
         if has_mlp:
             inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(dot["mlp"])).sum(-1)
     tokens = chunk.batch.tokens.to(device)
-
-    def ends(m: Any) -> tuple[Tensor, Tensor]:
-        return B.embed(m, tokens), B.unembed(m, base.post_final)  # type: ignore[arg-type]
-
-    with torch.no_grad():
-        _, (e_dot, l_dot) = B.jvp(model, ends, (), tangents(None))
-    other += (wide(base.g_embed) * wide(e_dot)).sum((-1, -2))  # type: ignore[arg-type]
-    other += (wide(base.g_logits) * wide(l_dot)).sum((-1, -2))  # type: ignore[arg-type]
+    ends = by_layer.get(None, [])
+    for piece, g, arg in ((B.embed, base.g_embed, tokens), (B.unembed, base.g_logits, base.post_final)):
+        # one at a time: a vocabulary-sized weight and its Δ are the largest tensors there are
+        used = {n for n in ends if B.param_role(n).part == ("embed" if piece is B.embed else "final")}
+        with torch.no_grad():
+            _, dot = B.jvp(model, piece, (arg,), {n: deltas[n].to(device) for n in used})
+        other += (wide(g) * wide(dot)).sum((-1, -2))  # type: ignore[arg-type]
     chunk.other = other
     return inf
 

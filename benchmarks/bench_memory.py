@@ -1,0 +1,218 @@
+"""Peak memory of scoring at Llama-3-8B width, and its growth per layer (issue 29).
+
+    python benchmarks/bench_memory.py                      # depths 1, 2, 4 and the real vocabulary
+    python benchmarks/bench_memory.py --depths 1 2 --calls linear
+
+Model: Llama-3-8B's layer shape (d_model 4096, 32 heads of 128 with 8 key/value heads, gated
+SiLU MLP of 14336, RMS norms, rotary) at reduced depth, weights stored in bf16, scores computed
+in float32, on 8 prompts x 32 tokens; vocabulary 32000, and Llama 3's 128256 at depth 1. Δ is a
+random float32 update held on the host.
+
+Each (call, depth) runs in a fresh subprocess (large allocations returned to the system at once:
+``MALLOC_MMAP_THRESHOLD_``), and the figure is the peak resident memory above the level after
+the model, Δ and the batch were built, sampled every millisecond. The slope is the least-squares
+growth per layer over the depths: the extra memory of a 32-layer model is about
+``at depth 1 + 31 x slope``. Target: slope <= 0.15 GiB per layer.
+
+``--checkpoints`` also measures ``WeightDiff.from_checkpoints`` on two saved checkpoints of this
+shape (depth 2): peak host memory while every Δ tensor is formed once, layer by layer, against
+the size of one model and of its largest tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import PeakMemory, table, write  # noqa: E402
+
+GiB = 2**30
+LLAMA3_8B = dict(
+    d_model=4096, n_heads=32, d_head=128, n_key_value_heads=8, d_mlp=14336, n_ctx=64,
+    normalization_type="RMS", act_fn="silu", gated_mlp=True, positional_embedding_type="rotary",
+    rotary_dim=128, final_rms=True,
+)  # fmt: skip
+CALLS = ("linear", "exact_token_top_k", "exact_component", "integrated")
+PROMPTS, TOKENS = 8, 32
+COLS = ["call", "layerwise", "depth", "vocab", "extra_gib", "weights_gib", "seconds"]
+
+
+def build(depth: int, vocab: int):
+    from extractive_lens import WeightDiff, make_batch, tiny_model
+    from extractive_lens import backend as B
+
+    cfg = dict(LLAMA3_8B, n_layers=depth, d_vocab=vocab, dtype=torch.bfloat16)
+    model = tiny_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    deltas = {
+        n: 1e-3 * torch.randn(p.shape, generator=g, dtype=torch.float32)
+        for n, p in B.parameters(model).items()
+    }
+    diff = WeightDiff(deltas, B.signature(model))
+    pairs = [
+        (torch.randint(0, vocab, (TOKENS,), generator=g).tolist(), [int(torch.randint(0, vocab, (1,), generator=g))])
+        for _ in range(PROMPTS)
+    ]  # fmt: skip
+    batch = make_batch(model, pairs, candidates=sorted({a[0] for _, a in pairs}))
+    return model, diff, batch
+
+
+def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
+    import gc
+    import ctypes
+    import time
+    import warnings
+
+    import extractive_lens as el
+
+    warnings.filterwarnings("ignore")
+    if layerwise:  # gradients one layer at a time, whatever the size (what 32 layers get)
+        import extractive_lens.scoring.runs as runs
+
+        runs.LAYERWISE_BYTES = -1
+    model, diff, batch = build(depth, vocab)
+    lin = None
+    if call == "exact_token_top_k":  # the linear ranking is an input here, computed beforehand
+        lin = el.linear_scores(model, diff, batch, kinds=("informative", "downstream"), show_progress=False)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    t0 = time.perf_counter()
+    with PeakMemory() as mem:
+        if call == "linear":
+            el.linear_scores(model, diff, batch, show_progress=False)
+        elif call == "exact_token_top_k":
+            el.causal_scores(model, diff, batch, kinds=("informative", "downstream"), top_k=3,
+                             linear=lin, show_progress=False)  # fmt: skip
+        elif call == "exact_component":
+            el.causal_scores(model, diff, batch, kinds=("informative", "downstream"),
+                             per="component", layers=[0], show_progress=False)  # fmt: skip
+        elif call == "integrated":
+            el.integrated_scores(model, diff, batch, show_progress=False)  # type: ignore[attr-defined]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "call": call, "depth": depth, "vocab": vocab, "layerwise": layerwise,
+        "extra_gib": mem.extra_mb / 1024,
+        "weights_gib": weights / GiB, "seconds": time.perf_counter() - t0,
+    }  # fmt: skip
+
+
+def checkpoints_case(tmp: Path) -> dict:
+    """Host memory of forming every Δ of two saved checkpoints, layer by layer."""
+    import gc
+    import ctypes
+
+    import transformers
+
+    import extractive_lens as el
+    from extractive_lens.backend.names import layer_of
+
+    paths = [tmp / "base", tmp / "finetuned"]
+    if not all((p / "config.json").exists() for p in paths):
+        hf_cfg = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
+            num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        hf = hf.to_empty(device="cpu").to(torch.bfloat16)
+        for i, p in enumerate(paths):
+            torch.manual_seed(i)
+            with torch.no_grad():
+                for t in hf.parameters():
+                    t.normal_(0, 0.02)
+            hf.save_pretrained(p)
+        del hf
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with PeakMemory() as mem:
+        diff = el.WeightDiff.from_checkpoints(*paths, dtype=torch.bfloat16)
+        largest = 0
+        for name in sorted(diff.deltas, key=lambda n: (layer_of(n) is None, layer_of(n) or 0)):
+            d = diff.deltas[name]
+            largest = max(largest, d.numel() * 2)  # bf16 bytes of that weight
+            del d
+    shapes = diff.deltas.base.shapes  # type: ignore[attr-defined]
+    model_bytes = sum(int(torch.Size(s).numel()) * 2 for s in shapes.values())
+    return {
+        "extra_gib": mem.extra_mb / 1024, "model_gib": model_bytes / GiB,
+        "largest_tensor_gib": largest / GiB,
+    }  # fmt: skip
+
+
+def slope(rows: list[dict], call: str, layerwise: bool) -> float | None:
+    pts = [(r["depth"], r["extra_gib"]) for r in rows
+           if r["call"] == call and r["vocab"] == 32000 and r["layerwise"] == layerwise]  # fmt: skip
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--calls", nargs="+", default=list(CALLS))
+    ap.add_argument("--real-vocab", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--checkpoints", action="store_true")
+    ap.add_argument("--case", nargs=4, metavar=("CALL", "DEPTH", "VOCAB", "LAYERWISE"))
+    ap.add_argument("--layerwise", nargs="+", type=int, default=[0, 1],
+                    help="1: gradients one layer at a time; 0: as chosen by size")
+    ap.add_argument("--out", default="bench_memory")
+    args = ap.parse_args()
+    if args.case:
+        print(json.dumps(case(args.case[0], int(args.case[1]), int(args.case[2]), args.case[3] == "1")))
+        return
+    import extractive_lens
+
+    if "integrated" in args.calls and not hasattr(extractive_lens, "integrated_scores"):
+        args.calls.remove("integrated")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    jobs = [(c, d, 32000, lw) for c in args.calls for lw in args.layerwise for d in args.depths]
+    if args.real_vocab:
+        jobs += [(c, 1, 128256, max(args.layerwise)) for c in args.calls]
+    rows = []
+    for call, depth, vocab, lw in jobs:
+        out = subprocess.run(
+            [sys.executable, __file__, "--case", call, str(depth), str(vocab), str(lw)],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+        if out.returncode != 0:
+            print(out.stderr[-2000:], file=sys.stderr)
+            raise SystemExit(f"case {call} depth {depth} failed")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(table(rows[-1:], COLS),
+              flush=True)  # fmt: skip
+    slopes = {f"{c}{' layerwise' if lw else ''}": slope(rows, c, bool(lw))
+              for c in args.calls for lw in args.layerwise}  # fmt: skip
+    print()
+    print(table(rows, COLS))
+    print()
+    for key, s in slopes.items():
+        if s is not None:
+            c, lw = key.split(" ")[0], key.endswith("layerwise")
+            first = next(r["extra_gib"] for r in rows if r["call"] == c and r["layerwise"] == lw
+                         and r["depth"] == min(args.depths) and r["vocab"] == 32000)  # fmt: skip
+            print(f"{key:30s} slope {s:.3f} GiB/layer (target <= 0.15); 32 layers: about "
+                  f"{first + 31 * s:.1f} GiB above the weights")  # fmt: skip
+    payload: dict = {"rows": rows, "slopes_gib_per_layer": slopes,
+                     "setting": {"prompts": PROMPTS, "tokens": TOKENS, "shape": LLAMA3_8B}}  # fmt: skip
+    if args.checkpoints:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            payload["from_checkpoints"] = checkpoints_case(Path(tmp))
+        print("from_checkpoints:", payload["from_checkpoints"])
+    print("wrote", write(args.out, payload))
+
+
+if __name__ == "__main__":
+    main()
