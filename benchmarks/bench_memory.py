@@ -8,6 +8,12 @@ SiLU MLP of 14336, RMS norms, rotary) at reduced depth, weights stored in bf16, 
 in float32, on 8 prompts x 32 tokens; vocabulary 32000, and Llama 3's 128256 at depth 1. Δ is a
 random float32 update held on the host.
 
+Calls: ``linear`` (every kind); ``exact_token_top_k`` (informative and downstream per token,
+the linear top 3 per kind); ``exact_component`` and ``integrated`` (every component of layer 0
+per component, resp. every kind at the default steps: their passes run through every later
+layer, so the growth with depth is theirs). ``--layerwise 1`` measures gradients taken one
+layer at a time whatever the size (what a 32-layer model gets: ``runs.LAYERWISE_BYTES``).
+
 Each (call, depth) runs in a fresh subprocess (large allocations returned to the system at once:
 ``MALLOC_MMAP_THRESHOLD_``), and the figure is the peak resident memory above the level after
 the model, Δ and the batch were built, sampled every millisecond. The slope is the least-squares
@@ -93,8 +99,8 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
         elif call == "exact_component":
             el.causal_scores(model, diff, batch, kinds=("informative", "downstream"),
                              per="component", layers=[0], show_progress=False)  # fmt: skip
-        elif call == "integrated":
-            el.integrated_scores(model, diff, batch, show_progress=False)  # type: ignore[attr-defined]
+        elif call == "integrated":  # every kind; the paths of layer 0's components
+            el.integrated_scores(model, diff, batch, layers=[0], show_progress=False)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         "call": call, "depth": depth, "vocab": vocab, "layerwise": layerwise,
@@ -171,10 +177,6 @@ def main() -> None:
     if args.case:
         print(json.dumps(case(args.case[0], int(args.case[1]), int(args.case[2]), args.case[3] == "1")))
         return
-    import extractive_lens
-
-    if "integrated" in args.calls and not hasattr(extractive_lens, "integrated_scores"):
-        args.calls.remove("integrated")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     jobs = [(c, d, 32000, lw) for c in args.calls for lw in args.layerwise for d in args.depths]
     if args.real_vocab:

@@ -35,6 +35,7 @@ _EXPORTS = {
     "logit_diff": "extractive_lens.rewards",
     "linear_scores": "extractive_lens.scoring.linear",
     "causal_scores": "extractive_lens.scoring.causal",
+    "integrated_scores": "extractive_lens.scoring.integrated",
     "compare": "extractive_lens.comparison",
     "ScoreComparison": "extractive_lens.comparison",
     "ComponentScores": "extractive_lens.results",

@@ -130,8 +130,10 @@ class ComponentScores:
             raise ValueError(f"per must be 'token' or 'component', got {self.per!r}")
         if self.per == "component" and self.position_labels != ("all",):
             raise ValueError("Whole-component scores have one position entry, labelled 'all'.")
-        if self.method not in ("linear", "causal"):
-            raise ValueError(f"method must be 'linear' or 'causal', got {self.method!r}")
+        if self.method not in ("linear", "integrated", "causal"):
+            raise ValueError(
+                f"method must be 'linear', 'integrated' or 'causal', got {self.method!r}"
+            )
         if self.prompt_totals.shape != self.prompt_values.shape[:4]:
             raise ValueError(
                 f"prompt_totals shape {tuple(self.prompt_totals.shape)} != "

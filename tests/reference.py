@@ -468,3 +468,88 @@ def linear_downstream_upstream_paper(base, ft, batch, reward):
             else:
                 up[:, l, H] = ((gl[name] - gm) * (m - ms[:, :, l])).sum(-1)
     return down, up
+
+
+# ---------------------------------------------------------------- path-integrated references
+
+
+def literal_path_integral(model, batch, reward, layer, head, y, delta, xs, ws):
+    """``Σ_i w_i d/dγ_t R(component output = y + γδ)`` at ``γ = x_i``, by position
+    ``[batch, pos]``, by autograd through ``model`` with a per-position γ per prompt."""
+    hooked_only(model)
+    b, T = batch.tokens.shape
+    out = torch.zeros(b, T, dtype=torch.float64)
+    for x, w in zip(xs, ws):
+        gammas = torch.full((b, T), float(x), dtype=y.dtype, requires_grad=True)
+
+        def hook(act, hook, gammas=gammas):
+            act = act.clone()
+            new = y + gammas[:, :, None] * delta
+            if head is None:
+                return new
+            act[:, :, head] = new
+            return act
+
+        name = f"blocks.{layer}.hook_mlp_out" if head is None else f"blocks.{layer}.attn.hook_result"
+        logits = model.run_with_hooks(batch.tokens, fwd_hooks=[(name, hook)])
+        (g,) = torch.autograd.grad(reward(logits, batch).sum(), [gammas])
+        out += w * g.double()
+    return out
+
+
+def literal_integrated(base, ft, batch, reward, kinds, y_star, xs, ws):
+    """Path-integrated upstream / downstream scores ``{kind: [batch, layer, component, pos]}``:
+    each component's exact patch applied gradually (``y + γδ``) in the base model and, for
+    upstream, in the model with the layers after it finetuned; integrated with nodes ``xs`` and
+    weights ``ws``; combined as the exact scores combine patch effects."""
+    Bm = attn_result_mode(base)
+    F = attn_result_mode(ft)
+    cfg = base.cfg
+    L, H, T = cfg.n_layers, cfg.n_heads, batch.tokens.shape[1]
+    has_mlp = not cfg.attn_only
+    with torch.no_grad():
+        _, base_cache = Bm.run_with_cache(batch.tokens)
+        _, ft_cache = F.run_with_cache(batch.tokens)
+    out = {k: torch.zeros(len(batch), L, H + has_mlp, T, dtype=torch.float64) for k in kinds}
+    for layer in range(L):
+        down = component_outputs(Bm, batch, layer, ft_cache) if "downstream" in kinds else None
+        late = {}
+        for c in range(H + has_mlp):
+            is_head = c < H
+            head = c if is_head else None
+            y = (
+                base_cache[f"blocks.{layer}.attn.hook_result"][:, :, c]
+                if is_head
+                else base_cache[f"blocks.{layer}.hook_mlp_out"]
+            )
+            if down is not None:
+                new = down["result"][:, :, c] if is_head else down["mlp"]
+                out["downstream"][:, layer, c] = literal_path_integral(
+                    Bm, batch, reward, layer, head, y, new - y, xs, ws
+                )
+            if "upstream" in kinds:
+                key = "head" if is_head else "mlp"
+                if key not in late:
+                    late[key] = attn_result_mode(
+                        mixed_model(base, ft, late_predicate(layer, is_head, cfg.parallel_attn_mlp))
+                    )
+                rs, ms = y_star
+                star = rs[:, :, layer, c] if is_head else ms[:, :, layer]
+                d = star.to(y.dtype) - y
+                in_base = literal_path_integral(Bm, batch, reward, layer, head, y, d, xs, ws)
+                in_late = literal_path_integral(late[key], batch, reward, layer, head, y, d, xs, ws)
+                out["upstream"][:, layer, c] = in_base - in_late
+    return out
+
+
+def literal_integrated_informative(base, ft, batch, reward, xs, ws):
+    """``Σ_i w_i Ī(W + x_iΔ)``: the reference linear informative scores at each node's model."""
+    from extractive_lens import WeightDiff
+
+    total = None
+    for x, w in zip(xs, ws):
+        m = scaled_model(base, ft, x)
+        diff = WeightDiff.from_models(m, scaled_model(base, ft, x + 1.0))  # the same Δ, from m
+        part = w * linear_informative_paper(m, diff, batch, reward)
+        total = part if total is None else total + part
+    return total

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import extractive_lens.scoring.runs as runs
-from extractive_lens import WeightDiff, causal_scores, linear_scores
+from extractive_lens import WeightDiff, causal_scores, integrated_scores, linear_scores
 from extractive_lens import backend as B
 from tests.conftest import make_pair
 from tests.test_linear import small_batch
@@ -44,6 +44,8 @@ CALLS = {
     "causal_token": lambda m, d, b: causal_scores(m, d, b),
     "causal_component": lambda m, d, b: causal_scores(m, d, b, per="component"),
     "causal_top_k": lambda m, d, b: causal_scores(m, d, b, top_k=3),
+    "integrated": lambda m, d, b: integrated_scores(m, d, b, steps=2),
+    "integrated_layer_path": lambda m, d, b: integrated_scores(m, d, b, steps=2, path="layer"),
 }
 
 
@@ -139,3 +141,13 @@ def test_layerwise_gradients_equal_whole_graph_gradients(pair64, kind, monkeypat
     torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
     if kind == "informative":
         torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
+
+
+def test_layerwise_integrated_scores_equal_whole_graph_ones(pair64, monkeypatch):
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base)
+    want = integrated_scores(base, diff, batch, steps=2)
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+    got = integrated_scores(base, diff, batch, steps=2)
+    torch.testing.assert_close(got.prompt_values, want.prompt_values, rtol=0, atol=1e-12)

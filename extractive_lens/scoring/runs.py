@@ -197,10 +197,12 @@ def layer_vjp(
 
 
 def grad_at(
-    model: Any, x: Tensor, start: tuple[int, Any], batch: PromptBatch, reward_fn: Reward
-) -> Tensor:
-    """``dR/dx`` for the stream ``x`` at boundary ``start``, one layer at a time: a forward pass
-    without a graph from ``start`` to the reward, then ``layer_vjp`` back through each layer."""
+    model: Any, x: Tensor, start: tuple[int, Any], batch: PromptBatch, reward_fn: Reward,
+    groups: int = 1,
+) -> Tensor:  # fmt: skip
+    """``dR/dx`` for the stream ``x`` at boundary ``start`` (``groups`` stacked copies of
+    ``batch``), one layer at a time: a forward pass without a graph from ``start`` to the reward,
+    then ``layer_vjp`` back through each layer."""
     layer, where = start
     segments: list[tuple[tuple[int, Any], Tensor]] = []
     if where == "mid":
@@ -214,7 +216,7 @@ def grad_at(
     assert xf is not None
     with torch.enable_grad():
         xr = xf.detach().requires_grad_(True)
-        R, _, _ = readout(model, xr, batch, reward_fn)
+        R, _, _ = readout(model, xr, batch, reward_fn, groups=groups)
         (g,) = torch.autograd.grad(R.sum(), [xr])
     for seg_start, seg_x in reversed(segments):
         g, _ = layer_vjp(model, seg_x, seg_start, g)

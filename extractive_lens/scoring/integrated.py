@@ -1,0 +1,398 @@
+"""Path-integrated informative / upstream / downstream scores (docs/scores.md §12).
+
+>>> ig = integrated_scores(base, diff, batch)                  # per token, 4 Gauss nodes
+>>> ig.method, ig.metadata["integrated"]["rule"]
+('integrated', 'gauss')
+>>> ig = integrated_scores(base, diff, batch, steps="auto")    # until complete within 1%
+
+The linear scores take one gradient at one end of a change; these average the gradient along
+the straight path of the change, so that they add up to the change itself (up to the
+quadrature error, recorded in ``metadata["integrated"]``):
+
+- **informative**: the path ``W + αΔ`` of the weights, all at once. At each node the linear
+  informative split (per component and token, and "other") at the model ``W + αΔ``; their
+  weighted sum adds up to ``R(W') - R(W)``.
+- **upstream** and **downstream**: the exact engine's patch of component ``c`` (the value it
+  adds to the stream right after ``c``: ``δ_c``) applied gradually, ``x + γ·δ_c`` for ``γ`` from
+  0 to 1, in each context the exact score reads (``KINDS[kind].CONTEXTS``: the base model, and
+  the layers after ``c`` finetuned). ``∫ <dR/dx(x + γδ_c), δ_c> dγ = R(x + δ_c) - R(x)``, the
+  patch's exact effect, split by position: per token, the terms at that position. The exact
+  score combines the contexts' effects (``kind.exact``), so whole components equal the exact
+  whole-component scores up to the quadrature error.
+- ``path="layer"``: one path per component group (all heads of a layer, or its MLP),
+  ``x + γ·Σ_c δ_c``, split between the components by ``<g, δ_c>``: cheap (no factor of the
+  number of heads), but the components' interactions are shared out, not separated.
+
+Batching is the exact engine's: rows are nodes x components x prompts resumed from the cached
+stream at the component's boundary, one backward per ``max_batch`` rows (one layer at a time
+for large models: ``runs.layerwise``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+from torch import Tensor
+
+from extractive_lens import backend as B
+from extractive_lens.batch import PromptBatch
+from extractive_lens.interrupts import guarded, one_call_per_model
+from extractive_lens.results import ComponentScores
+from extractive_lens.rewards import Reward
+from extractive_lens.scoring.ablation import table_for
+from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
+from extractive_lens.scoring.causal import CausalChunk, _Context, _skipped
+from extractive_lens.scoring.kinds import KINDS
+from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
+from extractive_lens.scoring.runs import forward_run, grad_at, head_grad, layerwise, readout, wide
+from extractive_lens.types import SCORE_KINDS, Ablation, Component, ScoreKind
+from extractive_lens.weight_diff import WeightDiff
+
+Path = Literal["component", "layer"]
+Rule = Literal["gauss", "midpoint"]
+DEFAULT_STEPS = 4
+AUTO_TOLERANCE = 0.01
+AUTO_MAX_STEPS = 32
+
+
+def nodes(steps: int, rule: Rule) -> tuple[list[float], list[float]]:
+    """Quadrature nodes and weights on ``[0, 1]``: ``midpoint`` (error O(1/m²)) or
+    Gauss–Legendre (``gauss``: exact for polynomials of degree 2m - 1).
+
+    >>> nodes(2, "midpoint")
+    ([0.25, 0.75], [0.5, 0.5])
+    >>> [round(x, 4) for x in nodes(2, "gauss")[0]]
+    [0.2113, 0.7887]
+    """
+    if rule == "midpoint":
+        return [(i + 0.5) / steps for i in range(steps)], [1.0 / steps] * steps
+    import numpy as np
+
+    x, w = np.polynomial.legendre.leggauss(steps)
+    return [float((xi + 1) / 2) for xi in x], [float(wi / 2) for wi in w]
+
+
+@dataclass(frozen=True)
+class IntegratedOptions(CausalOptions):
+    """``integrated_scores``' options: the exact engine's, and the path and its quadrature."""
+
+    steps: int | Literal["auto"] = DEFAULT_STEPS
+    path: Path = "component"
+    rule: Rule = "gauss"
+    tolerance: float = AUTO_TOLERANCE
+
+    def __post_init__(self) -> None:
+        if self.convention != "paper":
+            raise ValueError(
+                f"integrated_scores(convention={self.convention!r}): path-integrated scores are "
+                "defined in the paper's convention (they add up to its exact scores); use "
+                "linear_scores(..., convention='authors_code') for the authors' approximations."
+            )
+        super().__post_init__()
+        s = self.steps
+        if s != "auto" and not (isinstance(s, int) and not isinstance(s, bool) and s >= 1):
+            raise ValueError(f"steps must be a positive number of nodes or 'auto', got {s!r}")
+        if self.path not in ("component", "layer"):
+            raise ValueError(f"path must be 'component' or 'layer', got {self.path!r}")
+        if self.rule not in ("gauss", "midpoint"):
+            raise ValueError(f"rule must be 'gauss' or 'midpoint', got {self.rule!r}")
+        if not (isinstance(self.tolerance, (int, float)) and self.tolerance > 0):
+            raise ValueError(f"tolerance must be a positive number, got {self.tolerance!r}")
+
+
+def integrated_scores(
+    model: Any,
+    diff: WeightDiff,
+    batch: PromptBatch,
+    *,
+    kinds: Sequence[ScoreKind] | ScoreKind = SCORE_KINDS,
+    steps: int | Literal["auto"] = DEFAULT_STEPS,
+    path: Path = "component",
+    rule: Rule = "gauss",
+    tolerance: float = AUTO_TOLERANCE,
+    per: Per = "token",
+    ablation: Ablation = "mean",
+    reference: PromptBatch | None = None,
+    reward: str | Reward | None = None,
+    max_batch: int = 128,
+    top_k: int | None = None,
+    linear: ComponentScores | None = None,
+    layers: Sequence[int] | None = None,
+    batch_size: int | None = 16,
+    resample_k: int = 10,
+    seed: int = 3,
+    show_progress: bool | None = None,
+    rows: Sequence[int] | None = None,
+    compute_dtype: torch.dtype | str | None = None,
+    convention: str = "paper",
+) -> ComponentScores:
+    """Path-integrated scores of every head and MLP (module docstring; ``docs/scores.md`` §12).
+
+    Args:
+        steps: quadrature nodes per path, or ``"auto"``: 2, 4, 8 … (up to 32) until every
+            kind's completeness error is under ``tolerance``.
+        path: ``"component"`` (one path per component: whole components equal the exact
+            scores up to the quadrature error) or ``"layer"`` (one per component group: cheap).
+        rule: ``"gauss"`` (Gauss–Legendre, default) or ``"midpoint"``.
+        tolerance: for ``steps="auto"``: the completeness error to reach.
+        per, ablation, reference, reward, max_batch, top_k, linear, layers, batch_size,
+        resample_k, seed, show_progress, rows, compute_dtype: as in ``causal_scores``.
+
+    ``metadata["integrated"]`` records the nodes, the weights, the rule, the path and, per kind,
+    the completeness error: informative ``|Σ + other - (R(W') - R(W))| / |R(W') - R(W)|``;
+    upstream and downstream ``Σ|path integral - endpoint difference| / Σ|endpoint difference|``
+    over components and prompts (the endpoints' rewards are one forward pass per path).
+    """
+    check_arguments("integrated_scores", model, diff, batch)
+    options = IntegratedOptions(
+        kinds=kinds, steps=steps, path=path, rule=rule, tolerance=tolerance, per=per,
+        ablation=ablation, reference=reference, reward=reward, max_batch=max_batch, top_k=top_k,
+        linear=linear, layers=layers, batch_size=batch_size, resample_k=resample_k, seed=seed,
+        show_progress=show_progress, rows=rows, compute_dtype=compute_dtype,
+        convention=convention,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return integrated_scores_with(model, diff, batch, options)
+
+
+@one_call_per_model
+def integrated_scores_with(
+    model: Any, diff: WeightDiff, batch: PromptBatch, options: IntegratedOptions
+) -> ComponentScores:
+    """``integrated_scores`` with its options as one ``IntegratedOptions`` object."""
+    cdt = prepare("integrated_scores", model, diff, batch, options)
+    skipped = _skipped(model, diff, batch, options, cdt)
+    scored, plan = plan_chunks(batch, options.rows, options.batch_size)
+    chunks = [c for c, _ in plan]
+    partial = options.top_k is not None or options.layers is not None
+    meta = base_metadata(
+        model, diff, options, batch, cdt, method="integrated", per=options.per,
+        top_k=options.top_k, layers=None if options.layers is None else list(options.layers),
+        skipped={k: list(v) for k, v in skipped.items()} if partial else None,
+    )  # fmt: skip
+    m = DEFAULT_STEPS if options.steps == "auto" else int(options.steps)
+    tried: list[dict[str, Any]] = []
+    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
+        while True:
+            xs, ws = nodes(m, options.rule)
+            out = _run(model, diff, batch, plan, chunks, options, skipped, xs, ws)
+            errors = {k: out.completeness(k) for k in options.kinds}
+            tried.append({"steps": m, "completeness": errors})
+            done = all(e <= options.tolerance for e in errors.values() if e == e)
+            if options.steps != "auto" or done or m >= AUTO_MAX_STEPS:
+                break
+            m *= 2
+    meta["integrated"] = {
+        "steps": m, "rule": options.rule, "path": options.path, "nodes": xs, "weights": ws,
+        "completeness": errors, "tolerance": options.tolerance if options.steps == "auto" else None,
+        "tried": tried, "R_change": out.change_summary(),
+    }  # fmt: skip
+    if options.steps == "auto" and not done:
+        import warnings
+
+        warnings.warn(
+            f"integrated_scores(steps='auto') stopped at {m} nodes with completeness errors "
+            f"{ {k: round(v, 4) for k, v in errors.items()} } above tolerance {options.tolerance}.",
+            stacklevel=2,
+        )
+    return assemble(model, scored, options.score_kinds,
+                    out.per_token if options.per == "token" else None, out.totals,
+                    method="integrated", other=out.other if "informative" in options.kinds else None,
+                    metadata=meta)  # fmt: skip
+
+
+@dataclass
+class _Result:
+    per_token: list[Tensor]  # per chunk [kind batch layer comp pos]
+    totals: list[Tensor]  # per chunk [kind batch layer comp]
+    other: list[Tensor]  # per chunk [batch]
+    kinds: tuple[str, ...]
+    path_sums: dict[str, list[float]]  # kind -> [Σ|integral - endpoints|, Σ|endpoints|]
+    change: list[Tensor]  # per chunk: R(W') - R(W)
+
+    def completeness(self, kind: str) -> float:
+        k = self.kinds.index(kind)
+        if kind == "informative":
+            total = sum(float((t[k].nansum((1, 2)) + o).sum()) for t, o in zip(self.totals, self.other))
+            change = sum(float(c.sum()) for c in self.change)
+            return abs(total - change) / abs(change) if change else 0.0
+        err, scale = self.path_sums[kind]
+        return err / scale if scale else 0.0
+
+    def change_summary(self) -> float | None:
+        if not self.change:
+            return None
+        return float(torch.cat(self.change).mean())
+
+
+def _run(
+    model: Any, diff: WeightDiff, batch: PromptBatch, plan: list[tuple[PromptBatch, list[int]]],
+    chunks: list[PromptBatch], options: IntegratedOptions, skipped: dict[str, list[str]],
+    xs: list[float], ws: list[float],
+) -> _Result:  # fmt: skip
+    L, H, has_mlp = model.cfg.n_layers, model.cfg.n_heads, B.has_mlp(model)
+    C = H + has_mlp
+    kinds = options.score_kinds
+    res = _Result([], [], [], kinds, {k: [0.0, 0.0] for k in kinds}, [])
+    first = forward_run(model, chunks[0], options.reward_fn, capture=("z", "k", "v"))
+    table = table_for(model, batch, options, chunks, first) if "upstream" in kinds else None
+    bar = progress(range(len(chunks)), len(chunks), "integrated scores", options.show_progress)
+    for i in bar:
+        chunk = chunks[i]
+        base = first if i == 0 else forward_run(model, chunk, options.reward_fn,
+                                                 capture=("z", "k", "v"))  # fmt: skip
+        b, pos = chunk.tokens.shape
+        dtype, dev = wide(base.pre[0]).dtype, base.pre[0].device
+        vals = torch.zeros(len(kinds), b, L, C, pos, dtype=dtype, device=dev)
+        other = torch.zeros(b, dtype=dtype, device=dev)
+        cc = CausalChunk(model, diff, chunk, base, plan[i][1], table, options)
+        for k, kind in enumerate(kinds):
+            if kind == "informative":
+                vals[k], other, change = _informative(model, diff, chunk, options, base, xs, ws)
+                res.change.append(change)
+            else:
+                vals[k] = _along_patches(cc, kind, skipped.get(kind, []), options, xs, ws,
+                                         res.path_sums[kind])  # fmt: skip
+        vals = vals * chunk.position_mask.to(dev)[None, :, None, None, :]
+        tots = vals.sum(-1)
+        for k, kind in enumerate(kinds):  # never computed: NaN, as in causal_scores
+            for label in skipped.get(kind, ()):
+                comp = Component.parse(label)
+                c = H if comp.is_mlp else comp.head
+                vals[k, :, comp.layer, c] = float("nan")
+                tots[k, :, comp.layer, c] = float("nan")
+        res.per_token.append(vals)
+        res.totals.append(tots)
+        res.other.append(other)
+    return res
+
+
+def _informative(
+    model: Any, diff: WeightDiff, chunk: PromptBatch, options: IntegratedOptions, base: Any,
+    xs: list[float], ws: list[float],
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Σ_i w_i · (linear informative at ``W + x_i Δ``), its "other" share, and R(W') - R(W)."""
+    from extractive_lens.scoring.linear import LinearChunk, LinearOptions
+
+    lin_options = LinearOptions(kinds=("informative",), reward=options.reward_fn,
+                                ablation=options.ablation, rows=None)  # fmt: skip
+    total = other = None
+    for x, w in zip(xs, ws):
+        with B.shifted(model, diff, x):
+            run = forward_run(model, chunk, options.reward_fn, grad=True)
+            g_z = [head_grad(wide(g), W) for g, W in zip(run.g_attn, run.W_O)]
+            c = LinearChunk(model, diff, diff.deltas, chunk, run, [], lin_options, None, g_z)
+            inf = KINDS["informative"].linear(c)
+        total = w * inf if total is None else total + w * inf
+        o = cast(Tensor, c.other)
+        other = w * o if other is None else other + w * o
+    with torch.no_grad(), B.shifted(model, diff):
+        ft = forward_run(model, chunk, options.reward_fn)
+    change = wide(cast(Tensor, ft.reward)) - wide(cast(Tensor, base.reward))
+    return cast(Tensor, total), cast(Tensor, other), change
+
+
+def _along_patches(
+    cc: CausalChunk, kind: str, skip: list[str], options: IntegratedOptions, xs: list[float],
+    ws: list[float], sums: list[float],
+) -> Tensor:  # fmt: skip
+    """``[batch, layer, comp, pos]``: the kind's score from path integrals of its patches in each
+    of its contexts, combined as the exact score combines patch effects."""
+    model = cc.model
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    b, pos = cc.batch.tokens.shape
+    skip_set = set(skip)
+    out = torch.zeros(b, L, H + cc.has_mlp, pos, dtype=wide(cc.base.pre[0]).dtype,
+                      device=cc.base.pre[0].device)  # fmt: skip
+    spec = KINDS[kind]
+    for layer in range(L):
+        labels = [f"L{layer}H{h}" for h in range(H)] + ([f"L{layer}MLP"] if cc.has_mlp else [])
+        if all(lab in skip_set for lab in labels):
+            continue
+        dh, dm = spec.patch_values(cc, layer)
+        groups = [("heads", dh, 0)]
+        if dm is not None:
+            groups.append(("mlp", dm[:, :, None], H))
+        for group, delta, offset in groups:
+            keep = [j for j in range(delta.shape[2]) if labels[offset + j] not in skip_set]
+            if not keep:
+                continue
+            d = delta[:, :, keep]
+            effects, ends = {}, {}
+            for name in spec.CONTEXTS:
+                ctx = cc.context(layer, group, finetuned=name == "finetuned_late")
+                effects[name], ends[name] = _path_integral(cc, ctx, d, options, xs, ws)
+            tok = spec.exact(effects)  # [b, comp, pos]
+            whole_end = spec.exact(ends)  # [b, comp] (or [b] for the layer path)
+            whole = tok.sum(-1) if options.path == "component" else tok.sum((-1, -2))
+            sums[0] += float((whole - whole_end).abs().sum())
+            sums[1] += float(whole_end.abs().sum())
+            idx = torch.tensor(keep, device=out.device) + offset
+            out[:, layer, idx] = tok.to(out.dtype)
+    return out
+
+
+def _path_integral(
+    cc: CausalChunk, ctx: _Context, delta: Tensor, options: IntegratedOptions, xs: list[float],
+    ws: list[float],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``∫ <dR/dx(x + γδ_c), δ_c> dγ`` by position, ``[batch, comp, pos]``, for the context's
+    stream ``x`` and each component's patch ``δ_c`` (``delta [batch, pos, comp, d_model]``), and
+    the endpoint differences ``R(x + δ_c) - R(x)`` (``[batch, comp]``; for the layer path one per
+    prompt, ``[batch]``). The layer path moves all components at once along ``x + γΣδ_c``."""
+    model, batch = cc.model, cc.batch
+    b, pos, n_comp, _ = delta.shape
+    x0 = ctx.stream
+    d = delta.to(x0.dtype)
+    if options.path == "layer":
+        d = d.sum(2, keepdim=True)  # one path: [b, pos, 1, d_model]
+    paths = d.shape[2]
+    start = (ctx.layer, ctx.part)
+    # rows: (node, path, prompt), prompts innermost so that each pass holds whole copies
+    jobs = [(i, p) for i in range(len(xs)) for p in range(paths)]
+    per_pass = max(1, options.max_batch // b)
+    integrand = torch.zeros(b, n_comp, pos, dtype=wide(x0).dtype, device=x0.device)
+    ends = torch.zeros(b, paths, dtype=wide(x0).dtype, device=x0.device)
+    shift = B.shifted(model, cc.diff) if ctx.finetuned else contextlib.nullcontext()
+    with shift:
+        for j in range(0, len(jobs), per_pass):
+            part = jobs[j : j + per_pass]
+            x = torch.cat([x0 + xs[i] * d[:, :, p] for i, p in part])
+            g = _gradient(model, x, start, batch, options.reward_fn, len(part), pos)
+            for r, (i, p) in enumerate(part):
+                gi = wide(g[r * b : (r + 1) * b])  # [b, pos, d_model]
+                if options.path == "layer":
+                    integrand += ws[i] * torch.einsum("bpd,bpcd->bcp", gi, wide(delta))
+                else:
+                    integrand[:, p] += ws[i] * (gi * wide(d[:, :, p])).sum(-1)
+        with torch.no_grad():  # the endpoints: one forward per path
+            for j in range(0, paths, per_pass):
+                ps = list(range(j, min(j + per_pass, paths)))
+                x = torch.cat([x0 + d[:, :, p] for p in ps])
+                y = B.run_blocks(model, x, start=start)
+                R, _, _ = readout(model, cast(Tensor, y), batch, options.reward_fn, groups=len(ps))
+                ends[:, ps] = wide(R).reshape(len(ps), b).T - wide(ctx.reward)[:, None]
+    if options.path == "layer":
+        return integrand, ends[:, 0]
+    return integrand, ends
+
+
+def _gradient(
+    model: Any, x: Tensor, start: tuple[int, str], batch: PromptBatch, reward_fn: Reward,
+    groups: int, n_pos: int,
+) -> Tensor:  # fmt: skip
+    """``dR/dx`` for stacked streams ``x`` at boundary ``start`` (``groups`` copies of ``batch``):
+    one backward through the rest of the model, or one layer at a time for large models."""
+    with B.frozen_parameters(model):
+        if layerwise(model, x.shape[0], n_pos):
+            return grad_at(model, x, start, batch, reward_fn, groups=groups)
+        with torch.enable_grad():
+            xin = x.detach().requires_grad_(True)
+            y = B.run_blocks(model, xin, start=start)
+            R, _, _ = readout(model, cast(Tensor, y), batch, reward_fn, groups=groups)
+            (g,) = torch.autograd.grad(R.sum(), [xin])
+    return g
+
