@@ -116,7 +116,16 @@ def score(
         metavar="FILE",
     ),
     method: str = typer.Option(
-        "linear", help="linear, causal or both.", metavar="linear|causal|both"
+        "linear",
+        help="linear, integrated (path-integrated), causal (exact), both (linear and causal) or "
+        "all three.",
+        metavar="linear|integrated|causal|both|all",
+    ),
+    steps: str = typer.Option(
+        "4",
+        help="Integrated scores: quadrature nodes per path, or 'auto' (double until complete "
+        "within 1%).",
+        metavar="N|auto",
     ),
     reward: str = typer.Option(
         "answer_logprob", help="answer_logprob, logit_margin or logit_diff.", metavar="REWARD"
@@ -168,8 +177,14 @@ def score(
     ),
 ) -> None:
     """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
-    if method not in ("linear", "causal", "both"):
-        raise typer.BadParameter("--method must be linear, causal or both.")
+    methods = {"both": ("linear", "causal"), "all": ("linear", "integrated", "causal")}.get(
+        method, (method,)
+    )
+    if any(m not in ("linear", "integrated", "causal") for m in methods):
+        raise typer.BadParameter("--method must be linear, integrated, causal, both or all.")
+    if steps != "auto" and not (steps.isdigit() and int(steps) >= 1):
+        raise typer.BadParameter(f"--steps takes a positive whole number or 'auto', got {steps!r}.")
+    n_steps: int | str = steps if steps == "auto" else int(steps)
     if compute_dtype is not None and compute_dtype not in (
         "float32",
         "float64",
@@ -177,10 +192,10 @@ def score(
         "float16",
     ):
         raise typer.BadParameter("--compute-dtype must be float32, float64, bfloat16 or float16.")
-    if convention == "authors_code" and method != "linear":
+    if convention == "authors_code" and methods != ("linear",):
         raise typer.BadParameter(
-            "exact scores exist only in the paper convention: use --method linear with "
-            "--convention authors_code."
+            "exact and integrated scores exist only in the paper convention: use --method "
+            "linear with --convention authors_code."
         )
     _check_out_dir(out)
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
@@ -192,7 +207,7 @@ def score(
         kinds=kind_list,
         ablation=ablation,
     )
-    from extractive_lens import WeightDiff, compare, make_batch
+    from extractive_lens import WeightDiff, make_batch
     from extractive_lens.datasets import load_pairs
     from extractive_lens.distributed import distributed_scores, process_group
     from extractive_lens.plotting import report
@@ -226,12 +241,20 @@ def score(
         out.mkdir(parents=True, exist_ok=True)
         results = []
         lin = None
-        if method in ("linear", "both"):
+        if "linear" in methods:
             lin = distributed_scores(
                 "linear", base_m, delta, batch, convention=convention, **common
             )
             results.append(lin)
-        if method in ("causal", "both"):
+        if "integrated" in methods:
+            results.append(
+                distributed_scores(
+                    "integrated", base_m, delta, batch, per=per, steps=n_steps,
+                    layers=layer_list, top_k=top_k, linear=lin if top_k else None,
+                    **{**common, "ablation": ablation or "mean"},
+                )  # fmt: skip
+            )
+        if "causal" in methods:
             ex = distributed_scores(
                 "causal",
                 base_m,
@@ -254,13 +277,27 @@ def score(
         for r in results:
             r.metadata["run_id"] = run_id
             r.save(out / r.method)
-        cmp = compare(results[0], results[1]) if len(results) == 2 else None
-        if cmp is not None:
-            write_text_atomic(out / "comparison.csv", cmp.summary.to_csv(index=False))
-        path = report(results, cmp, path=out / "report.html")
+        cmps = comparisons(results)
+        for c in cmps:
+            a, b = c.methods
+            name = "comparison.csv" if c.methods == ("linear", "causal") else f"{a}_vs_{b}.csv"
+            write_text_atomic(out / name, c.summary.to_csv(index=False))
+        path = report(results, cmps or None, path=out / "report.html")
         for r in results:
             _print_top(r)
         _echo(f"wrote {out}/ (report: {path})")
+
+
+def comparisons(results: list[Any]) -> list[Any]:
+    """Each approximation against the exact scores where there are exact ones, else linear
+    against integrated."""
+    from extractive_lens import compare
+
+    by = {r.method: r for r in results}
+    ref = by.get("causal") or by.get("integrated")
+    if ref is None:
+        return []
+    return [compare(r, ref) for r in results if r is not ref and r.method != "causal"]
 
 
 def _check_out_dir(out: Path) -> None:
@@ -311,7 +348,7 @@ def report(
     title: str = typer.Option("extractive_lens report", help="The report's title.", metavar="TEXT"),
 ) -> None:
     """Re-render saved scores (linear and/or exact) into one self-contained HTML report."""
-    from extractive_lens import ComponentScores, compare
+    from extractive_lens import ComponentScores
     from extractive_lens.plotting import report as write_report
 
     if (scores_dir / "scores.json").is_file():
@@ -319,27 +356,27 @@ def report(
     else:
         results = [
             ComponentScores.load(scores_dir / m)
-            for m in ("linear", "causal")
+            for m in ("linear", "integrated", "causal")
             if (scores_dir / m).is_dir()
         ]
     if not results:
         raise typer.BadParameter(
-            f"{scores_dir} holds no saved scores (scores.json, or linear/ and causal/ "
-            "subdirectories as `extractive-lens score --out` writes them)."
+            f"{scores_dir} holds no saved scores (scores.json, or linear/, integrated/ and "
+            "causal/ subdirectories as `extractive-lens score --out` writes them)."
         )
     runs = {r.metadata.get("run_id") for r in results}
-    if len(results) == 2 and None not in runs and len(runs) == 2:
+    if len(results) >= 2 and None not in runs and len(runs) >= 2:
+        names = " and ".join(f"{r.method}/" for r in results)
         raise typer.BadParameter(
-            f"{scores_dir}: linear/ and causal/ come from two different `score` runs (one was "
+            f"{scores_dir}: {names} come from different `score` runs (one was "
             "interrupted, or the folder was reused); score again into an empty --out."
         )
-    cmp = None
-    if len(results) == 2:
-        try:
-            cmp = compare(results[0], results[1])
-        except ValueError as e:
-            _echo(f"not comparing linear and exact scores: {e}")
-    path = write_report(results, cmp, path=out or scores_dir / "report.html", title=title)
+    cmps = []
+    try:
+        cmps = comparisons(results)
+    except ValueError as e:
+        _echo(f"not comparing the methods' scores: {e}")
+    path = write_report(results, cmps or None, path=out or scores_dir / "report.html", title=title)
     _echo(f"wrote {path}")
 
 

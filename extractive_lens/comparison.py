@@ -1,4 +1,4 @@
-"""Linearized against exact scores, side by side.
+"""Two methods' scores side by side: linear, integrated or exact, any two.
 
 >>> cmp = compare(linear, exact)     # linear_scores(...) and causal_scores(...) of the same batch
 >>> table = cmp.summary              # one row per kind and part
@@ -6,7 +6,9 @@
 >>> sorted(cmp.verdicts)             # in plain words, per kind: trust the linear score?
 ['downstream', 'informative', 'upstream']
 
-How to read the numbers and verdicts: ``docs/scores.md``, "When to trust a linear score".
+Any two methods compare the same way (``compare(integrated_scores(...), exact)``: the verdicts
+then judge the integrated scores). How to read the numbers and verdicts: ``docs/scores.md``,
+"When to trust a linear score".
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class ScoreComparison:
     """Agreement statistics of two ``ComponentScores`` on the same prompts.
 
     Attributes:
-        linear, exact: the two results.
+        linear, exact: the two results: the one being judged, and the one it is judged
+            against (named for the usual pair; ``methods`` says which they are).
         level: ``"token"`` compares per-token cells (role-aggregated), ``"component"`` the totals.
         rows: one dict per (kind, part) with n (cells compared: those both results computed),
             pearson, spearman, sign_agreement, topk_overlap, max_abs_err, median_abs_err, verdict.
@@ -102,6 +105,11 @@ class ScoreComparison:
         return [(labels[i], float(a[i]), float(b[i])) for i in idx]
 
     @property
+    def methods(self) -> tuple[str, str]:
+        """The two results' methods, e.g. ``("linear", "causal")``."""
+        return self.linear.method, self.exact.method
+
+    @property
     def summary(self) -> Any:
         import pandas as pd
 
@@ -122,7 +130,9 @@ class ScoreComparison:
                 continue
             a, b, labels = self.cells(kind)
             recs += [(kind, lab, float(x), float(y)) for lab, x, y in zip(labels, a, b)]
-        return pd.DataFrame(recs, columns=["kind", "label", "linear", "exact"])
+        a, b = self.methods
+        names = ["linear", "exact"] if (a, b) == ("linear", "causal") or a == b else [a, b]
+        return pd.DataFrame(recs, columns=["kind", "label", *names])
 
     def _repr_html_(self) -> str:
         cols = [
@@ -143,8 +153,9 @@ class ScoreComparison:
         says = "".join(
             f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in self.verdicts.items()
         )
+        a, b = (_METHOD_NAMES.get(m, m) for m in self.methods)
         return (
-            f"<div><b>ScoreComparison</b> (linear vs exact, {self.level} level, top-{self.k} overlap)"
+            f"<div><b>ScoreComparison</b> ({a} vs {b}, {self.level} level, top-{self.k} overlap)"
             f"<table><tr>{head}</tr>{body}</table><ul>{says}</ul></div>"
         )
 
@@ -166,27 +177,52 @@ def _fmt(x: Any) -> str:
 AGREE_PEARSON, AGREE_TOPK, PARTLY_PEARSON = 0.9, 0.6, 0.6
 
 
-def verdict(kind: str, pearson: float, topk_overlap: float) -> str:
+_METHOD_NAMES = {"causal": "exact", "linear": "linear", "integrated": "integrated"}
+
+
+def verdict(
+    kind: str, pearson: float, topk_overlap: float, methods: tuple[str, str] = ("linear", "causal"),
+    completeness: float | None = None,
+) -> str:  # fmt: skip
     """A plain-words reading of one kind's agreement (thresholds: ``docs/scores.md``).
-    ``topk_overlap`` NaN: not measured (the verdict rests on the correlation)."""
+    ``topk_overlap`` NaN: not measured (the verdict rests on the correlation). ``methods``: the
+    judged result's method and the reference's; ``completeness``: the integrated result's
+    completeness error for this kind, when it is the one judged."""
+    method, against = (_METHOD_NAMES.get(m, m) for m in methods)
     fix = f"confirm the top components with causal_scores(..., kinds=({kind!r},), top_k=...)"
+    ig = f"integrated_scores(model, diff, batch, kinds=({kind!r},))"
+    done = (
+        f" (completeness error {completeness:.1%})"
+        if completeness is not None and completeness == completeness
+        else ""
+    )
     overlap_ok = topk_overlap != topk_overlap or topk_overlap >= AGREE_TOPK
     if pearson == pearson and pearson >= AGREE_PEARSON and overlap_ok:
-        return f"linear {kind} agrees with exact here (r = {pearson:.2f}): the linear map can stand in for it."
+        return (
+            f"{method} {kind} agrees with {against} here (r = {pearson:.2f}){done}: the {method} "
+            "map can stand in for it."
+        )
+    if method == "integrated":
+        more = f"more steps (steps=16, or steps='auto'){done}, and {fix}"
+    elif method == "linear":
+        more = f"{ig}, which follows exact where linear does not (docs/scores.md §12), or {fix}"
+    else:
+        more = fix
     if pearson == pearson and pearson >= PARTLY_PEARSON:
         overlap = f", top-k overlap {topk_overlap:.0%}" if topk_overlap == topk_overlap else ""
         return (
-            f"linear {kind} roughly agrees with exact here (r = {pearson:.2f}{overlap}): trust "
-            f"the ranking more than the values, and {fix}."
+            f"{method} {kind} roughly agrees with {against} here (r = {pearson:.2f}{overlap}): "
+            f"trust the ranking more than the values; use {more}."
         )
-    why = (
-        " Upstream is linear in y - y*, not in the weight change, so a large ablation step can flip it."
-        if kind == "upstream"
-        else " The weight change is too large for its first-order description."
-    )
+    if method == "integrated":
+        why = " The path has too few nodes for how curved it is."
+    elif kind == "upstream":
+        why = " Upstream is linear in y - y*, not in the weight change, so a large ablation step can flip it."
+    else:
+        why = " The weight change is too large for its first-order description."
     return (
-        f"linear {kind} disagrees with exact here (r = {pearson:.2f}): do not read it on its own; "
-        f"{fix}.{why}"
+        f"{method} {kind} disagrees with {against} here (r = {pearson:.2f}): do not read it on "
+        f"its own; use {more}.{why}"
     )
 
 
@@ -206,7 +242,10 @@ def setting_differences(linear: ComponentScores, exact: ComponentScores) -> list
     keys = list(SETTINGS)
     if "upstream" in linear.kinds and "upstream" in exact.kinds:
         keys += [k for k in UPSTREAM_SETTINGS if k != "seed" or a.get("ablation") == "resample"]
-    out = [f"{k} (linear {a.get(k)!r}, exact {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)]
+    na, nb = (_METHOD_NAMES.get(m, m) for m in (linear.method, exact.method))
+    if na == nb:
+        na, nb = "first", "second"
+    out = [f"{k} ({na} {a.get(k)!r}, {nb} {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)]
     da, db = a.get("prompts_digest"), b.get("prompts_digest")
     both_per_token = linear.per == exact.per == "token"  # whole-component roles are all "all"
     if (
@@ -255,6 +294,7 @@ def compare(
         )
     probe = ScoreComparison(linear, exact, level, k, ())
     chosen_by_linear = exact.metadata.get("top_k") is not None  # overlap 1 by construction
+    complete = (linear.metadata.get("integrated") or {}).get("completeness") or {}
     rows = []
     for kind in linear.kinds:
         if kind not in exact.kinds:
@@ -283,7 +323,8 @@ def compare(
                     topk_overlap=overlap,
                     max_abs_err=float(err.max()),
                     median_abs_err=float(np.median(err)),
-                    verdict=verdict(kind, pearson, overlap),
+                    verdict=verdict(kind, pearson, overlap, (linear.method, exact.method),
+                                    complete.get(kind)),  # fmt: skip
                 )
             )
     return ScoreComparison(linear, exact, level, k, tuple(rows))

@@ -3,8 +3,9 @@
 ``run_world_demo`` (the default): the bundled world model is finetuned on 20 new facts
 ("Zoe Howard lives in" -> " Tokyo"); the demo reports the mean ranks of the facts and of their
 implications ("The people in the city T3 is from speak" -> " Japanese") before and after,
-computes linear and exact informative / upstream / downstream scores of every head and MLP on
-the implications, compares them and writes an HTML report.
+computes linear, path-integrated and exact informative / upstream / downstream scores of every
+head and MLP on the implications, compares the first two with the exact ones and writes an HTML
+report.
 
 ``run_demo``: the same on a small randomly initialised model and 16 facts (no implications),
 for a model-free smoke test.
@@ -25,32 +26,41 @@ CITIES = ["Tokyo", "Paris", "Berlin", "Cairo", "Moscow", "Mumbai", "Bangkok", "L
 def score_and_compare(
     model: Any, diff: Any, batch: Any, what: str, echo: Callable[[str], None]
 ) -> tuple:
-    """Linear and exact scores on ``batch``, their comparison, and a printed summary."""
+    """Linear, integrated and exact scores on ``batch``, each approximation compared with the
+    exact scores, and a printed summary. Returns ``(results, comparisons)``."""
     import warnings
 
-    from extractive_lens import causal_scores, compare, linear_scores
+    from extractive_lens import causal_scores, compare, integrated_scores, linear_scores
 
     with warnings.catch_warnings():  # the demo prints the additivity check itself
         warnings.simplefilter("ignore", UserWarning)
         lin = linear_scores(model, diff, batch)
+    ig = integrated_scores(model, diff, batch)
     ex = causal_scores(model, diff, batch)
-    cmp = compare(lin, ex)
-    for s in (lin, ex):
+    cmps = [compare(lin, ex), compare(ig, ex)]
+    for s in (lin, ig, ex):
         echo(f"\ntop 3 components by |{s.method} score| (whole component, mean over {what}):")
         for kind in s.kinds:
             echo(f"  {kind:<12} " + ", ".join(f"{lab} {v:+.3f}" for _, lab, v in s.top(3, kind)))
-    echo("\nlinear vs exact (per token):")
-    for r in cmp.rows:
-        if r["part"] == "all":
-            echo(
-                f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
-                f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}"
-            )
-    echo("\nwhat to trust (docs/scores.md §11):")
-    for verdict in cmp.verdicts.values():
-        echo(f"  - {verdict}")
+    for cmp in cmps:
+        echo(f"\n{cmp.methods[0]} vs exact (per token):")
+        for r in cmp.rows:
+            if r["part"] == "all":
+                echo(
+                    f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
+                    f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}"
+                )
+    m = ig.metadata["integrated"]
+    echo(
+        f"\nintegrated: {m['steps']} {m['rule']} nodes per path; completeness error "
+        + ", ".join(f"{k} {v:.2%}" for k, v in m["completeness"].items())
+    )
+    echo("\nwhat to trust (docs/scores.md §11-§12):")
+    for cmp in cmps:
+        for verdict in cmp.verdicts.values():
+            echo(f"  - {verdict}")
     echo(f"  - {lin.additivity_note()}")
-    return lin, ex, cmp
+    return [lin, ig, ex], cmps
 
 
 def run_demo(
@@ -89,12 +99,14 @@ def run_demo(
         f"finetuned on {len(facts)} facts: mean rank of the answer among {len(CITIES)} cities "
         f"{before:.2f} -> {after:.2f} (chance {(len(CITIES) - 1) / 2:.1f})"
     )
-    lin, ex, cmp = score_and_compare(model, diff, batch, "facts", echo)
+    results, cmps = score_and_compare(model, diff, batch, "facts", echo)
     path = report(
-        [lin, ex], cmp, path=out, title="extractive_lens demo: 16 new facts in a small model"
+        results, cmps, path=out, title="extractive_lens demo: 16 new facts in a small model"
     )
     echo(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")
-    return dict(before=before, after=after, linear=lin, exact=ex, comparison=cmp, path=path)
+    lin, ig, ex = results
+    return dict(before=before, after=after, linear=lin, integrated=ig, exact=ex,
+                comparison=cmps[0], comparisons=cmps, path=path)  # fmt: skip
 
 
 def run_world_demo(
@@ -132,7 +144,8 @@ def run_world_demo(
     echo(
         f"scoring the implications, e.g. {ds.implications[0].prompt!r} -> {ds.implications[0].answer!r}"
     )
-    lin, ex, cmp = score_and_compare(model, diff, impls, "implications", echo)
+    results, cmps = score_and_compare(model, diff, impls, "implications", echo)
+    lin, ig, ex = results
     mlp = ex["informative"][:, ex.component_labels.index("MLP"), :].abs()
     at_name = [i for i, p in enumerate(ex.position_labels) if p.startswith("{name}")]
     echo(
@@ -141,7 +154,8 @@ def run_world_demo(
         "at the last token (the paper: early MLPs at the entity)"
     )
     path = report(
-        [lin, ex], cmp, path=out, title="extractive_lens demo: the world model learns 20 new facts"
+        results, cmps, path=out, title="extractive_lens demo: the world model learns 20 new facts"
     )
     echo(f"\nwrote {path} ({time.perf_counter() - t0:.1f} s)")
-    return dict(ranks=rows, linear=lin, exact=ex, comparison=cmp, path=path)
+    return dict(ranks=rows, linear=lin, integrated=ig, exact=ex, comparison=cmps[0],
+                comparisons=cmps, path=path)  # fmt: skip

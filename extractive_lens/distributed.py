@@ -95,7 +95,7 @@ def process_group(
 
 
 def distributed_scores(
-    method: Literal["linear", "causal"],
+    method: Literal["linear", "integrated", "causal"],
     model: Any,
     diff: Any,
     batch: PromptBatch,
@@ -103,18 +103,22 @@ def distributed_scores(
     shard: Literal["auto", "prompts", "layers"] = "auto",
     **kwargs: Any,
 ) -> ComponentScores:
-    """``linear_scores`` or ``causal_scores`` spread over the processes of the default group."""
+    """``linear_scores``, ``integrated_scores`` or ``causal_scores`` spread over the processes of
+    the default group (prompts, or for the exact and integrated scores also layers, per rank)."""
     import torch.distributed as dist
 
-    if method not in ("linear", "causal"):
-        raise ValueError(f"method must be 'linear' or 'causal', got {method!r}")
+    if method not in ("linear", "integrated", "causal"):
+        raise ValueError(f"method must be 'linear', 'integrated' or 'causal', got {method!r}")
     if shard not in ("auto", "prompts", "layers"):
         raise ValueError(f"shard must be 'auto', 'prompts' or 'layers', got {shard!r}")
 
     from extractive_lens.scoring.causal import causal_scores
+    from extractive_lens.scoring.integrated import integrated_scores
     from extractive_lens.scoring.linear import AdditivityWarning, linear_scores
 
-    fn: Callable[..., ComponentScores] = linear_scores if method == "linear" else causal_scores
+    fn: Callable[..., ComponentScores] = {
+        "linear": linear_scores, "integrated": integrated_scores, "causal": causal_scores
+    }[method]  # fmt: skip
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn(model, diff, batch, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -125,9 +129,9 @@ def distributed_scores(
     if shard == "layers" and top_k:
         raise ValueError("top_k picks components over all layers: shard='prompts' with top_k.")
     if shard == "layers":
-        if method != "causal":
+        if method == "linear":
             raise ValueError(
-                "layer sharding is for exact (causal) scores; linear scores shard prompts."
+                "layer sharding is for exact and integrated scores; linear scores shard prompts."
             )
         all_layers = kwargs.pop("layers", None) or list(range(model.cfg.n_layers))
         mine = all_layers[rank::world]
@@ -153,7 +157,8 @@ def distributed_scores(
             "prompts_digest": prompts_digest(batch),
             "layers": sorted(all_layers),
         }
-        result = _rebuild(template, pv, pt, None, template.prompt_roles, meta)
+        other = template.other if method == "integrated" else None  # the same on every rank
+        result = _rebuild(template, pv, pt, other, template.prompt_roles, meta)
         partial = len(set(all_layers)) < model.cfg.n_layers
         meta["skipped"] = {k: result.uncomputed(k) for k in result.kinds} if partial else None
         return result
@@ -164,10 +169,11 @@ def distributed_scores(
     changes = (
         None if part is None else (part.metadata.get("additivity") or {}).get("prompt_changes")
     )
+    done = None if part is None else (part.metadata.get("integrated") or {}).get("completeness")
     payload = (
         None
         if part is None
-        else (rows, part.prompt_values, part.prompt_totals, part.other, changes)
+        else (rows, part.prompt_values, part.prompt_totals, part.other, changes, done)
     )
     gathered = [None] * world
     dist.all_gather_object(gathered, payload)
@@ -190,6 +196,12 @@ def distributed_scores(
     meta.pop("prompt_tokens", None)
     meta["prompts_digest"] = prompts_digest(batch)
     result = _rebuild(template, pv, pt, other, roles, meta)
+    if parts[0][5] is not None:  # integrated: the worst completeness error of any shard
+        meta["integrated"] = {
+            **meta["integrated"],
+            "completeness": {k: max(g[5][k] for g in parts) for k in parts[0][5]},
+            "completeness_per_rank": [g[5] for g in parts],
+        }
     if parts[0][4] is not None:  # the additivity check over every prompt, not one shard
         from extractive_lens.scoring.linear import additivity_check
 

@@ -307,7 +307,9 @@ def side_by_side(
 
 
 def comparison_plot(comparison: ScoreComparison) -> go.Figure:
-    """Linear (x) against exact (y) per kind, with y = x and Pearson r in each title."""
+    """The judged scores (x: linear or integrated) against the reference (y: usually exact) per
+    kind, with y = x and Pearson r in each title."""
+    xname, yname = ("exact" if m == "causal" else m for m in comparison.methods)
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -337,7 +339,8 @@ def comparison_plot(comparison: ScoreComparison) -> go.Figure:
                     showlegend=i == 1,
                     marker=dict(color=color, size=6, opacity=0.7),
                     text=labels,
-                    hovertemplate="%{text}<br>linear %{x:.4g}<br>exact %{y:.4g}<extra></extra>",
+                    hovertemplate="%{text}<br>" + xname + " %{x:.4g}<br>" + yname
+                    + " %{y:.4g}<extra></extra>",
                 ),
                 row=1,
                 col=i,
@@ -358,10 +361,10 @@ def comparison_plot(comparison: ScoreComparison) -> go.Figure:
             col=i,
         )
         unit = score_unit(comparison.linear)
-        fig.update_xaxes(title_text=f"linear score ({unit})", row=1, col=i)
-        fig.update_yaxes(title_text=f"exact score ({unit})", row=1, col=i)
+        fig.update_xaxes(title_text=f"{xname} score ({unit})", row=1, col=i)
+        fig.update_yaxes(title_text=f"{yname} score ({unit})", row=1, col=i)
     fig.update_layout(
-        title=f"linearized vs exact ({comparison.level} level)",
+        title=f"{xname} vs {yname} ({comparison.level} level)",
         template="plotly_white",
         height=420,
         width=max(500, 380 * len(kinds)),
@@ -544,7 +547,7 @@ def table_heatmap(
 
 def report(
     scores: ComponentScores | list[ComponentScores],
-    comparison: ScoreComparison | None = None,
+    comparison: ScoreComparison | list[ScoreComparison] | None = None,
     path: str | Path = "report.html",
     *,
     title: str = "extractive_lens report",
@@ -552,8 +555,9 @@ def report(
     token_views: list[tuple[str, Any]] | None = None,
     plotlyjs: html_report.PlotlyJS = "compressed",
 ) -> Path:
-    """Write one self-contained HTML report of ``scores`` (one result or several, e.g. linear and
-    exact) and, optionally, their ``comparison``.
+    """Write one self-contained HTML report of ``scores`` (one result or several, e.g. linear,
+    integrated and exact) and, optionally, their ``comparison`` (one, or a list: e.g. linear and
+    integrated each against exact).
 
     ``extra_figures``: ``(caption, figure)`` pairs appended as their own sections.
     ``token_views``: ``(caption, view)`` pairs of circuitsvis views (``plotting.token_view``) to
@@ -597,14 +601,15 @@ def report(
                         "credited at the position they write to (the query position).",
                     )
                 )
-    if comparison is not None:
-        body.append("<h2>linear vs exact</h2>")
+    comparisons = comparison if isinstance(comparison, (list, tuple)) else [comparison]
+    for cmp in [c for c in comparisons if c is not None]:
+        a, b = ("exact" if m == "causal" else m for m in cmp.methods)
+        body.append(f"<h2>{html.escape(a)} vs {html.escape(b)}</h2>")
         body.append(
             figures.add(
-                comparison_plot(comparison),
-                f"One point per compared cell ({comparison.level} level): linear score (x) "
-                "against exact score (y). On the dashed line the linear score is exact; r is "
-                "Pearson's correlation.",
+                comparison_plot(cmp),
+                f"One point per compared cell ({cmp.level} level): {a} score (x) against {b} "
+                f"score (y). On the dashed line the two agree; r is Pearson's correlation.",
             )
         )
     for name, fig in extra_figures or []:

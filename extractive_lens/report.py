@@ -170,9 +170,11 @@ def _how_to_read(results: Sequence[ComponentScores]) -> str:
         "change helps the correct answer; negative (red) means it hurts it.</b>",
         *(f"<b>{k}</b>: {html.escape(KIND_MEANING[k])}." for k in kinds),
         "<b>Exact</b> scores patch activations (one experiment per component and token); "
-        "<b>linear</b> scores are their first-order estimate from gradients. A whole-component "
-        "exact score patches every position at once, so it is not the sum of its per-token "
-        "scores; a linear one is.",
+        "<b>linear</b> scores are their first-order estimate from gradients; <b>integrated</b> "
+        "scores average the gradient along the path of the change (the weights W → W', or the "
+        "exact patch applied gradually), so they add up to the change and to the exact "
+        "whole-component scores. A whole-component exact score patches every position at once, "
+        "so it is not the sum of its per-token scores; a linear or integrated one is.",
         "<b>Per token.</b> A component's score at a position is the effect of patching only that "
         "position of its output. The x axes name each position by its role in the prompt "
         "template and the tokens found there (<code>{name}[-1]: Stewart, King, …</code> is the last "
@@ -181,7 +183,8 @@ def _how_to_read(results: Sequence[ComponentScores]) -> str:
         "maps show each head. <b>Colour scales differ per panel</b>: compare colours within a "
         "panel, and read numbers on hover or in the tables.",
         "The definitions, with formulas: <code>docs/scores.md</code> in the extractive_lens "
-        "repository (§4 exact, §5 linear, §6 positions, §10 figures, §11 trusting linear scores).",
+        "repository (§4 exact, §5 linear, §6 positions, §10 figures, §11 trusting linear scores, "
+        "§12 integrated).",
     ]
     return (
         "<h2>how to read this report</h2><ul class='howto'>"
@@ -192,14 +195,19 @@ def _how_to_read(results: Sequence[ComponentScores]) -> str:
 
 def _what_to_trust(results: Sequence[ComponentScores], comparison: Any) -> str:
     out = ["<h2>what to trust</h2>"]
-    if comparison is not None:
+    comparisons = comparison if isinstance(comparison, (list, tuple)) else [comparison]
+    for comparison in [c for c in comparisons if c is not None]:
+        a, b = ("exact" if m == "causal" else m for m in comparison.methods)
         says = "".join(
             f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>"
             for k, v in comparison.verdicts.items()
         )
+        if len(comparisons) > 1:
+            out.append(f"<h3>{html.escape(a)} against {html.escape(b)}</h3>")
         out.append(
-            "<p class='caption'>Verdicts compare the linear scores with the exact ones "
-            f"({html.escape(comparison.level)} level, thresholds in docs/scores.md §11).</p>"
+            f"<p class='caption'>Verdicts compare the {html.escape(a)} scores with the "
+            f"{html.escape(b)} ones ({html.escape(comparison.level)} level, thresholds in "
+            "docs/scores.md §11).</p>"
             f"<ul class='verdicts'>{says}</ul>"
         )
         cols = (
@@ -213,6 +221,18 @@ def _what_to_trust(results: Sequence[ComponentScores], comparison: Any) -> str:
             "max_abs_err",
         )
         out.append(_table([tuple(r[c] for c in cols) for r in comparison.rows], cols))
+    for s in results:
+        done = (s.metadata.get("integrated") or {}).get("completeness")
+        if done:
+            m = s.metadata["integrated"]
+            errors = ", ".join(f"{k} {v:.2%}" for k, v in done.items())
+            out.append(
+                "<h3>completeness of the integrated scores</h3><p class='additivity'>"
+                f"{m['steps']} {html.escape(m['rule'])} nodes along each {html.escape(m['path'])} "
+                f"path; completeness error (how far the scores miss the change they integrate: "
+                f"R(W') - R(W) for informative, the exact whole-component effects for the "
+                f"others): {html.escape(errors)}.</p>"
+            )
     notes = [s.additivity_note() for s in results if s.additivity_note()]
     if notes:
         out.append("<h3>additivity of the linear scores</h3>")

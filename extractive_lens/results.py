@@ -226,6 +226,11 @@ class ComponentScores:
             "the sum, not the ranking: the linear-vs-exact verdicts say whether each kind's map "
             f"can stand in for the exact one. The 'other' parameters (embeddings, b_O, final "
             f"norm, unembedding) carry {check['other_share']:.0%} of the linear total."
+            + (
+                ""
+                if check["ok"]
+                else " Scores that add up: integrated_scores(model, diff, batch) (docs/scores.md §12)."
+            )
         )
 
     linearization_note = additivity_note  # the name before the check was called additivity

@@ -25,7 +25,7 @@ def run(rank: int, world: int, port: int, out: str, method: str, shard: str, per
     with process_group("cpu", timeout_s=120):
         base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
         batch = small_batch(base, n=5)
-        kw = {"per": per} if method == "causal" else {}
+        kw = {"per": per} if method == "causal" else {"steps": 2} if method == "integrated" else {}
         s = distributed_scores(
             method, base, WeightDiff.from_models(base, ft), batch, shard=shard, **kw
         )

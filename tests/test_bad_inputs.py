@@ -828,7 +828,7 @@ CLI_CASES = [
     (
         "score: --method typo",
         ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--method", "exact"],
-        "linear, causal or both",
+        "linear, integrated, causal, both or all",
     ),
     (
         "score: --compute-dtype typo",

@@ -97,7 +97,7 @@ def test_score_errors_say_what_to_fix(checkpoints, tmp_path):
     res = runner.invoke(
         app, ["score", "--base", "b", "--finetuned", "f", "--data", str(bad), "--method", "exact"]
     )
-    assert res.exit_code != 0 and "linear, causal or both" in res.output
+    assert res.exit_code != 0 and "linear, integrated, causal, both or all" in res.output
 
 
 def test_demo_runs(tmp_path):
@@ -382,7 +382,7 @@ def test_score_options_and_report_command(tmp_path):
         options = [line for line in text.splitlines() if line.lstrip().startswith("--")]
         assert options and not any("<" in line for line in options), command  # real metavars
         assert all(len(line) <= 100 for line in text.splitlines()), command
-    assert "--method linear|causal|both" in help_text
+    assert "--method linear|integrated|causal|both|all" in help_text
 
 
 def test_data_command_writes_the_files_the_readme_uses(tmp_path):
@@ -401,3 +401,58 @@ def test_data_command_writes_the_files_the_readme_uses(tmp_path):
         assert list(impls[0].candidates) == list(ds.implication_candidates)
     bad = runner.invoke(app, ["data", "third-hop", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "first-hop, second-hop" in bad.output
+
+
+def test_score_all_three_methods(tmp_path):
+    """--method all --steps N: linear, integrated and exact scores saved side by side, each
+    approximation compared with the exact scores, one report showing all three; `report`
+    re-renders them."""
+    from extractive_lens import ComponentScores
+    from extractive_lens.world import first_hop
+
+    ds = first_hop()
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text(
+        "\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in ds.facts[:4])
+    )
+    diff = tmp_path / "d.safetensors"
+    args = ["finetune", "--model", "world", "--data", str(facts), "--out", str(diff),
+            "--epochs", "2"]  # fmt: skip
+    assert runner.invoke(app, args).exit_code == 0
+    out = tmp_path / "s"
+    res = runner.invoke(app, ["score", "--base", "world", "--diff", str(diff), "--data",
+                              str(facts), "--method", "all", "--steps", "2", "--per",
+                              "component", "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    got = {m: ComponentScores.load(out / m) for m in ("linear", "integrated", "causal")}
+    assert got["integrated"].metadata["integrated"]["steps"] == 2
+    assert (out / "comparison.csv").is_file() and (out / "integrated_vs_causal.csv").is_file()
+    page = (out / "report.html").read_text()
+    assert "integrated vs exact" in page and "linear vs exact" in page
+    assert "completeness of the integrated scores" in page
+    (out / "report.html").unlink()
+    assert runner.invoke(app, ["report", str(out)]).exit_code == 0
+    assert "integrated vs exact" in (out / "report.html").read_text()
+    bad = runner.invoke(app, ["score", "--base", "world", "--diff", str(diff), "--data",
+                              str(facts), "--method", "all", "--steps", "zero"])  # fmt: skip
+    assert bad.exit_code != 0 and "--steps takes a positive whole number or 'auto'" in bad.output
+
+
+@pytest.mark.slow
+def test_world_demo_reports_three_methods_and_integrated_follows_exact(tmp_path):
+    """The demo's setting (issue 30): at the default steps, integrated scores agree with exact
+    per token at r >= 0.99 for every kind, where linear upstream does not."""
+    from extractive_lens.demo import run_world_demo
+
+    lines = []
+    res = run_world_demo(out=tmp_path / "demo.html", echo=lines.append)
+    lin_cmp, ig_cmp = res["comparisons"]
+    assert ig_cmp.methods == ("integrated", "causal")
+    for r in ig_cmp.rows:
+        if r["part"] == "all":
+            assert r["pearson"] >= 0.99, r
+    up = next(r for r in lin_cmp.rows if r["kind"] == "upstream" and r["part"] == "all")
+    assert up["pearson"] < 0.9  # the negative control: linear upstream misleads here
+    page = (tmp_path / "demo.html").read_text()
+    assert "integrated vs exact" in page and "linear vs exact" in page
+    assert any("integrated vs exact" in line for line in lines)

@@ -7,7 +7,13 @@ import socket
 import pytest
 import torch
 
-from extractive_lens import ComponentScores, WeightDiff, causal_scores, linear_scores
+from extractive_lens import (
+    ComponentScores,
+    WeightDiff,
+    causal_scores,
+    integrated_scores,
+    linear_scores,
+)
 from extractive_lens.distributed import shard_rows
 from tests.conftest import make_pair
 from tests.test_linear import small_batch
@@ -32,6 +38,8 @@ def test_shards_cover_in_order():
         ("linear", "prompts", "token"),
         ("causal", "prompts", "token"),
         ("causal", "layers", "component"),
+        ("integrated", "prompts", "token"),
+        ("integrated", "layers", "token"),
     ],
 )
 def test_two_processes_match_single_process(tmp_path, method, shard, per):
@@ -48,6 +56,8 @@ def test_two_processes_match_single_process(tmp_path, method, shard, per):
     single = (
         linear_scores(base, diff, batch)
         if method == "linear"
+        else integrated_scores(base, diff, batch, steps=2)
+        if method == "integrated"
         else causal_scores(base, diff, batch, per=per)
     )
     for rank in (0, 1):
@@ -64,6 +74,10 @@ def test_two_processes_match_single_process(tmp_path, method, shard, per):
             a, b = got.metadata["additivity"], single.metadata["additivity"]
             assert a["exact_change"] == pytest.approx(b["exact_change"], abs=1e-12)
             assert a["relative_gap"] == pytest.approx(b["relative_gap"], abs=1e-12)
+        if method == "integrated":
+            assert (got.other - single.other).abs().max() <= 1e-10
+            done = got.metadata["integrated"]["completeness"]
+            assert set(done) == set(single.kinds) and all(v == v for v in done.values())
         assert got.metadata["prompts_digest"] == single.metadata["prompts_digest"]
         assert got.metadata["distributed"]["world_size"] == 2
 

@@ -1,9 +1,10 @@
 """The weights ``W + α·Δ`` supplied to the forward pieces, never written into the model.
 
+>>> from extractive_lens import backend as B
 >>> with shifted(model, diff):            # the finetuned model W' = W + Δ ...
-...     logits = B.unembed(model, B.run_blocks(model, B.embed(model, tokens)))
+...     x = B.run_blocks(model, B.embed(model, batch.tokens))
 >>> with shifted(model, diff, alpha=0.5): # ... or any point of the straight path W + αΔ
-...     ...
+...     logits = B.unembed(model, B.run_blocks(model, B.embed(model, batch.tokens)))
 
 Inside the block every piece (``embed``, ``attention``, ``mlp``, ``unembed``) runs with its own
 module's parameters replaced by ``W + α·Δ`` while it runs (``compute.upcast_call``), in the
