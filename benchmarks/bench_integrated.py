@@ -65,7 +65,9 @@ def frontier(name, model, diff, batch, steps, paths, layers=None, tokens=None) -
     print(table(rows, COLS), flush=True)
     for path in paths:
         for m in steps:
-            ig, t = _timed(lambda: el.integrated_scores(model, diff, batch, steps=m, path=path, **kw))
+            ig, t = _timed(
+                lambda: el.integrated_scores(model, diff, batch, steps=m, path=path, **kw)
+            )
             _, t_inf = _timed(lambda: el.integrated_scores(model, diff, batch, steps=m, path=path,
                                                            kinds="informative", **kw))  # fmt: skip
             row = {"setting": name, "tokens": tokens, "method": "integrated", "steps": m, "path": path,

@@ -71,8 +71,8 @@ def build(depth: int, vocab: int):
 
 
 def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
-    import gc
     import ctypes
+    import gc
     import time
     import warnings
 
@@ -86,7 +86,9 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
     model, diff, batch = build(depth, vocab)
     lin = None
     if call == "exact_token_top_k":  # the linear ranking is an input here, computed beforehand
-        lin = el.linear_scores(model, diff, batch, kinds=("informative", "downstream"), show_progress=False)
+        lin = el.linear_scores(
+            model, diff, batch, kinds=("informative", "downstream"), show_progress=False
+        )
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     t0 = time.perf_counter()
@@ -111,8 +113,8 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
 
 def checkpoints_case(tmp: Path) -> dict:
     """Host memory of forming every Δ of two saved checkpoints, layer by layer."""
-    import gc
     import ctypes
+    import gc
 
     import transformers
 
@@ -170,12 +172,21 @@ def main() -> None:
     ap.add_argument("--real-vocab", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--checkpoints", action="store_true")
     ap.add_argument("--case", nargs=4, metavar=("CALL", "DEPTH", "VOCAB", "LAYERWISE"))
-    ap.add_argument("--layerwise", nargs="+", type=int, default=[0, 1],
-                    help="1: gradients one layer at a time; 0: as chosen by size")
+    ap.add_argument(
+        "--layerwise",
+        nargs="+",
+        type=int,
+        default=[0, 1],
+        help="1: gradients one layer at a time; 0: as chosen by size",
+    )
     ap.add_argument("--out", default="bench_memory")
     args = ap.parse_args()
     if args.case:
-        print(json.dumps(case(args.case[0], int(args.case[1]), int(args.case[2]), args.case[3] == "1")))
+        print(
+            json.dumps(
+                case(args.case[0], int(args.case[1]), int(args.case[2]), args.case[3] == "1")
+            )
+        )
         return
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     jobs = [(c, d, 32000, lw) for c in args.calls for lw in args.layerwise for d in args.depths]

@@ -249,8 +249,15 @@ def score(
         if "integrated" in methods:
             results.append(
                 distributed_scores(
-                    "integrated", base_m, delta, batch, per=per, steps=n_steps,
-                    layers=layer_list, top_k=top_k, linear=lin if top_k else None,
+                    "integrated",
+                    base_m,
+                    delta,
+                    batch,
+                    per=per,
+                    steps=n_steps,
+                    layers=layer_list,
+                    top_k=top_k,
+                    linear=lin if top_k else None,
                     **{**common, "ablation": ablation or "mean"},
                 )  # fmt: skip
             )

@@ -130,8 +130,8 @@ class ScoreComparison:
                 continue
             a, b, labels = self.cells(kind)
             recs += [(kind, lab, float(x), float(y)) for lab, x, y in zip(labels, a, b)]
-        a, b = self.methods
-        names = ["linear", "exact"] if (a, b) == ("linear", "causal") or a == b else [a, b]
+        ma, mb = self.methods
+        names = ["linear", "exact"] if (ma, mb) == ("linear", "causal") or ma == mb else [ma, mb]
         return pd.DataFrame(recs, columns=["kind", "label", *names])
 
     def _repr_html_(self) -> str:
@@ -323,8 +323,9 @@ def compare(
                     topk_overlap=overlap,
                     max_abs_err=float(err.max()),
                     median_abs_err=float(np.median(err)),
-                    verdict=verdict(kind, pearson, overlap, (linear.method, exact.method),
-                                    complete.get(kind)),  # fmt: skip
+                    verdict=verdict(
+                        kind, pearson, overlap, (linear.method, exact.method), complete.get(kind)
+                    ),  # fmt: skip
                 )
             )
     return ScoreComparison(linear, exact, level, k, tuple(rows))

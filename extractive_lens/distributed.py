@@ -116,9 +116,10 @@ def distributed_scores(
     from extractive_lens.scoring.integrated import integrated_scores
     from extractive_lens.scoring.linear import AdditivityWarning, linear_scores
 
-    fn: Callable[..., ComponentScores] = {
+    fns: dict[str, Callable[..., ComponentScores]] = {
         "linear": linear_scores, "integrated": integrated_scores, "causal": causal_scores
-    }[method]  # fmt: skip
+    }  # fmt: skip
+    fn = fns[method]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn(model, diff, batch, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()

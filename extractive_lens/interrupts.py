@@ -217,8 +217,9 @@ def guarded(model: Any) -> Iterator[None]:
     Restored on exit, shielded: every module's parameter and buffer objects (``compute.substituted``
     swaps them and is not interrupt-safe), grad mode, every module's training mode, every parameter's
     ``requires_grad``, ``model.cfg.dtype``, the hooks on every module (any added inside are
-    removed) and the forward-mode AD level. Weights are restored by the contexts that change
-    them (``WeightDiff.applied``, ``finetune``), each shielded the same way.
+    removed) and the forward-mode AD level. Scoring never writes weights (``backend.shifted``);
+    the calls that do (``WeightDiff.applied``, ``finetune``) restore them in their own contexts,
+    each shielded the same way.
     """
     with _model_lock(model):  # one public call at a time per model, whatever the thread
         finish_stale()

@@ -339,7 +339,10 @@ def comparison_plot(comparison: ScoreComparison) -> go.Figure:
                     showlegend=i == 1,
                     marker=dict(color=color, size=6, opacity=0.7),
                     text=labels,
-                    hovertemplate="%{text}<br>" + xname + " %{x:.4g}<br>" + yname
+                    hovertemplate="%{text}<br>"
+                    + xname
+                    + " %{x:.4g}<br>"
+                    + yname
                     + " %{y:.4g}<extra></extra>",
                 ),
                 row=1,

@@ -292,6 +292,10 @@ class WeightDiff:
     ) -> Iterator[ScorableModel]:
         """Set the chosen weights to ``W + scale·Δ`` inside the block, restoring them exactly after.
 
+        A user tool (run the finetuned model with TransformerLens's own hooks and caches):
+        scoring never writes the model; it supplies ``W + αΔ`` to each piece while it runs
+        (``backend.shifted``), which needs neither saved originals nor a restore.
+
         Args:
             components: ``None`` for every parameter; otherwise the parameter slices these
                 components own (a head selection also applies the layer's shared ``ln1`` and its
@@ -315,17 +319,6 @@ class WeightDiff:
         )
         with diff._set(model, diff.deltas, scale):
             yield model
-
-    def resumed_at(self, model: ScorableModel, layer: int) -> contextlib.AbstractContextManager:
-        """``applied(model)`` for a forward pass resumed at block ``layer``: the embeddings and the
-        blocks before it (which such a pass never runs) keep their weights, so less is written
-        and restored (on GPT-2 the embedding alone is a quarter of the parameters)."""
-        keep = {}
-        for name, d in self.deltas.items():
-            role = B.param_role(name)
-            if role.part != "embed" and (role.layer is None or role.layer >= layer):
-                keep[name] = d
-        return self._set(model, keep, 1.0)
 
     def _set(
         self, model: ScorableModel, deltas: Mapping[str, Tensor], scale: float
@@ -419,6 +412,19 @@ class WeightDiff:
 
     def __neg__(self) -> WeightDiff:
         return self * -1.0
+
+    def pinned(self) -> WeightDiff:
+        """This diff in page-locked host memory (where CUDA is available; else unchanged), so
+        that scoring a model on the GPU copies each layer's Δ asynchronously, the next layer's
+        while the current one runs. Keep Δ on the host this way when it does not fit the GPU
+        beside the model (an 8B model in bf16 has a 30 GB float32 Δ)."""
+        if not torch.cuda.is_available():
+            return self
+        return WeightDiff(
+            {n: d.detach().cpu().pin_memory() for n, d in self.deltas.items()},
+            self.signature,
+            self.metadata,
+        )
 
     def to(self, device: str | torch.device) -> WeightDiff:
         return WeightDiff(

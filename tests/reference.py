@@ -490,7 +490,9 @@ def literal_path_integral(model, batch, reward, layer, head, y, delta, xs, ws):
             act[:, :, head] = new
             return act
 
-        name = f"blocks.{layer}.hook_mlp_out" if head is None else f"blocks.{layer}.attn.hook_result"
+        name = (
+            f"blocks.{layer}.hook_mlp_out" if head is None else f"blocks.{layer}.attn.hook_result"
+        )
         logits = model.run_with_hooks(batch.tokens, fwd_hooks=[(name, hook)])
         (g,) = torch.autograd.grad(reward(logits, batch).sum(), [gammas])
         out += w * g.double()

@@ -57,7 +57,9 @@ class SafetensorsFiles:
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
-def _replace(module: nn.Module, by_id: Mapping[int, Tensor]) -> list[tuple[dict[str, Any], str, Any]]:
+def _replace(
+    module: nn.Module, by_id: Mapping[int, Tensor]
+) -> list[tuple[dict[str, Any], str, Any]]:
     """Put ``by_id[id(p)]`` in place of every parameter ``p`` named there, every alias of a tied
     weight included; returns what to put back."""
     saved = []

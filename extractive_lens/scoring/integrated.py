@@ -216,7 +216,9 @@ class _Result:
     def completeness(self, kind: str) -> float:
         k = self.kinds.index(kind)
         if kind == "informative":
-            total = sum(float((t[k].nansum((1, 2)) + o).sum()) for t, o in zip(self.totals, self.other))
+            total = sum(
+                float((t[k].nansum((1, 2)) + o).sum()) for t, o in zip(self.totals, self.other)
+            )
             change = sum(float(c.sum()) for c in self.change)
             return abs(total - change) / abs(change) if change else 0.0
         err, scale = self.path_sums[kind]
@@ -350,7 +352,7 @@ def _path_integral(
     if options.path == "layer":
         d = d.sum(2, keepdim=True)  # one path: [b, pos, 1, d_model]
     paths = d.shape[2]
-    start = (ctx.layer, ctx.part)
+    start = cast(Any, (ctx.layer, ctx.part))
     # rows: (node, path, prompt), prompts innermost so that each pass holds whole copies
     jobs = [(i, p) for i in range(len(xs)) for p in range(paths)]
     per_pass = max(1, options.max_batch // b)
@@ -381,7 +383,7 @@ def _path_integral(
 
 
 def _gradient(
-    model: Any, x: Tensor, start: tuple[int, str], batch: PromptBatch, reward_fn: Reward,
+    model: Any, x: Tensor, start: Any, batch: PromptBatch, reward_fn: Reward,
     groups: int, n_pos: int,
 ) -> Tensor:  # fmt: skip
     """``dR/dx`` for stacked streams ``x`` at boundary ``start`` (``groups`` copies of ``batch``):
@@ -395,4 +397,3 @@ def _gradient(
             R, _, _ = readout(model, cast(Tensor, y), batch, reward_fn, groups=groups)
             (g,) = torch.autograd.grad(R.sum(), [xin])
     return g
-

@@ -80,9 +80,15 @@ def linear(chunk: LinearChunk) -> Tensor:
             inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(dot["mlp"])).sum(-1)
     tokens = chunk.batch.tokens.to(device)
     ends = by_layer.get(None, [])
-    for piece, g, arg in ((B.embed, base.g_embed, tokens), (B.unembed, base.g_logits, base.post_final)):
+    pieces_at_ends: list[tuple[Any, Any, Any]] = [
+        (B.embed, base.g_embed, tokens),
+        (B.unembed, base.g_logits, base.post_final),
+    ]
+    for piece, g, arg in pieces_at_ends:
         # one at a time: a vocabulary-sized weight and its Δ are the largest tensors there are
-        used = {n for n in ends if B.param_role(n).part == ("embed" if piece is B.embed else "final")}
+        used = {
+            n for n in ends if B.param_role(n).part == ("embed" if piece is B.embed else "final")
+        }
         with torch.no_grad():
             _, dot = B.jvp(model, piece, (arg,), {n: deltas[n].to(device) for n in used})
         other += (wide(g) * wide(dot)).sum((-1, -2))  # type: ignore[arg-type]
