@@ -375,7 +375,7 @@ def report(
     if len(results) >= 2 and None not in runs and len(runs) >= 2:
         names = " and ".join(f"{r.method}/" for r in results)
         raise typer.BadParameter(
-            f"{scores_dir}: {names} come from different `score` runs (one was "
+            f"{scores_dir}: {names} come from two different `score` runs (one was "
             "interrupted, or the folder was reused); score again into an empty --out."
         )
     cmps = []

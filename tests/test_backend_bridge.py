@@ -102,8 +102,12 @@ def _assert_same_scores(hb, hf_, bb, bf, conventions, atol):
     batch = _batch(hb)
     for conv in conventions:
         lin_kw, exact_kw = CONVENTIONS[conv]
-        for method, kw in (("linear", lin_kw), ("causal", exact_kw)):
-            fn = el.linear_scores if method == "linear" else el.causal_scores
+        methods = [("linear", lin_kw), ("causal", exact_kw)]
+        if conv == "paper":
+            methods.append(("integrated", {"steps": 2}))
+        for method, kw in methods:
+            fn = {"linear": el.linear_scores, "causal": el.causal_scores,
+                  "integrated": el.integrated_scores}[method]  # fmt: skip
             a = fn(hb, d_h, batch, show_progress=False, **kw)
             b = fn(bb, d_b, batch, show_progress=False, **kw)
             assert a.kinds == b.kinds == ("informative", "upstream", "downstream")

@@ -687,7 +687,7 @@ CASES = [
         "distributed method typo",
         lambda e: distributed_scores("lineer", e["base"], e["diff"], e["batch"]),
         ValueError,
-        "'linear' or 'causal'",
+        "'linear', 'integrated' or 'causal'",
     ),
     (
         "distributed shard typo",

@@ -80,6 +80,7 @@ class Shift:
         if d is None:
             return p.detach().to(dtype)
         wide = torch.promote_types(torch.promote_types(p.dtype, d.dtype), dtype)
+        d = d if d.device == p.device else d.to(p.device)
         step = d if self.alpha == 1.0 else self.alpha * d
         return (p.detach().to(wide) + step.to(wide)).to(dtype)
 
@@ -102,9 +103,13 @@ class Shift:
         if not names:
             return {}
         values = {}
+        block_dev = None
+        if g is not None:  # where that block lives (models split over devices: n_devices)
+            block_dev = next(iter(self.model.blocks[g].parameters()), None)
+            block_dev = None if block_dev is None else block_dev.device
         for n in names:
             d = self.diff.deltas[n]
-            dev = self.device or d.device
+            dev = block_dev or self.device or d.device
             blocking = not (non_blocking and d.device.type == "cpu" and d.is_pinned())
             values[n] = d.to(dev, non_blocking=not blocking)
         dtype = torch.promote_types(next(iter(values.values())).dtype, torch.float32)
