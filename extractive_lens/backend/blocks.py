@@ -16,7 +16,7 @@ after its heads, before its MLP (sequential blocks only); ``(layer, "post")`` th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,7 +47,7 @@ def run_blocks(
     start: tuple[int, Where] = (0, "pre"),
     stop: int | None = None,
     capture: tuple[str, ...] = (),
-    past_kv: dict[int, tuple[Tensor, Tensor]] | None = None,
+    past_kv: Mapping[int, tuple[Tensor, Tensor]] | None = None,
     read_pos: Tensor | None = None,
     inject: Callable[[int, Entry, Tensor | None], Tensor | None] | None = None,
     observe: Callable[[LayerRun], None] | None = None,

@@ -26,7 +26,7 @@ exact score combines the patch's effects are in ``scoring/kinds/``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -177,6 +177,25 @@ def _skipped(
     return skipped
 
 
+class _RowsKV(Mapping[int, tuple[Tensor, Tensor]]):
+    """The cached keys and values of rows ``pb``, positions before ``s``, per layer: gathered
+    when the layer asks for them, so one layer's copy exists at a time, not every later
+    layer's (at 8B width, rows x positions x 4096 x 8 bytes per layer)."""
+
+    def __init__(self, kv: dict[int, tuple[Tensor, Tensor]], pb: Tensor, s: int) -> None:
+        self.kv, self.pb, self.s = kv, pb, s
+
+    def __getitem__(self, layer: int) -> tuple[Tensor, Tensor]:
+        k, v = self.kv[layer]
+        return k[self.pb, : self.s], v[self.pb, : self.s]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.kv)
+
+    def __len__(self) -> int:
+        return len(self.kv)
+
+
 @dataclass
 class _Context:
     """Where interventions resume: the stream at a boundary, its keys/values, its reward."""
@@ -277,7 +296,7 @@ class CausalChunk:
                 pb, c, t = part[:, 0], part[:, 1], part[:, 2]
                 s = 0 if per == "component" else self._start(int(t.min()))
                 x, entry = self._patched_stream(ctx, delta, per, pb, c, t, s)
-                kv = None if s == 0 else {l: (k[pb, :s], v[pb, :s]) for l, (k, v) in ctx.kv.items()}
+                kv = None if s == 0 else _RowsKV(ctx.kv, pb, s)
                 rows = AnswerRows.of(self.batch, pb) if self.suffix_ok else None
                 read = None if rows is None else rows.read_positions(s)
                 x = cast(Tensor, B.run_blocks(self.model, x, start=(ctx.layer, entry),  # type: ignore[arg-type]
