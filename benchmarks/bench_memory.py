@@ -9,9 +9,10 @@ in float32, on 8 prompts x 32 tokens; vocabulary 32000, and Llama 3's 128256 at 
 random float32 update held on the host.
 
 Calls: ``linear`` (every kind); ``exact_token_top_k`` (informative and downstream per token,
-the linear top 3 per kind); ``exact_component`` and ``integrated`` (every component of layer 0
-per component, resp. every kind at the default steps: their passes run through every later
-layer, so the growth with depth is theirs). ``--layerwise 1`` measures gradients taken one
+the linear top 3 per kind); ``exact_component`` (every component of layer 0, per component: its passes run through
+every later layer, so the growth with depth is theirs); ``integrated`` (every kind at the
+default steps, per token, the paths of the linear top 3 per kind; informative along
+``W + αΔ`` for every component). ``--layerwise 1`` measures gradients taken one
 layer at a time whatever the size (what a 32-layer model gets: ``runs.LAYERWISE_BYTES``).
 
 Each (call, depth) runs in a fresh subprocess (large allocations returned to the system at once:
@@ -101,8 +102,8 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
         elif call == "exact_component":
             el.causal_scores(model, diff, batch, kinds=("informative", "downstream"),
                              per="component", layers=[0], show_progress=False)  # fmt: skip
-        elif call == "integrated":  # every kind; the paths of layer 0's components
-            el.integrated_scores(model, diff, batch, layers=[0], show_progress=False)
+        elif call == "integrated":  # every kind, default steps; the linear top 3 per kind
+            el.integrated_scores(model, diff, batch, top_k=3, linear=lin, show_progress=False)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         "call": call, "depth": depth, "vocab": vocab, "layerwise": layerwise,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
-from extractive_lens.scoring.runs import head_grad, head_out, wide
+from extractive_lens.scoring.runs import head_grad, head_out, layerwise, wide
 
 if TYPE_CHECKING:  # pragma: no cover
     from extractive_lens.scoring.causal import CausalChunk
@@ -33,13 +33,14 @@ def capture(options: ScoreOptions) -> tuple[str, ...]:
 def linear(chunk: LinearChunk) -> Tensor:
     """``Ī[batch, layer, component, pos]``; sets ``chunk.other`` to the "other" parameters' share.
 
-    One forward-mode pass per layer: the layer's attention and MLP re-run on their cached base
-    inputs with the weights' tangent set to that layer's Δ (``b_O`` excluded, and ``W_O`` in the
-    authors' convention: they are credited separately), so only one layer's Δ and duals exist at
-    a time; then one for the embedding and the unembedding ("other").
+    Forward-mode passes: every layer's attention and MLP re-run on their cached base inputs with
+    the weights' tangent set to Δ (``b_O`` excluded, and ``W_O`` in the authors' convention: they
+    are credited separately), then the embedding and the unembedding ("other"). Small models
+    take one pass; large ones (``runs.layerwise``) one per layer, so that one layer's Δ and duals
+    exist at a time.
     """
     model, base, deltas, authors = chunk.model, chunk.base, chunk.deltas, chunk.options.authors
-    L, H, has_mlp = model.cfg.n_layers, model.cfg.n_heads, B.has_mlp(model)
+    L, has_mlp = model.cfg.n_layers, B.has_mlp(model)
     dtype, device = chunk.dtype, model.cfg.device
     inf = chunk.new_scores()
     other = torch.zeros(inf.shape[0], dtype=dtype, device=inf.device)
@@ -50,50 +51,61 @@ def linear(chunk: LinearChunk) -> Tensor:
             by_layer.setdefault(B.layer_of(n), []).append(n)
     capture = ("z", "q", "k", "v") if authors else ("z",)
 
-    def tangents(layer: int | None) -> dict[str, Tensor]:
-        return {n: deltas[n].to(device) for n in by_layer.get(layer, [])}
-
     def pieces(m: Any, layer: int) -> dict[str, Any]:
         out: dict[str, Any] = {"cap": B.attention(m, layer, base.pre[layer], capture)[1]}
         if has_mlp:
             out["mlp"] = B.mlp(m, layer, base.mlp_in[layer])
         return out
 
-    for layer in range(L):
-        with torch.no_grad():  # one forward-mode pass for this layer's components
-            _, dot = B.jvp(model, pieces, (layer,), tangents(layer))
-        if authors:  # Q credited at the query position, K and V at the key position
-            g = base.g_captured[layer]
-            per = sum((wide(g[n]) * wide(dot["cap"][n])).sum(-1) for n in ("q", "k", "v"))
-        else:
-            per = (chunk.g_z[layer] * wide(dot["cap"]["z"])).sum(-1)
-        inf[:, layer, :H] = per.transpose(1, 2)  # type: ignore[union-attr]
-        W_O_name, b_O_name = B.attn_out_names(layer)
-        if W_O_name in deltas:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
-            d_WO = deltas[W_O_name].to(device)
-            w_o = (head_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
-            inf[:, layer, :H] += w_o.transpose(1, 2)
-        if b_O_name in deltas:
-            d_bO = deltas[b_O_name].to(device=device, dtype=dtype)
-            other += (wide(base.g_attn[layer]).sum(1) * d_bO).sum(-1)
-        if has_mlp:
-            inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(dot["mlp"])).sum(-1)
+    # one forward-mode pass for all layers on small models; one per layer (one layer's Δ and
+    # duals at a time) where activations or weights are large
+    groups = [[l] for l in range(L)] if layerwise(model, chunk.batch) else [list(range(L))]
+    for group in groups:
+        tang = {n: deltas[n].to(device) for l in group for n in by_layer.get(l, [])}
+        with torch.no_grad():
+            _, dots = B.jvp(model, lambda m: {l: pieces(m, l) for l in group}, (), tang)
+        for layer in group:
+            _layer_scores(chunk, layer, dots[layer], inf, other)
     tokens = chunk.batch.tokens.to(device)
     ends = by_layer.get(None, [])
-    pieces_at_ends: list[tuple[Any, Any, Any]] = [
-        (B.embed, base.g_embed, tokens),
-        (B.unembed, base.g_logits, base.post_final),
-    ]
-    for piece, g, arg in pieces_at_ends:
-        # one at a time: a vocabulary-sized weight and its Δ are the largest tensors there are
-        used = {
-            n for n in ends if B.param_role(n).part == ("embed" if piece is B.embed else "final")
-        }
+    # the embedding and the unembedding ("other"): together on small models, else one at a time
+    # (a vocabulary-sized weight and its Δ are the largest tensors there are)
+    sides = [("embed", base.g_embed, lambda m: B.embed(m, tokens)),
+             ("final", base.g_logits, lambda m: B.unembed(m, base.post_final))]  # fmt: skip
+    for together in [sides] if len(groups) == 1 else [[side] for side in sides]:
+        names = {part for part, _, _ in together}
+        tang = {n: deltas[n].to(device) for n in ends if B.param_role(n).part in names}
         with torch.no_grad():
-            _, dot = B.jvp(model, piece, (arg,), {n: deltas[n].to(device) for n in used})
-        other += (wide(g) * wide(dot)).sum((-1, -2))  # type: ignore[arg-type]
+            _, dots = B.jvp(model, lambda m: [f(m) for _, _, f in together], (), tang)
+        for (_, g, _), d in zip(together, dots):
+            other += (wide(g) * wide(d)).sum((-1, -2))
     chunk.other = other
     return inf
+
+
+def _layer_scores(chunk: LinearChunk, layer: int, dot: dict[str, Any], inf: Tensor,
+                  other: Tensor) -> None:  # fmt: skip
+    """One layer's informative scores from its forward-mode tangents (``dot``), into ``inf``;
+    ``b_O``'s share into ``other``."""
+    model, base, deltas = chunk.model, chunk.base, chunk.deltas
+    H, has_mlp, authors = model.cfg.n_heads, B.has_mlp(model), chunk.options.authors
+    dtype, device = chunk.dtype, model.cfg.device
+    if authors:  # Q credited at the query position, K and V at the key position
+        g = base.g_captured[layer]
+        per = sum((wide(g[n]) * wide(dot["cap"][n])).sum(-1) for n in ("q", "k", "v"))
+    else:
+        per = (chunk.g_z[layer] * wide(dot["cap"]["z"])).sum(-1)
+    inf[:, layer, :H] = per.transpose(1, 2)  # type: ignore[union-attr]
+    W_O_name, b_O_name = B.attn_out_names(layer)
+    if W_O_name in deltas:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
+        d_WO = deltas[W_O_name].to(device)
+        w_o = (head_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
+        inf[:, layer, :H] += w_o.transpose(1, 2)
+    if b_O_name in deltas:
+        d_bO = deltas[b_O_name].to(device=device, dtype=dtype)
+        other += (wide(base.g_attn[layer]).sum(1) * d_bO).sum(-1)
+    if has_mlp:
+        inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(dot["mlp"])).sum(-1)
 
 
 def patch_values(chunk: CausalChunk, layer: int) -> tuple[Tensor, Tensor | None]:
