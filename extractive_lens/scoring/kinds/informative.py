@@ -6,7 +6,7 @@ parameters no component owns (embeddings, ``b_O``, final norm, unembedding) go t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -70,8 +70,9 @@ def linear(chunk: LinearChunk) -> Tensor:
     ends = by_layer.get(None, [])
     # the embedding and the unembedding ("other"): together on small models, else one at a time
     # (a vocabulary-sized weight and its Δ are the largest tensors there are)
-    sides = [("embed", base.g_embed, lambda m: B.embed(m, tokens)),
-             ("final", base.g_logits, lambda m: B.unembed(m, base.post_final))]  # fmt: skip
+    post_final = cast(Tensor, base.post_final)
+    sides = [("embed", cast(Tensor, base.g_embed), lambda m: B.embed(m, tokens)),
+             ("final", cast(Tensor, base.g_logits), lambda m: B.unembed(m, post_final))]  # fmt: skip
     for together in [sides] if len(groups) == 1 else [[side] for side in sides]:
         names = {part for part, _, _ in together}
         tang = {n: deltas[n].to(device) for n in ends if B.param_role(n).part in names}
