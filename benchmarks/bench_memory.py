@@ -23,7 +23,8 @@ growth per layer over the depths: the extra memory of a 32-layer model is about
 
 ``--checkpoints`` also measures ``WeightDiff.from_checkpoints`` on two saved checkpoints of this
 shape (depth 2): peak host memory while every Δ tensor is formed once, layer by layer, against
-the size of one model and of its largest tensor.
+the size of one model and of its largest tensor: all resident pages, and without the
+file-backed ones (the memory-mapped checkpoint files, which the kernel drops under pressure).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def checkpoints_case(tmp: Path) -> dict:
         del hf
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with PeakMemory() as mem:
+    with PeakMemory() as mem, PeakMemory(anonymous=True) as anon:
         diff = el.WeightDiff.from_checkpoints(*paths, dtype=torch.bfloat16)
         largest = 0
         for name in sorted(diff.deltas, key=lambda n: (layer_of(n) is None, layer_of(n) or 0)):
@@ -151,7 +152,8 @@ def checkpoints_case(tmp: Path) -> dict:
     shapes = diff.deltas.base.shapes  # type: ignore[attr-defined]
     model_bytes = sum(int(torch.Size(s).numel()) * 2 for s in shapes.values())
     return {
-        "extra_gib": mem.extra_mb / 1024, "model_gib": model_bytes / GiB,
+        "extra_gib": mem.extra_mb / 1024, "extra_anonymous_gib": anon.extra_mb / 1024,
+        "model_gib": model_bytes / GiB,
         "largest_tensor_gib": largest / GiB,
     }  # fmt: skip
 
@@ -172,6 +174,7 @@ def main() -> None:
     ap.add_argument("--calls", nargs="+", default=list(CALLS))
     ap.add_argument("--real-vocab", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--checkpoints", action="store_true")
+    ap.add_argument("--only-checkpoints", action="store_true")
     ap.add_argument("--case", nargs=4, metavar=("CALL", "DEPTH", "VOCAB", "LAYERWISE"))
     ap.add_argument(
         "--layerwise",
@@ -188,6 +191,14 @@ def main() -> None:
                 case(args.case[0], int(args.case[1]), int(args.case[2]), args.case[3] == "1")
             )
         )
+        return
+    if args.only_checkpoints:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            found = checkpoints_case(Path(tmp))
+        print("from_checkpoints:", found)
+        print("wrote", write(args.out, {"from_checkpoints": found}))
         return
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     jobs = [(c, d, 32000, lw) for c in args.calls for lw in args.layerwise for d in args.depths]

@@ -47,24 +47,35 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def rss_mb() -> float:
+def rss_mb(anonymous: bool = False) -> float:
+    """Resident memory (MB); ``anonymous``: without file-backed pages (memory-mapped files the
+    kernel can drop at any time, such as safetensors checkpoints being read)."""
+    if anonymous:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 class PeakMemory:
-    """Peak resident memory above the level at entry, sampled every millisecond (MB)."""
+    """Peak resident memory above the level at entry, sampled every millisecond (MB);
+    ``anonymous=True``: without file-backed pages (see ``rss_mb``)."""
+
+    def __init__(self, anonymous: bool = False) -> None:
+        self.anonymous = anonymous
 
     def __enter__(self) -> "PeakMemory":
         import threading
 
-        self.start = rss_mb()
+        self.start = rss_mb(self.anonymous)
         self.peak = self.start
         self._stop = threading.Event()
 
         def sample() -> None:
             while not self._stop.is_set():
-                self.peak = max(self.peak, rss_mb())
+                self.peak = max(self.peak, rss_mb(self.anonymous))
                 self._stop.wait(0.001)
 
         self._thread = threading.Thread(target=sample, daemon=True)
@@ -74,7 +85,7 @@ class PeakMemory:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_mb())
+        self.peak = max(self.peak, rss_mb(self.anonymous))
 
     @property
     def extra_mb(self) -> float:

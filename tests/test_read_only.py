@@ -109,8 +109,10 @@ def test_shifted_pieces_equal_written_weights(pair64, alpha):
 
 
 def test_shift_keeps_at_most_two_layers_of_delta(pair64, monkeypatch):
+    """A large model (here: any, with REUSE_BYTES 0) holds two layers of Δ at a time."""
     from extractive_lens.backend import shift
 
+    monkeypatch.setattr(shift, "REUSE_BYTES", 0)
     base, ft = pair64
     diff = WeightDiff.from_models(base, ft)
     seen = []

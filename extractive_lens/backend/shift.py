@@ -34,10 +34,11 @@ from extractive_lens.backend.names import layer_of
 KEEP_LAYERS = 2
 """Layers of Δ kept on the device at once (the one running and the next, prefetched)."""
 
-REUSE_BYTES = 64 * 2**20
-"""A layer whose Δ is smaller than this keeps its ``W + αΔ`` while its Δ is kept (a pass that
-runs the layer many times, as the exact engine's do, forms it once); larger layers form it in
-each piece and drop it after (an 8B layer's is 0.9 GB in float32)."""
+REUSE_BYTES = 2 * 2**30
+"""A model whose float32 weights are smaller than this keeps every layer's Δ and ``W + αΔ`` for
+the whole shift (a scoring call runs each layer many times and forms ``W + αΔ`` once, as the
+write into the model did before); a larger model forms them in each piece and holds
+``KEEP_LAYERS`` layers of Δ (an 8B layer's ``W + αΔ`` is 0.9 GB in float32)."""
 
 _SHIFTS: contextvars.ContextVar[tuple[Shift, ...]] = contextvars.ContextVar(
     "extractive_lens_shifts", default=()
@@ -68,6 +69,7 @@ class Shift:
             self.names_by_group.setdefault(layer_of(name), []).append(name)
         self._loaded: OrderedDict[int | None, dict[int, Tensor]] = OrderedDict()
         self._values: dict[int | None, dict[tuple[int, torch.dtype], Tensor]] = {}
+        self.small = sum(p.numel() for p in model.parameters()) * 4 <= REUSE_BYTES
         self._pending: dict[int | None, tuple[Any, dict[int, Tensor]]] = {}
 
     def covers(self, p: Tensor) -> bool:
@@ -103,9 +105,9 @@ class Shift:
         if found is None:
             found = self._wait(g) if g in self._pending else self._load(g)
             self._loaded[g] = found
-            if sum(t.numel() * t.element_size() for t in found.values()) <= REUSE_BYTES:
+            if self.small:
                 self._values[g] = {}
-            while len(self._loaded) > KEEP_LAYERS:
+            while not self.small and len(self._loaded) > KEEP_LAYERS:
                 gone, _ = self._loaded.popitem(last=False)
                 self._values.pop(gone, None)
             if isinstance(g, int) and g + 1 < self.model.cfg.n_layers:
@@ -171,15 +173,40 @@ def for_model(model: Any) -> Shift | None:
 
 
 @contextlib.contextmanager
-def shifted(model: Any, diff: Any, alpha: float = 1.0) -> Iterator[Shift]:
+def shifted(model: Any, diff: Any, alpha: float = 1.0, *, keep: bool = True) -> Iterator[Shift]:
     """Run ``model``'s pieces with weights ``W + alpha·Δ`` inside the block (module docstring).
 
     Nothing about the model changes: the shift is a context variable the pieces read, so a
-    thread or task outside the block sees the base weights.
+    thread or task outside the block sees the base weights. Inside ``reusing()`` the shift is
+    shared with later blocks of the same model, diff and alpha unless ``keep=False``.
     """
-    s = Shift(model, diff, alpha)
+    reuse = _REUSE.get() if keep else None
+    key = (id(model), id(diff), float(alpha))
+    s = None if reuse is None else reuse.get(key)
+    if s is None or s.model is not model or s.diff is not diff:
+        s = Shift(model, diff, alpha)
+        if reuse is not None:
+            reuse[key] = s
     with _shifts((*_SHIFTS.get(), s)):
         yield s
+
+
+_REUSE: contextvars.ContextVar[dict[tuple[int, int, float], Shift] | None] = contextvars.ContextVar(
+    "extractive_lens_shift_reuse", default=None
+)
+
+
+@contextlib.contextmanager
+def reusing() -> Iterator[None]:
+    """Inside the block, ``shifted`` with the same model, diff and alpha gives the same shift
+    (its Δ and, for small models, its ``W + αΔ`` formed once): one scoring call's passes share
+    them; nothing is kept after the block."""
+    previous = _REUSE.get()
+    try:
+        _REUSE.set({} if previous is None else previous)
+        yield
+    finally:
+        _REUSE.set(previous)
 
 
 @contextlib.contextmanager

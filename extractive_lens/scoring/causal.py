@@ -117,7 +117,7 @@ def causal_scores_with(
         skipped={k: list(v) for k, v in skipped.items()} if partial else None,
     )  # fmt: skip
     per_token, totals = [], []
-    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
+    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt), B.reusing():
         first = forward_run(model, chunks[0], options.reward_fn, capture=("z", "k", "v"))
         table = table_for(model, batch, options, chunks, first)
         for i, chunk in enumerate(chunks):

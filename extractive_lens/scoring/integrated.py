@@ -175,7 +175,7 @@ def integrated_scores_with(
     )  # fmt: skip
     m = DEFAULT_STEPS if options.steps == "auto" else int(options.steps)
     tried: list[dict[str, Any]] = []
-    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
+    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt), B.reusing():
         while True:
             xs, ws = nodes(m, options.rule)
             out = _run(model, diff, batch, plan, chunks, options, skipped, xs, ws)
@@ -283,7 +283,7 @@ def _informative(
                                 ablation=options.ablation, rows=None)  # fmt: skip
     total = other = None
     for x, w in zip(xs, ws):
-        with B.shifted(model, diff, x):
+        with B.shifted(model, diff, x, keep=False):  # one node's W + xΔ at a time
             run = forward_run(model, chunk, options.reward_fn, grad=True)
             g_z = [head_grad(wide(g), W) for g, W in zip(run.g_attn, run.W_O)]
             c = LinearChunk(model, diff, diff.deltas, chunk, run, [], lin_options, None, g_z)

@@ -108,7 +108,7 @@ def linear_scores_with(
     _check_covered(deltas)
     scored, plan = plan_chunks(batch, options.rows, options.batch_size)
     meta = base_metadata(model, diff, options, batch, cdt, method="linear")
-    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
+    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt), B.reusing():
         with B.ungrouped_kv(model) if per_query_head else contextlib.nullcontext():
             chunks = _scores(model, diff, deltas, batch, plan, options)
     per_token = [cast(Tensor, c.scores) for c in chunks]
