@@ -34,7 +34,7 @@ from extractive_lens.backend.names import layer_of
 KEEP_LAYERS = 2
 """Layers of Δ kept on the device at once (the one running and the next, prefetched)."""
 
-REUSE_BYTES = 2 * 2**30
+REUSE_BYTES = 512 * 2**20
 """A model whose float32 weights are smaller than this keeps every layer's Δ and ``W + αΔ`` for
 the whole shift (a scoring call runs each layer many times and forms ``W + αΔ`` once, as the
 write into the model did before); a larger model forms them in each piece and holds
