@@ -77,10 +77,9 @@ class Shift:
 
     def offset(self, p: Tensor) -> Tensor | None:
         """``Δ`` for the stored tensor ``p`` (on its device), or ``None`` where Δ is zero."""
-        g = self.group.get(id(p))
         if id(p) not in self.group:
             return None
-        return self._layer(g).get(id(p))
+        return self._layer(self.group[id(p)]).get(id(p))
 
     def value(self, p: Tensor, dtype: torch.dtype) -> Tensor:
         """``p + alpha·Δ`` in ``dtype`` (``p`` upcast first: no rounding to the stored dtype)."""

@@ -196,6 +196,18 @@ class _RowsKV(Mapping[int, tuple[Tensor, Tensor]]):
         return len(self.kv)
 
 
+def mark_uncomputed(vals: Tensor, tots: Tensor, kinds: Sequence[str],
+                    skipped: dict[str, list[str]], n_heads: int) -> None:  # fmt: skip
+    """Never computed (``top_k``, ``layers``): NaN in ``vals [kind batch layer comp pos]`` and
+    ``tots [kind batch layer comp]``, not a score of 0."""
+    for k, kind in enumerate(kinds):
+        for label in skipped.get(kind, ()):
+            comp = Component.parse(label)
+            c = n_heads if comp.is_mlp else comp.head
+            vals[k, :, comp.layer, c] = float("nan")
+            tots[k, :, comp.layer, c] = float("nan")
+
+
 @dataclass
 class _Context:
     """Where interventions resume: the stream at a boundary, its keys/values, its reward."""
@@ -369,12 +381,7 @@ class CausalChunk:
                     vals[k, :, layer, idx] = tok.to(dtype)
         mask = self.batch.position_mask.to(dev)
         vals = vals * mask[None, :, None, None, :]
-        for k, kind in enumerate(kinds):  # never computed: NaN, not a score of 0
-            for label in skipped.get(kind, ()):
-                comp = Component.parse(label)
-                c = self.H if comp.is_mlp else comp.head
-                vals[k, :, comp.layer, c] = float("nan")
-                tots[k, :, comp.layer, c] = float("nan")
+        mark_uncomputed(vals, tots, kinds, skipped, self.H)
         return vals, tots
 
     def _effects(self, kind: Any, layer: int, group: str, delta: Tensor, per: str

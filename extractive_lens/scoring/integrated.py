@@ -45,11 +45,11 @@ from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
 from extractive_lens.scoring.ablation import table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
-from extractive_lens.scoring.causal import CausalChunk, _Context, _skipped
+from extractive_lens.scoring.causal import CausalChunk, _Context, _skipped, mark_uncomputed
 from extractive_lens.scoring.kinds import KINDS
 from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
 from extractive_lens.scoring.runs import forward_run, grad_at, head_grad, layerwise, readout, wide
-from extractive_lens.types import SCORE_KINDS, Ablation, Component, ScoreKind
+from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
 
 Path = Literal["component", "layer"]
@@ -260,12 +260,7 @@ def _run(
                                          res.path_sums[kind])  # fmt: skip
         vals = vals * chunk.position_mask.to(dev)[None, :, None, None, :]
         tots = vals.sum(-1)
-        for k, kind in enumerate(kinds):  # never computed: NaN, as in causal_scores
-            for label in skipped.get(kind, ()):
-                comp = Component.parse(label)
-                c = H if comp.is_mlp else comp.head
-                vals[k, :, comp.layer, c] = float("nan")
-                tots[k, :, comp.layer, c] = float("nan")
+        mark_uncomputed(vals, tots, kinds, skipped, H)
         res.per_token.append(vals)
         res.totals.append(tots)
         res.other.append(other)
