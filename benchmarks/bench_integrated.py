@@ -36,9 +36,16 @@ from benchmarks.common import random_pair, table, write  # noqa: E402
 
 
 def _timed(fn):
+    _sync()
     t0 = time.perf_counter()
     out = fn()
+    _sync()
     return out, time.perf_counter() - t0
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _pearson(a, b) -> float:
@@ -101,7 +108,8 @@ def gpt2_batch(model, n_tokens: int, prompts: int = 2):
     V = model.cfg.d_vocab
     pairs = [(torch.randint(0, V, (n_tokens,), generator=g).tolist(),
               [int(torch.randint(0, V, (1,), generator=g))]) for _ in range(prompts)]  # fmt: skip
-    return make_batch(model, pairs, candidates=sorted({a[0] for _, a in pairs}))
+    return make_batch(model, pairs, candidates=sorted({a[0] for _, a in pairs}),
+                      device=model.cfg.device)  # fmt: skip
 
 
 def main() -> None:
@@ -111,18 +119,25 @@ def main() -> None:
     ap.add_argument("--gpt2-steps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--paths", nargs="+", default=["component", "layer"])
+    ap.add_argument("--layers", default="0,6,11",
+                    help="gpt2-small: the layers scored, comma-separated, or 'all'")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--out", default="bench_integrated")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     rows = []
     if "demo" in args.settings:
-        rows += frontier("demo", *demo_setting(), args.steps, args.paths)
+        model, diff, impls = demo_setting()
+        if args.device != "cpu":
+            model, diff, impls = model.to(args.device), diff.to(args.device), impls.to(args.device)
+        rows += frontier("demo", model, diff, impls, args.steps, args.paths)
     if "gpt2-small" in args.settings:
-        base, diff, _ = random_pair("gpt2-small")
-        base.cfg.n_ctx = max(base.cfg.n_ctx, max(args.tokens))
+        n_ctx = max(64, max(args.tokens) + 2)  # the prompt, its BOS and the answer
+        base, diff, _ = random_pair("gpt2-small", device=args.device, n_ctx=n_ctx)
+        layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
         for n in args.tokens:
             rows += frontier("gpt2-small", base, diff, gpt2_batch(base, n), args.gpt2_steps,
-                             args.paths, layers=[0, 6, 11], tokens=n)  # fmt: skip
+                             args.paths, layers=layers, tokens=n)  # fmt: skip
     print()
     print(table(rows, COLS))
     print("wrote", write(args.out, {"rows": rows}))

@@ -21,6 +21,12 @@ the model, Δ and the batch were built, sampled every millisecond. The slope is 
 growth per layer over the depths: the extra memory of a 32-layer model is about
 ``at depth 1 + 31 x slope``. Target: slope <= 0.15 GiB per layer.
 
+``--device cuda``: the model is built on the GPU at the given depths (``--depths 32``: Llama-3-8B
+itself, random weights, 16 GB in bf16) with Δ in pinned host memory (``diff.pinned()``, as the
+README advises for a GPU the size of the model), and the figure is the peak GPU memory
+allocated above the model and the batch (``torch.cuda.max_memory_allocated``), with each call's
+time. All calls run in one process (the peak counter is reset between them).
+
 ``--checkpoints`` also measures ``WeightDiff.from_checkpoints`` on two saved checkpoints of this
 shape (depth 2): peak host memory while every Δ tensor is formed once, layer by layer, against
 the size of one model and of its largest tensor: all resident pages, and without the
@@ -113,6 +119,83 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
     }  # fmt: skip
 
 
+def build_on_gpu(depth: int, vocab: int, device: str = "cuda"):
+    """Llama-3-8B's shape at ``depth`` on the GPU (TransformerLens's own initialisation, made on
+    the device), Δ of 1e-3 random normal in float32 on the host, pinned (32 GB at full depth)."""
+    import transformer_lens as tl
+
+    from extractive_lens import WeightDiff, make_batch
+    from extractive_lens import backend as B
+
+    cfg = tl.HookedTransformerConfig(
+        **dict(LLAMA3_8B, n_layers=depth, d_vocab=vocab, dtype=torch.bfloat16, device=device)
+    )
+    with torch.device(device):
+        model = tl.HookedTransformer(cfg)
+    model.eval()
+    g = torch.Generator(device=device).manual_seed(1)
+    deltas = {}
+    pin = device != "cpu"
+    for n, p in B.parameters(model).items():  # float32 on the host, made pinned (no copy later)
+        d = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32).mul_(1e-3)
+        deltas[n] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(d)
+        del d
+    diff = WeightDiff(deltas, B.signature(model)).pinned()
+    gc = torch.Generator().manual_seed(1)
+    pairs = [
+        (torch.randint(0, vocab, (TOKENS,), generator=gc).tolist(), [int(torch.randint(0, vocab, (1,), generator=gc))])
+        for _ in range(PROMPTS)
+    ]  # fmt: skip
+    batch = make_batch(model, pairs, candidates=sorted({a[0] for _, a in pairs}), device=device)
+    return model, diff, batch
+
+
+def gpu_cases(depths: list[int], vocab: int, calls: list[str]) -> list[dict]:
+    import time
+    import warnings
+
+    import extractive_lens as el
+
+    warnings.filterwarnings("ignore")
+    rows = []
+    for depth in depths:
+        t0 = time.perf_counter()
+        model, diff, batch = build_on_gpu(depth, vocab)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        print(f"depth {depth}: built in {time.perf_counter() - t0:.0f} s, weights "
+              f"{weights / GiB:.2f} GiB, GPU {torch.cuda.get_device_name()}", flush=True)  # fmt: skip
+        lin = el.linear_scores(
+            model, diff, batch, kinds=("informative", "downstream"), show_progress=False
+        )
+        for call in calls:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            if call == "linear":
+                el.linear_scores(model, diff, batch, show_progress=False)
+            elif call == "exact_token_top_k":
+                el.causal_scores(model, diff, batch, kinds=("informative", "downstream"),
+                                 top_k=3, linear=lin, show_progress=False)  # fmt: skip
+            elif call == "exact_component":
+                el.causal_scores(model, diff, batch, kinds=("informative", "downstream"),
+                                 per="component", layers=[0], show_progress=False)  # fmt: skip
+            elif call == "integrated":
+                el.integrated_scores(model, diff, batch, top_k=3, show_progress=False)
+            torch.cuda.synchronize()
+            rows.append({
+                "call": call, "depth": depth, "vocab": vocab, "layerwise": True,
+                "extra_gib": (torch.cuda.max_memory_allocated() - start) / GiB,
+                "weights_gib": weights / GiB, "seconds": time.perf_counter() - t0,
+                "peak_total_gib": torch.cuda.max_memory_allocated() / GiB,
+            })  # fmt: skip
+            print(table(rows[-1:], COLS + ["peak_total_gib"]), flush=True)
+        del model, diff, batch, lin
+        torch.cuda.empty_cache()
+    return rows
+
+
 def checkpoints_case(tmp: Path) -> dict:
     """Host memory of forming every Δ of two saved checkpoints, layer by layer."""
     import ctypes
@@ -183,8 +266,17 @@ def main() -> None:
         default=[0, 1],
         help="1: gradients one layer at a time; 0: as chosen by size",
     )
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--vocab", type=int, default=128256, help="--device cuda: the vocabulary")
     ap.add_argument("--out", default="bench_memory")
     args = ap.parse_args()
+    if args.device == "cuda":
+        rows = gpu_cases(args.depths, args.vocab, args.calls)
+        print()
+        print(table(rows, COLS + ["peak_total_gib"]))
+        print("wrote", write(args.out, {"rows": rows, "setting": {
+            "prompts": PROMPTS, "tokens": TOKENS, "shape": LLAMA3_8B, "device": "cuda"}}))  # fmt: skip
+        return
     if args.case:
         print(
             json.dumps(

@@ -122,17 +122,19 @@ SHAPES = {
 }
 
 
-def random_pair(shape: str, seed: int = 0, delta: float = 0.02):
+def random_pair(
+    shape: str, seed: int = 0, delta: float = 0.02, device: str = "cpu", **overrides: Any
+):
     """A base model of the named shape and a WeightDiff of random size ``delta`` (relative)."""
     from extractive_lens import WeightDiff, tiny_model
 
-    cfg = dict(SHAPES[shape], act_fn="gelu", normalization_type="LN")
-    base = tiny_model(cfg, seed=seed)
-    ft = tiny_model(cfg, seed=seed)
+    cfg = dict(SHAPES[shape], act_fn="gelu", normalization_type="LN", **overrides)
+    base = tiny_model(cfg, seed=seed, device=device)
+    ft = tiny_model(cfg, seed=seed, device=device)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in ft.parameters():
-            p.add_(delta * p.abs().mean() * torch.randn(p.shape, generator=g))
+            p.add_(delta * p.abs().mean() * torch.randn(p.shape, generator=g).to(p.device))
     return base, WeightDiff.from_models(base, ft), ft
 
 

@@ -83,6 +83,18 @@ def test_informative_equals_the_reference_at_each_node_and_is_complete(setting):
         assert ig.metadata["integrated"]["completeness"]["informative"] < tol
 
 
+def test_completeness_counts_every_component_when_only_some_layers_are_reported(setting):
+    """``layers=`` reports some layers (the rest NaN), but informative is formed for every
+    component in the same pass: its completeness error is the whole model's, not the reported
+    layers' share of R(W') - R(W)."""
+    base, _, diff, batch = setting
+    whole = integrated_scores(base, diff, batch, kinds=("informative",), steps=4)
+    some = integrated_scores(base, diff, batch, kinds=("informative",), steps=4, layers=[1])
+    assert some.prompt_totals[0, :, 0].isnan().all()  # layer 0 is not reported
+    err = whole.metadata["integrated"]["completeness"]["informative"]
+    assert some.metadata["integrated"]["completeness"]["informative"] == pytest.approx(err, rel=1e-9)
+
+
 def test_linear_fails_where_integrated_holds():
     """The negative control: on a large update the linear scores miss the exact whole-component
     scores and the change of R by far more than the tolerance the integrated ones meet."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import torch
@@ -212,13 +212,11 @@ class _Result:
     kinds: tuple[str, ...]
     path_sums: dict[str, list[float]]  # kind -> [Σ|integral - endpoints|, Σ|endpoints|]
     change: list[Tensor]  # per chunk: R(W') - R(W)
+    informative_sum: list[Tensor] = field(default_factory=list)  # per chunk [batch], every comp
 
     def completeness(self, kind: str) -> float:
-        k = self.kinds.index(kind)
-        if kind == "informative":
-            total = sum(
-                float((t[k].nansum((1, 2)) + o).sum()) for t, o in zip(self.totals, self.other)
-            )
+        if kind == "informative":  # every component's share (computed even where not reported)
+            total = sum(float((t + o).sum()) for t, o in zip(self.informative_sum, self.other))
             change = sum(float(c.sum()) for c in self.change)
             return abs(total - change) / abs(change) if change else 0.0
         err, scale = self.path_sums[kind]
@@ -259,6 +257,8 @@ def _run(
                 vals[k] = _along_patches(cc, kind, skipped.get(kind, []), options, xs, ws,
                                          res.path_sums[kind])  # fmt: skip
         vals = vals * chunk.position_mask.to(dev)[None, :, None, None, :]
+        if "informative" in kinds:
+            res.informative_sum.append(vals[kinds.index("informative")].sum((1, 2, 3)))
         tots = vals.sum(-1)
         mark_uncomputed(vals, tots, kinds, skipped, H)
         res.per_token.append(vals)
