@@ -119,8 +119,11 @@ def main() -> None:
     ap.add_argument("--gpt2-steps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--paths", nargs="+", default=["component", "layer"])
-    ap.add_argument("--layers", default="0,6,11",
-                    help="gpt2-small: the layers scored, comma-separated, or 'all'")
+    ap.add_argument(
+        "--layers",
+        default="0,6,11",
+        help="gpt2-small: the layers scored, comma-separated, or 'all'",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--out", default="bench_integrated")
     args = ap.parse_args()

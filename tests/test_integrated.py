@@ -92,7 +92,9 @@ def test_completeness_counts_every_component_when_only_some_layers_are_reported(
     some = integrated_scores(base, diff, batch, kinds=("informative",), steps=4, layers=[1])
     assert some.prompt_totals[0, :, 0].isnan().all()  # layer 0 is not reported
     err = whole.metadata["integrated"]["completeness"]["informative"]
-    assert some.metadata["integrated"]["completeness"]["informative"] == pytest.approx(err, rel=1e-9)
+    assert some.metadata["integrated"]["completeness"]["informative"] == pytest.approx(
+        err, rel=1e-9
+    )
 
 
 def test_linear_fails_where_integrated_holds():
