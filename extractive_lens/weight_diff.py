@@ -505,7 +505,7 @@ class WeightDiff:
         for s in self.slices():
             d = self.deltas[s.name]
             part = d if s.index is None else d[s.index]
-            v = float(part.double().pow(2).sum())
+            v = _sum_of_squares(part)
             if not s.owners:
                 other += v
             for c in s.owners:
@@ -520,7 +520,7 @@ class WeightDiff:
         return component_axis_labels(n_heads, mlp)
 
     def norm(self) -> float:
-        return float(sum(d.double().pow(2).sum() for d in self.deltas.values()) ** 0.5)
+        return float(sum(_sum_of_squares(d) for d in self.deltas.values()) ** 0.5)
 
     def _shape(self) -> tuple[int, int, bool]:
         sig = self.signature
@@ -607,6 +607,19 @@ class WeightDiff:
             f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
             f"model={self.signature.get('original_architecture') or self.metadata.get('base')})"
         )
+
+
+def _sum_of_squares(t: Tensor, chunk: int = 2**22) -> float:
+    """Σ t² in float64, a slice of rows at a time (an 8B model's embedding Δ in float64 would
+    be 4 GiB, twice over with its square).
+
+    >>> _sum_of_squares(torch.tensor([[3.0], [4.0]]), chunk=1)
+    25.0
+    """
+    if t.ndim == 0:
+        return float(t.double() ** 2)
+    rows = max(1, chunk // max(1, t[0].numel()))
+    return float(sum(float(c.double().pow(2).sum()) for c in t.split(rows)))
 
 
 @contextlib.contextmanager

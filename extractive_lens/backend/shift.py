@@ -40,6 +40,11 @@ the whole shift (a scoring call runs each layer many times and forms ``W + αΔ`
 write into the model did before); a larger model forms them in each piece and holds
 ``KEEP_LAYERS`` layers of Δ (an 8B layer's ``W + αΔ`` is 0.9 GB in float32)."""
 
+Group = int | str
+"""Where a stored tensor runs: a block's index, ``EMBED`` (before the blocks) or ``UNEMBED``
+(the final norm and the unembedding, after them)."""
+EMBED, UNEMBED = "embed", "unembed"
+
 _SHIFTS: contextvars.ContextVar[tuple[Shift, ...]] = contextvars.ContextVar(
     "extractive_lens_shifts", default=()
 )
@@ -55,22 +60,25 @@ class Shift:
         self.backend = B.backend_for(model)
         self.device = torch.device(model.cfg.device) if model.cfg.device else None
         # the tensors the model stores, by identity, grouped by the layer that runs them
-        self.group: dict[int, int | None] = {}
-        in_block = {}
+        self.group: dict[int, Group] = {}
+        in_block: dict[int, Group] = {}
         for layer, block in enumerate(model.blocks):
             for p in block.parameters():
                 in_block[id(p)] = layer
+        for module in (getattr(model, "embed", None), getattr(model, "pos_embed", None)):
+            for p in module.parameters() if module is not None else ():
+                in_block.setdefault(id(p), EMBED)
         self.raw_names: dict[str, int] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
-            self.group[id(p)] = in_block.get(id(p))
+            self.group[id(p)] = in_block.get(id(p), UNEMBED)
             self.raw_names[name] = id(p)
-        self.names_by_group: dict[int | None, list[str]] = {}
+        self.names_by_group: dict[Group, list[str]] = {}
         for name in diff.deltas:
-            self.names_by_group.setdefault(layer_of(name), []).append(name)
-        self._loaded: OrderedDict[int | None, dict[int, Tensor]] = OrderedDict()
-        self._values: dict[int | None, dict[tuple[int, torch.dtype], Tensor]] = {}
+            self.names_by_group.setdefault(_group_of(name), []).append(name)
+        self._loaded: OrderedDict[Group, dict[int, Tensor]] = OrderedDict()
+        self._values: dict[Group, dict[tuple[int, torch.dtype], Tensor]] = {}
         self.small = sum(p.numel() for p in model.parameters()) * 4 <= REUSE_BYTES
-        self._pending: dict[int | None, tuple[Any, dict[int, Tensor]]] = {}
+        self._pending: dict[Group, tuple[Any, dict[int, Tensor]]] = {}
 
     def covers(self, p: Tensor) -> bool:
         return id(p) in self.group
@@ -92,14 +100,16 @@ class Shift:
             return reuse[(id(p), dtype)]
         wide = torch.promote_types(torch.promote_types(p.dtype, d.dtype), dtype)
         d = d if d.device == p.device else d.to(p.device)
-        step = d if self.alpha == 1.0 else self.alpha * d
-        out = (p.detach().to(wide) + step.to(wide)).to(dtype)
+        # one tensor of W's size beside Δ (an unembedding's W + αΔ at Llama-3 size is 2 GiB in
+        # float32): αΔ in Δ's dtype, widened, then W added in place (same rounding as W + αΔ)
+        out = (d if self.alpha == 1.0 else self.alpha * d).to(wide, copy=self.alpha == 1.0)
+        out = out.add_(p.detach()).to(dtype)
         if reuse is not None:
             reuse[(id(p), dtype)] = out
         return out
 
     # ---------------------------------------------------------------- one layer at a time
-    def _layer(self, g: int | None) -> dict[int, Tensor]:
+    def _layer(self, g: Group) -> dict[int, Tensor]:
         found = self._loaded.get(g)
         if found is None:
             found = self._wait(g) if g in self._pending else self._load(g)
@@ -109,19 +119,28 @@ class Shift:
             while not self.small and len(self._loaded) > KEEP_LAYERS:
                 gone, _ = self._loaded.popitem(last=False)
                 self._values.pop(gone, None)
-            if isinstance(g, int) and g + 1 < self.model.cfg.n_layers:
-                self._prefetch(g + 1)
+            after = self._next(g)
+            if after is not None:
+                self._prefetch(after)
         else:
             self._loaded.move_to_end(g)
         return found
 
-    def _load(self, g: int | None, non_blocking: bool = False) -> dict[int, Tensor]:
+    def _next(self, g: Group) -> Group | None:
+        """The group that runs after ``g`` (the one to prefetch)."""
+        if g == EMBED:
+            return 0
+        if isinstance(g, int):
+            return g + 1 if g + 1 < self.model.cfg.n_layers else UNEMBED
+        return None
+
+    def _load(self, g: Group, non_blocking: bool = False) -> dict[int, Tensor]:
         names = self.names_by_group.get(g, [])
         if not names:
             return {}
         values = {}
         block_dev = None
-        if g is not None:  # where that block lives (models split over devices: n_devices)
+        if isinstance(g, int):  # where that block lives (models split over devices: n_devices)
             block_dev = next(iter(self.model.blocks[g].parameters()), None)
             block_dev = None if block_dev is None else block_dev.device
         for n in names:
@@ -133,7 +152,7 @@ class Shift:
         raw = self.backend.raw_tangents(self.model, values, dtype)
         return {self.raw_names[n]: t for n, t in raw.items() if n in self.raw_names}
 
-    def _prefetch(self, g: int) -> None:
+    def _prefetch(self, g: Group) -> None:
         if g in self._loaded or g in self._pending or self.device is None:
             return
         if self.device.type != "cuda" or not torch.cuda.is_available():
@@ -142,13 +161,21 @@ class Shift:
         with torch.cuda.stream(stream):
             self._pending[g] = (stream, self._load(g, non_blocking=True))
 
-    def _wait(self, g: int | None) -> dict[int, Tensor]:
+    def _wait(self, g: Group) -> dict[int, Tensor]:
         stream, values = self._pending.pop(g)
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(stream)
         for t in values.values():
             t.record_stream(current)
         return values
+
+
+def _group_of(name: str) -> Group:
+    """The group of a TransformerLens parameter name (``blocks.3.attn.W_Q``: 3)."""
+    layer = layer_of(name)
+    if layer is not None:
+        return layer
+    return EMBED if name.startswith(("embed.", "pos_embed.")) else UNEMBED
 
 
 def active(p: Tensor) -> Shift | None:
