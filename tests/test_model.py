@@ -174,6 +174,28 @@ def test_forward_pieces_reproduce_the_model(pair64):
         assert torch.allclose(M.unembed(base, x), base(tokens), atol=1e-12)
 
 
+@needs_hooked
+def test_the_unembedding_piece_runs_the_modules_hooks(pair64):
+    """``B.unembed`` computes ``x @ W_U + b_U`` itself (no ``W_U.T.contiguous()`` copy) but still
+    through ``unembed.hook_in`` / ``hook_out``: a hook there changes what it returns."""
+    base, _ = pair64
+    x = torch.randn(
+        2, 5, base.cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    plain = M.unembed(base, x)
+    shift = torch.arange(base.cfg.d_vocab, dtype=torch.float64)
+    base.hook_dict["unembed.hook_out"].add_hook(lambda t, hook: t + shift)
+    base.hook_dict["unembed.hook_in"].add_hook(lambda t, hook: 2 * t)
+    try:
+        hooked = M.unembed(base, x)
+    finally:
+        base.reset_hooks()
+    with torch.no_grad():
+        want = base.unembed(2 * base.ln_final(x)) + shift  # TransformerLens's own forward
+    torch.testing.assert_close(hooked, want, rtol=0, atol=1e-10)
+    assert not torch.allclose(hooked, plain)
+
+
 def test_jvp_matches_finite_difference(pair64):
     from extractive_lens import WeightDiff
 

@@ -34,11 +34,12 @@ from extractive_lens.backend.names import layer_of
 KEEP_LAYERS = 2
 """Layers of Δ kept on the device at once (the one running and the next, prefetched)."""
 
-REUSE_BYTES = 512 * 2**20
+REUSE_BYTES = 2**30
 """A model whose float32 weights are smaller than this keeps every layer's Δ and ``W + αΔ`` for
 the whole shift (a scoring call runs each layer many times and forms ``W + αΔ`` once, as the
-write into the model did before); a larger model forms them in each piece and holds
-``KEEP_LAYERS`` layers of Δ (an 8B layer's ``W + αΔ`` is 0.9 GB in float32)."""
+write into the model did before; GPT-2 small with its own unembedding is 0.65 GB); a larger
+model forms them in each piece and holds ``KEEP_LAYERS`` layers of Δ (an 8B layer's ``W + αΔ``
+is 0.9 GB in float32)."""
 
 Group = int | str
 """Where a stored tensor runs: a block's index, ``EMBED`` (before the blocks) or ``UNEMBED``
