@@ -95,7 +95,7 @@ class Shift:
         d = self.offset(p)
         if d is None:
             return p.detach().to(dtype)
-        g = self.group.get(id(p))
+        g = self.group[id(p)]  # offset() found it
         reuse = self._values.get(g)
         if reuse is not None and (id(p), dtype) in reuse:
             return reuse[(id(p), dtype)]
