@@ -617,9 +617,9 @@ def _sum_of_squares(t: Tensor, chunk: int = 2**22) -> float:
     25.0
     """
     if t.ndim == 0:
-        return float(t.double() ** 2)
+        return float(t.detach().double() ** 2)
     rows = max(1, chunk // max(1, t[0].numel()))
-    return float(sum(float(c.double().pow(2).sum()) for c in t.split(rows)))
+    return float(sum(float(c.double().pow(2).sum()) for c in t.detach().split(rows)))
 
 
 @contextlib.contextmanager
