@@ -59,7 +59,7 @@ COLS = ["call", "layerwise", "depth", "vocab", "extra_gib", "weights_gib", "seco
 
 
 def build(depth: int, vocab: int):
-    from extractive_lens import WeightDiff, make_batch, tiny_model
+    from extractive_lens import WeightDiff, tiny_model
     from extractive_lens import backend as B
 
     cfg = dict(LLAMA3_8B, n_layers=depth, d_vocab=vocab, dtype=torch.bfloat16)
@@ -70,12 +70,18 @@ def build(depth: int, vocab: int):
         for n, p in B.parameters(model).items()
     }
     diff = WeightDiff(deltas, B.signature(model))
+    return model, diff, random_prompts(model, vocab, g)
+
+
+def random_prompts(model, vocab: int, g: torch.Generator, device: str | None = None):
+    """``PROMPTS`` random prompts of ``TOKENS`` tokens with a random one-token answer each."""
+    from extractive_lens import make_batch
+
     pairs = [
         (torch.randint(0, vocab, (TOKENS,), generator=g).tolist(), [int(torch.randint(0, vocab, (1,), generator=g))])
         for _ in range(PROMPTS)
     ]  # fmt: skip
-    batch = make_batch(model, pairs, candidates=sorted({a[0] for _, a in pairs}))
-    return model, diff, batch
+    return make_batch(model, pairs, candidates=sorted({a[0] for _, a in pairs}), device=device)
 
 
 def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
@@ -124,7 +130,7 @@ def build_on_gpu(depth: int, vocab: int, device: str = "cuda"):
     the device), Δ of 1e-3 random normal in float32 on the host, pinned (32 GB at full depth)."""
     import transformer_lens as tl
 
-    from extractive_lens import WeightDiff, make_batch
+    from extractive_lens import WeightDiff
     from extractive_lens import backend as B
 
     cfg = tl.HookedTransformerConfig(
@@ -141,13 +147,7 @@ def build_on_gpu(depth: int, vocab: int, device: str = "cuda"):
         deltas[n] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(d)
         del d
     diff = WeightDiff(deltas, B.signature(model)).pinned()
-    gc = torch.Generator().manual_seed(1)
-    pairs = [
-        (torch.randint(0, vocab, (TOKENS,), generator=gc).tolist(), [int(torch.randint(0, vocab, (1,), generator=gc))])
-        for _ in range(PROMPTS)
-    ]  # fmt: skip
-    batch = make_batch(model, pairs, candidates=sorted({a[0] for _, a in pairs}), device=device)
-    return model, diff, batch
+    return model, diff, random_prompts(model, vocab, torch.Generator().manual_seed(1), device)
 
 
 def gpu_cases(depths: list[int], vocab: int, calls: list[str]) -> list[dict]:

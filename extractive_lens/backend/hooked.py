@@ -320,8 +320,6 @@ def _unembed(u: Any, x: Tensor) -> Tensor:
     """``Unembed.forward`` (its hooks included) without its ``W_U.T.contiguous()``: that copy of
     the unembedding is 2 GiB in float32 at Llama 3's vocabulary, twice over under forward-mode
     differentiation; ``x @ W_U`` reads the same matrix in place."""
-    if not hasattr(u, "hook_in"):  # an Unembed without hooks: its own forward
-        return u(x)
     return u.hook_out(u.hook_in(x) @ u.W_U + u.b_U)
 
 

@@ -209,7 +209,6 @@ class _Result:
     per_token: list[Tensor]  # per chunk [kind batch layer comp pos]
     totals: list[Tensor]  # per chunk [kind batch layer comp]
     other: list[Tensor]  # per chunk [batch]
-    kinds: tuple[str, ...]
     path_sums: dict[str, list[float]]  # kind -> [Σ|integral - endpoints|, Σ|endpoints|]
     change: list[Tensor]  # per chunk: R(W') - R(W)
     informative_sum: list[Tensor] = field(default_factory=list)  # per chunk [batch], every comp
@@ -236,7 +235,7 @@ def _run(
     L, H, has_mlp = model.cfg.n_layers, model.cfg.n_heads, B.has_mlp(model)
     C = H + has_mlp
     kinds = options.score_kinds
-    res = _Result([], [], [], kinds, {k: [0.0, 0.0] for k in kinds}, [])
+    res = _Result([], [], [], {k: [0.0, 0.0] for k in kinds}, [])
     first = forward_run(model, chunks[0], options.reward_fn, capture=("z", "k", "v"))
     table = table_for(model, batch, options, chunks, first) if "upstream" in kinds else None
     bar = progress(range(len(chunks)), len(chunks), "integrated scores", options.show_progress)
