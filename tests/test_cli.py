@@ -262,7 +262,7 @@ def test_the_world_by_name(tmp_path):
 
 
 def test_parse_seeds():
-    from extractive_lens.cli import _parse_seeds
+    from extractive_lens.cli.world import parse_seeds as _parse_seeds
 
     assert (
         _parse_seeds("0,1,2") == [0, 1, 2]

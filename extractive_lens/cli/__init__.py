@@ -1,0 +1,95 @@
+"""``extractive-lens``: the command line. It parses arguments and calls the public API.
+
+    extractive-lens demo --out report.html
+    extractive-lens score --base BASE_DIR --finetuned FT_DIR --data pairs.jsonl --method both --out out/
+
+One module per command group: ``score``, ``report``, ``finetune`` (and ``rank``), ``world``
+(``demo``, ``data``, ``experiment``); ``arguments`` holds the checks they share and ``app`` the
+typer app they register on. torch and TransformerLens are imported lazily, inside the commands,
+so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from extractive_lens.cli.app import app, echo
+
+# the command modules register on `app` when imported: this order is the order of `--help`
+# isort: off
+from extractive_lens.cli import score, report, finetune, world  # noqa: F401, E402
+# isort: on
+
+__all__ = ["app", "main"]
+
+
+@app.command()
+def version() -> None:
+    """Print the versions of extractive_lens, torch and TransformerLens."""
+    import torch
+
+    import extractive_lens
+    from extractive_lens.backend.loading import version as tl_version
+
+    echo(
+        f"extractive_lens {extractive_lens.__version__}, torch {torch.__version__}, "
+        f"transformer_lens {tl_version()}"
+    )
+
+
+ONE_LINE_ERRORS = (
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    NotImplementedError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+    ImportError,
+)
+
+
+def _click_errors(name: str) -> Any:
+    """Click's exception class ``name``, and typer's vendored copy of it where typer has one."""
+    import click
+
+    found = [getattr(click.exceptions, name)]
+    try:
+        from typer._click import exceptions as vendored
+
+        found.append(getattr(vendored, name))
+    except (ImportError, AttributeError):
+        pass
+    return tuple(found)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``extractive-lens`` entry point: a bad input ends in one line on stderr and exit code 2
+    (a bug still shows its traceback)."""
+    import sys
+
+    try:
+        code = app(args=argv, standalone_mode=False)
+        # non-standalone typer *returns* exit codes (Ctrl-C becomes 130) instead of raising them
+        if isinstance(code, int) and code != 0:
+            if code == 130:
+                typer.echo("interrupted", err=True)
+            raise SystemExit(code)
+    except (typer.Exit, *_click_errors("Exit")) as e:
+        raise SystemExit(getattr(e, "exit_code", 0)) from None
+    except _click_errors("NoArgsIsHelpError") as e:
+        e.show()
+        raise SystemExit(2) from None
+    except _click_errors("ClickException") as e:  # usage errors: click's own message, on one line
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        raise SystemExit(e.exit_code) from None
+    except (KeyboardInterrupt, typer.Abort, *_click_errors("Abort")):
+        typer.echo("interrupted", err=True)
+        raise SystemExit(130) from None
+    except ONE_LINE_ERRORS as e:
+        typer.echo(f"error: {' '.join(str(e).split())}", err=True)
+        raise SystemExit(2) from None
+    sys.exit(0)

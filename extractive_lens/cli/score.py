@@ -1,0 +1,232 @@
+"""``extractive-lens score``: a finetune's weight change scored on a dataset by one or more
+methods, saved with the comparisons and an HTML report."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from extractive_lens.cli.app import app, echo
+from extractive_lens.cli.arguments import check_out_dir, int_list, load_model
+
+
+@app.command()
+def score(
+    base: str = typer.Option(
+        ...,
+        help="Base model: 'world', a local Hugging Face checkpoint directory or a hub name.",
+        metavar="MODEL",
+    ),
+    finetuned: str = typer.Option(
+        None, help="Finetuned model: a local Hugging Face checkpoint directory.", metavar="MODEL"
+    ),
+    diff: Path = typer.Option(
+        None, help="Or the weight change, as saved by `extractive-lens finetune`.", metavar="DIR"
+    ),
+    data: Path = typer.Option(
+        ...,
+        help="Prompts and answers: .json, .jsonl or .csv with prompt, answer[, candidates].",
+        metavar="FILE",
+    ),
+    method: str = typer.Option(
+        "linear",
+        help="linear, integrated (path-integrated), causal (exact), both (linear and causal) or "
+        "all three.",
+        metavar="linear|integrated|causal|both|all",
+    ),
+    steps: str = typer.Option(
+        "4",
+        help="Integrated scores: quadrature nodes per path, or 'auto' (double until complete "
+        "within 1%).",
+        metavar="N|auto",
+    ),
+    reward: str = typer.Option(
+        "answer_logprob", help="answer_logprob, logit_margin or logit_diff.", metavar="REWARD"
+    ),
+    out: Path = typer.Option(
+        Path("scores"), help="Output directory (scores, comparison, report.html).", metavar="PATH"
+    ),
+    dtype: str = typer.Option(
+        "float32", help="Model dtype (float32, bfloat16, float64).", metavar="DTYPE"
+    ),
+    compute_dtype: str = typer.Option(
+        None,
+        help="Dtype scores are computed in (default: float32 for bfloat16/float16 models, else --dtype).",
+        metavar="DTYPE",
+    ),
+    device: str = typer.Option("cpu", help="cpu or cuda.", metavar="DEVICE"),
+    backend: str = typer.Option(
+        "auto",
+        help="Load models as TransformerLens HookedTransformers or TransformerBridges "
+        "(auto: HookedTransformer on TransformerLens 3.x, bridge on 4.x).",
+        metavar="auto|hooked|bridge",
+    ),
+    batch_size: int = typer.Option(16, min=1, help="Prompts per pass.", metavar="N"),
+    kinds: str = typer.Option(
+        "informative,upstream,downstream", help="Comma-separated score kinds.", metavar="KIND,..."
+    ),
+    ablation: str = typer.Option(
+        None,
+        help="y* for upstream: mean, zero or resample (default: the convention's).",
+        metavar="mean|zero|resample",
+    ),
+    convention: str = typer.Option(
+        "paper", help="paper or authors_code (linear scores only).", metavar="paper|authors_code"
+    ),
+    per: str = typer.Option(
+        "token", help="Exact scores per token or per component.", metavar="token|component"
+    ),
+    top_k: int = typer.Option(
+        None,
+        min=1,
+        help="Exact scores only for the K components the linear scores rank highest.",
+        metavar="K",
+    ),
+    layers: str = typer.Option(
+        None, help="Exact scores only for these layers, e.g. '0,3'.", metavar="L,..."
+    ),
+    distributed: bool = typer.Option(
+        False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."
+    ),
+) -> None:
+    """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
+    methods = {"both": ("linear", "causal"), "all": ("linear", "integrated", "causal")}.get(
+        method, (method,)
+    )
+    if any(m not in ("linear", "integrated", "causal") for m in methods):
+        raise typer.BadParameter("--method must be linear, integrated, causal, both or all.")
+    if steps != "auto" and not (steps.isdigit() and int(steps) >= 1):
+        raise typer.BadParameter(f"--steps takes a positive whole number or 'auto', got {steps!r}.")
+    n_steps: int | str = steps if steps == "auto" else int(steps)
+    if compute_dtype is not None and compute_dtype not in (
+        "float32",
+        "float64",
+        "bfloat16",
+        "float16",
+    ):
+        raise typer.BadParameter("--compute-dtype must be float32, float64, bfloat16 or float16.")
+    if convention == "authors_code" and methods != ("linear",):
+        raise typer.BadParameter(
+            "exact and integrated scores exist only in the paper convention: use --method "
+            "linear with --convention authors_code."
+        )
+    check_out_dir(out)
+    kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
+    layer_list = int_list(layers, "--layers") if layers else None
+    common: dict[str, Any] = dict(
+        reward=reward,
+        batch_size=batch_size,
+        compute_dtype=compute_dtype,
+        kinds=kind_list,
+        ablation=ablation,
+    )
+    from extractive_lens import WeightDiff, make_batch
+    from extractive_lens.datasets import load_pairs
+    from extractive_lens.distributed import distributed_scores, process_group
+    from extractive_lens.plotting import report
+
+    with contextlib.ExitStack() as group:
+        rank = 0
+        if distributed:
+            rank, world, device = group.enter_context(
+                process_group(None if device == "cpu" else device)
+            )
+            if rank == 0:
+                echo(f"{world} processes, rank 0 on {device}")
+
+        try:
+            pairs = load_pairs(data)
+        except (ValueError, FileNotFoundError) as e:
+            raise typer.BadParameter(str(e)) from None
+        if (finetuned is None) == (diff is None):
+            raise typer.BadParameter("give exactly one of --finetuned DIR or --diff FILE.")
+        base_m = load_model(base, dtype, device, backend)
+        if diff is not None:
+            delta = WeightDiff.load(diff)
+        else:
+            ft_m = load_model(finetuned, dtype, device, backend)
+            delta = WeightDiff.from_models(base_m, ft_m)
+            del ft_m
+        try:
+            batch = make_batch(base_m, pairs)
+        except ValueError as e:
+            raise typer.BadParameter(f"{data}: {e}") from None
+        out.mkdir(parents=True, exist_ok=True)
+        results = []
+        lin = None
+        if "linear" in methods:
+            lin = distributed_scores(
+                "linear", base_m, delta, batch, convention=convention, **common
+            )
+            results.append(lin)
+        if "integrated" in methods:
+            results.append(
+                distributed_scores(
+                    "integrated",
+                    base_m,
+                    delta,
+                    batch,
+                    per=per,
+                    steps=n_steps,
+                    layers=layer_list,
+                    top_k=top_k,
+                    linear=lin if top_k else None,
+                    **{**common, "ablation": ablation or "mean"},
+                )  # fmt: skip
+            )
+        if "causal" in methods:
+            ex = distributed_scores(
+                "causal",
+                base_m,
+                delta,
+                batch,
+                per=per,
+                top_k=top_k,
+                layers=layer_list,
+                linear=lin if top_k else None,
+                **{**common, "ablation": ablation or "mean"},
+            )
+            results.append(ex)
+        if rank != 0:
+            return
+        import uuid
+
+        from extractive_lens.files import write_text_atomic
+
+        run_id = uuid.uuid4().hex[:12]  # in each result: `report` refuses a mix of two runs
+        for r in results:
+            r.metadata["run_id"] = run_id
+            r.save(out / r.method)
+        cmps = comparisons(results)
+        for c in cmps:
+            a, b = c.methods
+            name = "comparison.csv" if c.methods == ("linear", "causal") else f"{a}_vs_{b}.csv"
+            write_text_atomic(out / name, c.summary.to_csv(index=False))
+        path = report(results, cmps or None, path=out / "report.html")
+        for r in results:
+            print_top(r)
+        echo(f"wrote {out}/ (report: {path})")
+
+
+def comparisons(results: list[Any]) -> list[Any]:
+    """Each approximation against the exact scores where there are exact ones, else linear
+    against integrated."""
+    from extractive_lens import compare
+
+    by = {r.method: r for r in results}
+    ref = by.get("causal") or by.get("integrated")
+    if ref is None:
+        return []
+    return [compare(r, ref) for r in results if r is not ref and r.method != "causal"]
+
+
+def print_top(scores: Any, k: int = 5) -> None:
+    echo(f"\ntop {k} components by |whole-component {scores.method} score|:")
+    for kind in scores.kinds:
+        items = ", ".join(f"{lab} {val:+.3g}" for _, lab, val in scores.top(k, kind))
+        missing = len(scores.uncomputed(kind))
+        note = f"  ({missing} components not computed)" if missing else ""
+        echo(f"  {kind:<12} {items or '-'}{note}")
