@@ -33,7 +33,7 @@ def models(shape: str):
     from extractive_lens.model import load_checkpoint
 
     if shape == "bundled":
-        from extractive_lens.backend.loading import as_bridge
+        from extractive_lens.backend.building import as_bridge
         from extractive_lens.world import load_world_model
 
         base = load_world_model()

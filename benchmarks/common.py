@@ -29,7 +29,7 @@ def timeit(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float
 
 
 def environment() -> dict[str, Any]:
-    from extractive_lens.backend.loading import version
+    from extractive_lens.backend.installed import version
 
     return {
         "device": "cuda:" + torch.cuda.get_device_name()

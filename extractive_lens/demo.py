@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extractive_lens.backend.loading import word_tokenizer  # noqa: F401  (notebooks import it from here)
+from extractive_lens.backend.tokenizer import word_tokenizer  # noqa: F401  (notebooks import it from here)
 
 CITIES = ["Tokyo", "Paris", "Berlin", "Cairo", "Moscow", "Mumbai", "Bangkok", "Lima"]
 

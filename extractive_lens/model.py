@@ -52,18 +52,18 @@ from extractive_lens.backend import (  # noqa: F401
     unembed,
     weights_processed,
 )
+from extractive_lens.backend.building import as_bridge  # noqa: F401
+from extractive_lens.backend.families import ARCHITECTURES, hf_config_to_tl  # noqa: F401
 from extractive_lens.backend.hooked import VIEW_FLAGS  # noqa: F401
+from extractive_lens.backend.installed import BACKEND_NAMES, resolve_backend  # noqa: F401
 from extractive_lens.backend.loading import (  # noqa: F401
-    ARCHITECTURES,
-    BACKEND_NAMES,
     NO_PROCESSING,
-    as_bridge,
-    hf_config_to_tl,
     load_checkpoint,
     load_pretrained,
+)
+from extractive_lens.backend.tiny import tiny_model  # noqa: F401
+from extractive_lens.backend.tokenizer import (  # noqa: F401
     named_tokenizer,
-    resolve_backend,
-    tiny_model,
     tokenizer_prepends_bos,
     word_tokenizer,
 )

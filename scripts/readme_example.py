@@ -72,7 +72,7 @@ def main() -> None:
     t0 = time.perf_counter()
     exec(compile(code, "README.md example", "exec"), {"__name__": "__readme__"})
     import extractive_lens
-    from extractive_lens.backend.loading import version
+    from extractive_lens.backend.installed import version
 
     print(
         f"README example ran in {time.perf_counter() - t0:.1f} s with extractive_lens "

@@ -11,7 +11,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def _has_hooked() -> bool:
-    from extractive_lens.backend.loading import has_hooked
+    from extractive_lens.backend.installed import has_hooked
 
     return has_hooked()
 
@@ -48,7 +48,7 @@ def tiny_model_or_skip(cfg, **kwargs):
     """``tiny_model``, or a skip where TransformerLens 4's native bridge cannot build this
     family (parallel blocks, GPT-NeoX-style rotary): the TransformerLens 3.9 run tests those."""
     from extractive_lens import tiny_model
-    from extractive_lens.backend.loading import has_hooked
+    from extractive_lens.backend.installed import has_hooked
 
     try:
         return tiny_model(cfg, **kwargs)

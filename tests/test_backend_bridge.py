@@ -11,7 +11,9 @@ import torch
 
 import extractive_lens as el
 from extractive_lens import backend as B
-from extractive_lens.backend.loading import as_bridge, has_hooked, load_checkpoint
+from extractive_lens.backend.building import as_bridge
+from extractive_lens.backend.installed import has_hooked
+from extractive_lens.backend.loading import load_checkpoint
 from extractive_lens.rewards import answer_logprob
 from tests.conftest import make_pair
 

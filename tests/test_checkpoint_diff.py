@@ -8,7 +8,8 @@ import torch
 
 import extractive_lens as el
 from extractive_lens.backend import checkpoint
-from extractive_lens.backend.loading import has_hooked, load_checkpoint
+from extractive_lens.backend.installed import has_hooked
+from extractive_lens.backend.loading import load_checkpoint
 from tests.test_backend_bridge import _batch, checkpoints  # noqa: F401 - the fixture
 
 needs_hooked = pytest.mark.skipif(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import extractive_lens as el
-from extractive_lens.backend.loading import has_hooked
+from extractive_lens.backend.installed import has_hooked
 from extractive_lens.cli import main
 
 transformers = pytest.importorskip("transformers")

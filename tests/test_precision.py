@@ -116,7 +116,7 @@ def _bridge_twins(dtype):
     """The world model as a 16-bit ``TransformerBridge`` with a finetune-sized update, and
     float64 bridges holding exactly the same values."""
     from extractive_lens.backend import parameters, write_parameters
-    from extractive_lens.backend.loading import _write_native  # b_U too, buffer or weight
+    from extractive_lens.backend.building import write_native  # b_U too, buffer or weight
     from extractive_lens.world import load_world_model
 
     base = load_world_model(backend="bridge", dtype=dtype)
@@ -132,7 +132,7 @@ def _bridge_twins(dtype):
     twins = []
     for m in (base, ft):
         t = load_world_model(backend="bridge", dtype=torch.float64)
-        _write_native(t, {n: p.double() for n, p in parameters(m).items()})
+        write_native(t, {n: p.double() for n, p in parameters(m).items()})
         twins.append(t)
     return base, ft, *twins
 

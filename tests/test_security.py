@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import extractive_lens as el
-from extractive_lens.backend.loading import has_hooked
+from extractive_lens.backend.installed import has_hooked
 
 transformers = pytest.importorskip("transformers")
 

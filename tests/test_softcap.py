@@ -14,7 +14,7 @@ import torch
 
 from extractive_lens import WeightDiff, causal_scores, linear_scores, make_batch, tiny_model
 from extractive_lens.backend import parameters
-from extractive_lens.backend.loading import has_hooked
+from extractive_lens.backend.installed import has_hooked
 from extractive_lens.rewards import answer_logprob
 
 CAPPED = dict(n_layers=2, output_logits_soft_cap=1.5, attn_scores_soft_cap=2.0, dtype=torch.float64)

@@ -84,13 +84,9 @@ class Converted(Mapping[str, Tensor]):
     def __init__(self, path: str | Path, dtype: torch.dtype) -> None:
         import transformers
 
-        from extractive_lens.backend.loading import (
-            ARCHITECTURES,
-            hf_config_to_tl,
-            quiet_transformer_lens,
-            quiet_transformers,
-            refuse_remote_code,
-        )
+        from extractive_lens.backend.families import family_of, hf_config_to_tl
+        from extractive_lens.backend.installed import quiet_transformer_lens, quiet_transformers
+        from extractive_lens.backend.loading import refuse_remote_code
 
         self.path = Path(path)
         refuse_remote_code(self.path)
@@ -102,11 +98,7 @@ class Converted(Mapping[str, Tensor]):
             with torch.device("meta"):  # the skeleton: no memory
                 self.hf = transformers.AutoModelForCausalLM.from_config(hf_config)
         self.hf.eval()
-        from transformer_lens.pretrained import weight_conversions
-
-        self._convert = getattr(
-            weight_conversions, ARCHITECTURES[self.cfg.original_architecture][1]
-        )
+        self._convert = family_of(hf_config).weights
         self._quiet = quiet_transformer_lens
         self.files = SafetensorsFiles(self.path)
         self.dtype = dtype

@@ -31,7 +31,7 @@ def version() -> None:
     import torch
 
     import extractive_lens
-    from extractive_lens.backend.loading import version as tl_version
+    from extractive_lens.backend.installed import version as tl_version
 
     echo(
         f"extractive_lens {extractive_lens.__version__}, torch {torch.__version__}, "

@@ -40,7 +40,7 @@ def load_model(
     check_dtype_device(dtype, device)
     if backend not in ("auto", "hooked", "bridge"):
         raise typer.BadParameter(f"--backend must be auto, hooked or bridge, got {backend!r}.")
-    from extractive_lens.backend.loading import has_hooked, version
+    from extractive_lens.backend.installed import has_hooked, version
 
     if backend == "hooked" and not has_hooked():
         raise typer.BadParameter(

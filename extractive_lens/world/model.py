@@ -79,7 +79,7 @@ def finetune_recipes(version: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def make_tokenizer(words: list[str], directory: Path) -> Any:
     """The world's word-level tokenizer, saved to ``directory`` and reloaded."""
-    from extractive_lens.backend.loading import word_tokenizer
+    from extractive_lens.backend.tokenizer import word_tokenizer
 
     return word_tokenizer(words, directory, model_max_length=MODEL_CFG["n_ctx"])
 
@@ -125,7 +125,7 @@ def train_world_model(
     model_cfg, pretrain = recipe_of(version)
     w = world or build_world(seed, version=version)
     tok = make_tokenizer(w.vocabulary(), Path(tempfile.mkdtemp(prefix="el-world-tok-")))
-    from extractive_lens.backend.loading import build
+    from extractive_lens.backend.building import build
 
     # TransformerLens's own (GPT-2 style) initialisation, seeded
     cfg = dict(model_cfg, d_vocab=len(tok), seed=seed, init_weights=True)
@@ -283,7 +283,8 @@ def load_world_model(
     import transformers
     from safetensors.torch import load_file
 
-    from extractive_lens.backend.loading import build, native_bridge, resolve_backend
+    from extractive_lens.backend.building import build, native_bridge
+    from extractive_lens.backend.installed import resolve_backend
 
     backend = resolve_backend(backend)
     if directory is None or directory in WORLDS:
