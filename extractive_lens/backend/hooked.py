@@ -8,8 +8,8 @@ A backend answers what the scoring engines ask of a model (docs/scores.md, CONTR
   (``signature``) and which TransformerLens flags to turn off while scoring (``standard_flags``).
 
 Parameter names are TransformerLens's own (``backend/names.py``). Loading lives in
-``backend/loading.py`` (``tiny.py``, ``families.py``); the block loop built from these pieces in
-``backend/blocks.py``.
+``backend/loading.py``, ``families.py`` and ``tiny.py``; the block loop built from these pieces
+in ``backend/blocks.py``.
 """
 
 from __future__ import annotations
