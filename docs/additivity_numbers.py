@@ -5,19 +5,24 @@
 The setting of ``extractive-lens demo``: the bundled world model finetuned on its 20 first-hop
 test facts (the world's own recipe, seed 0), scored on their 20 implications. It prints the
 additivity check (Σ informative + other against R(W') - R(W)), the same check for the update
-scaled by ε, and how the linear scores rank against the exact ones (per-token Pearson r, the top
-upstream component both ways).
+scaled by ε, and how the linear and integrated scores compare with the exact ones (``compare``:
+Pearson r, Spearman and sign agreement on the cells with signal, slope; the top components).
 """
 
 from __future__ import annotations
 
 import warnings
 
-import numpy as np
-
 
 def main() -> None:
-    from extractive_lens import FinetuneConfig, causal_scores, compare, finetune, linear_scores
+    from extractive_lens import (
+        FinetuneConfig,
+        causal_scores,
+        compare,
+        finetune,
+        integrated_scores,
+        linear_scores,
+    )  # fmt: skip
     from extractive_lens.world import FINETUNE, first_hop, load_world_model
 
     warnings.simplefilter("ignore")  # the check's warning: its numbers are printed below
@@ -38,12 +43,32 @@ def main() -> None:
     cmp = compare(lin, ex)
     for row in cmp.rows:
         if row["part"] == "all":
-            print(f"per-token Pearson r, linear vs exact {row['kind']}: {row['pearson']:.3f}")
+            print(
+                f"per-token linear vs exact {row['kind']}: Pearson r {row['pearson']:.3f}, "
+                f"on the {row['n_signal']} of {row['n']} cells with signal Spearman "
+                f"{row['spearman']:.3f} and sign agreement {row['sign_agreement']:.0%}; slope "
+                f"{row['slope']:.2f}, relative error {row['rel_error']:.0%}"
+            )
     for method, s in (("linear", lin), ("exact", ex)):
         kind, label, value = s.top(1, "upstream")[0]
         print(f"top upstream component, {method}: {label} {value:+.2f}")
-    u = cmp.cells("upstream")
-    print(f"upstream sign agreement: {float(np.mean(np.sign(u[0]) == np.sign(u[1]))):.0%}")
+    ig = integrated_scores(model, diff, impls, show_progress=False)
+    for row in compare(ig, ex).rows:
+        if row["part"] == "all":
+            print(
+                f"per-token integrated vs exact {row['kind']}: Pearson r {row['pearson']:.3f}, "
+                f"Spearman {row['spearman']:.3f} and sign agreement {row['sign_agreement']:.0%} "
+                f"on {row['n_signal']} cells, slope {row['slope']:.2f}, relative error "
+                f"{row['rel_error']:.0%}"
+            )
+    for kind in ("informative", "upstream"):
+        tops = {m: r.top(2, kind) for m, r in (("integrated", ig), ("exact", ex))}
+        print(
+            f"top {kind}: "
+            + "; ".join(
+                f"{m} " + ", ".join(f"{lab} {v:+.2f}" for _, lab, v in t) for m, t in tops.items()
+            )
+        )
 
 
 if __name__ == "__main__":

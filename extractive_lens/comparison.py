@@ -7,8 +7,15 @@
 ['downstream', 'informative', 'upstream']
 
 Any two methods compare the same way (``compare(integrated_scores(...), exact)``: the verdicts
-then judge the integrated scores). How to read the numbers and verdicts: ``docs/scores.md``,
-"When to trust a linear score".
+then judge the integrated scores). How to read the numbers and verdicts: ``docs/scores.md``
+§11, "When to trust a linear score".
+
+Rank and sign statistics (``spearman``, ``sign_agreement``) count only the cells that carry
+signal: those where either result is at least ``SIGNAL_FRACTION`` (1%) of the largest |exact|
+value of the row; ``n_signal`` says how many, the rest (structural zeros, float noise at tokens
+every prompt shares) are left out. A verdict that a map "can stand in" for the exact one also
+checks the values: the least-squares ``slope`` of judged on exact and the ``rel_error``
+``‖judged - exact‖ / ‖exact‖``; where only the ranking holds it says "ranking only".
 """
 
 from __future__ import annotations
@@ -20,19 +27,10 @@ from typing import Any, Literal
 import numpy as np
 
 from extractive_lens.results import ComponentScores
+from extractive_lens.scoring.integrated import COMPLETENESS_WARN
 from extractive_lens.types import ScoreKind
 
 Part = Literal["all", "heads", "mlp"]
-
-
-def _ranks(x: np.ndarray) -> np.ndarray:
-    order = x.argsort(kind="stable")
-    ranks = np.empty(len(x))
-    ranks[order] = np.arange(len(x))
-    # average ties
-    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
-    sums = np.bincount(inv, weights=ranks)
-    return (sums / counts)[inv]
 
 
 def _pearson(a: np.ndarray, b: np.ndarray) -> float:
@@ -50,7 +48,9 @@ class ScoreComparison:
             against (named for the usual pair; ``methods`` says which they are).
         level: ``"token"`` compares per-token cells (role-aggregated), ``"component"`` the totals.
         rows: one dict per (kind, part) with n (cells compared: those both results computed),
-            pearson, spearman, sign_agreement, topk_overlap, max_abs_err, median_abs_err, verdict.
+            n_signal (those that carry signal, ``signal_mask``), pearson, spearman and
+            sign_agreement (on the signal cells), topk_overlap, slope and rel_error (of the
+            values), max_abs_err, median_abs_err, verdict (``verdict``).
             ``topk_overlap`` is NaN where it cannot tell anything: when the exact run scored
             only the linear scores' top components (``top_k=``), or when ``k`` covers every cell.
     """
@@ -134,17 +134,18 @@ class ScoreComparison:
         names = ["linear", "exact"] if (ma, mb) == ("linear", "causal") or ma == mb else [ma, mb]
         return pd.DataFrame(recs, columns=["kind", "label", *names])
 
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The columns ``repr``, the notebook table and the report show."""
+        return COLUMNS
+
+    @property
+    def signal_fraction(self) -> float:
+        """The threshold of the cells that carry signal (``signal_mask``)."""
+        return SIGNAL_FRACTION
+
     def _repr_html_(self) -> str:
-        cols = [
-            "kind",
-            "part",
-            "n",
-            "pearson",
-            "spearman",
-            "sign_agreement",
-            "topk_overlap",
-            "max_abs_err",
-        ]
+        cols = COLUMNS
         head = "".join(f"<th>{c}</th>" for c in cols)
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(_fmt(r[c]))}</td>" for c in cols) + "</tr>"
@@ -160,7 +161,16 @@ class ScoreComparison:
         )
 
     def __repr__(self) -> str:
-        return self.summary.to_string(index=False)
+        """The numbers as a table, then each kind's verdict on its own wrapped lines."""
+        import textwrap
+
+        table = self.summary[list(COLUMNS)].to_string(index=False, float_format="{:.3f}".format)
+        a, b = (_METHOD_NAMES.get(m, m) for m in self.methods)
+        says = [
+            textwrap.fill(f"{k}: {v}", 100, initial_indent="- ", subsequent_indent="  ")
+            for k, v in self.verdicts.items()
+        ]
+        return "\n".join([f"{a} vs {b} ({self.level} level)", table, *says])
 
     def plot(self, **kwargs: Any) -> Any:
         from extractive_lens.plotting import comparison_plot
@@ -175,44 +185,158 @@ def _fmt(x: Any) -> str:
 
 
 AGREE_PEARSON, AGREE_TOPK, PARTLY_PEARSON = 0.9, 0.6, 0.6
+AGREE_REL_ERROR = 0.2
+"""Values agree when ``‖judged - exact‖ / ‖exact‖`` is at most this (it bounds |slope - 1|)."""
+SIGNAL_FRACTION = 0.01
+"""A cell carries signal when either result is at least this fraction of the row's max |exact|."""
 
+
+COLUMNS = (
+    "kind", "part", "n", "n_signal", "pearson", "spearman", "sign_agreement", "topk_overlap",
+    "slope", "rel_error", "max_abs_err",
+)  # fmt: skip
+"""The columns shown by ``repr``, the notebook table and the report (``rows`` has more)."""
 
 _METHOD_NAMES = {"causal": "exact", "linear": "linear", "integrated": "integrated"}
 
+INFORMATIVE_TOTALS = {
+    "causal": "informative: each component's weights finetuned alone, the rest at W",
+    "linear": "informative: first-order estimates of exact's (one component finetuned alone)",
+    "integrated": "informative: shares of R(W') - R(W) along the joint path W + αΔ, not exact's",
+}
+"""What one method's whole-component informative scores are, in a few words (for printouts)."""
+
+_TOTALS = {
+    ("integrated", "informative"): (
+        "Integrated informative shares R(W') - R(W) out along the joint path W + αΔ (every "
+        "component changing at once); exact informative patches one component's weights alone, "
+        "the rest at W. They are different quantities, so their totals differ by design "
+        "(docs/scores.md §12)."
+    ),
+    ("linear", "informative"): (
+        "Linear informative is the first-order estimate of exact informative (one component's "
+        "weights changed alone)."
+    ),
+}
+"""What a method's totals mean where they are not estimates of the exact scores' values."""
+
+
+def signal_mask(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The cells that carry signal: ``max(|a|, |b|) ≥ SIGNAL_FRACTION · max|b|`` (b: exact)."""
+    scale = float(np.abs(b).max()) if len(b) else 0.0
+    if scale == 0:
+        return np.zeros(len(a), dtype=bool)
+    return np.maximum(np.abs(a), np.abs(b)) >= SIGNAL_FRACTION * scale
+
+
+def sign_agreement(a: np.ndarray, b: np.ndarray) -> float:
+    """The share of signal cells (``signal_mask``) where the two results have the same sign."""
+    keep = signal_mask(a, b)
+    return float((np.sign(a[keep]) == np.sign(b[keep])).mean()) if keep.any() else float("nan")
+
+
+def statistics(a: np.ndarray, b: np.ndarray, k: int, overlap_known: bool = True) -> dict[str, Any]:
+    """One row's numbers for judged values ``a`` against exact values ``b`` (same cells).
+
+    ``pearson``, ``slope`` (least squares of a on b, through 0), ``rel_error``
+    (``‖a - b‖ / ‖b‖``) and the errors use every cell; ``spearman`` and ``sign_agreement`` the
+    ``n_signal`` cells that carry signal (``signal_mask``); ``topk_overlap`` the top ``k`` by
+    |value| (NaN when not ``overlap_known`` or when k covers every cell)."""
+    from scipy import stats
+
+    keep = signal_mask(a, b)
+    sa, sb = a[keep], b[keep]
+    kk = min(k, len(a))
+    top_a = set(np.argsort(-np.abs(a))[:kk])
+    top_b = set(np.argsort(-np.abs(b))[:kk])
+    overlap = len(top_a & top_b) / kk if overlap_known and kk < len(a) else float("nan")
+    norm = float(np.linalg.norm(b))
+    constant = len(sa) < 2 or sa.std() == 0 or sb.std() == 0
+    err = np.abs(a - b)
+    return dict(
+        n=int(len(a)),
+        n_signal=int(keep.sum()),
+        pearson=_pearson(a, b),
+        spearman=float("nan") if constant else float(stats.spearmanr(sa, sb)[0]),
+        sign_agreement=sign_agreement(a, b),
+        topk_overlap=overlap,
+        slope=float(a @ b) / norm**2 if norm else float("nan"),
+        rel_error=float(np.linalg.norm(a - b)) / norm if norm else float("nan"),
+        max_abs_err=float(err.max()),
+        median_abs_err=float(np.median(err)),
+    )
+
 
 def verdict(
-    kind: str, pearson: float, topk_overlap: float, methods: tuple[str, str] = ("linear", "causal"),
-    completeness: float | None = None,
+    kind: str, row: dict[str, Any], methods: tuple[str, str] = ("linear", "causal"),
+    completeness: float | None = None, scope: str = "",
 ) -> str:  # fmt: skip
-    """A plain-words reading of one kind's agreement (thresholds: ``docs/scores.md``).
-    ``topk_overlap`` NaN: not measured (the verdict rests on the correlation). ``methods``: the
-    judged result's method and the reference's; ``completeness``: the integrated result's
-    completeness error for this kind, when it is the one judged."""
+    """A plain-words reading of one kind's agreement (thresholds: ``docs/scores.md`` §11).
+
+    ``row``: the kind's ``statistics``; ``methods``: the judged result's method and the
+    reference's; ``completeness``: the integrated result's completeness error for this kind,
+    when it is the one judged; ``scope``: which cells were compared when not all were (a
+    partial exact run), said first.
+
+    "can stand in" needs the ranking (Pearson ≥ 0.9, Spearman on signal cells ≥ 0.9, top-k
+    overlap ≥ 60% where measured) *and* the values (relative error ≤ ``AGREE_REL_ERROR``);
+    ranking without values is "ranking only"; an integrated result past ``COMPLETENESS_WARN``
+    is never a stand-in."""
     method, against = (_METHOD_NAMES.get(m, m) for m in methods)
+    pearson, spearman, overlap = row["pearson"], row["spearman"], row["topk_overlap"]
+    slope, rel = row.get("slope", float("nan")), row.get("rel_error", float("nan"))
     fix = f"confirm the top components with causal_scores(..., kinds=({kind!r},), top_k=...)"
     ig = f"integrated_scores(model, diff, batch, kinds=({kind!r},))"
+    lead = f"{scope}, " if scope else ""
     done = (
-        f" (completeness error {completeness:.1%})"
+        f"; completeness error {completeness:.1%}"
         if completeness is not None and completeness == completeness
         else ""
     )
-    overlap_ok = topk_overlap != topk_overlap or topk_overlap >= AGREE_TOPK
-    if pearson == pearson and pearson >= AGREE_PEARSON and overlap_ok:
+    stats_ = (
+        f"r = {pearson:.2f}, Spearman {spearman:.2f} on {row.get('n_signal', row.get('n'))} "
+        f"signal cells, slope {slope:.2f}, relative error {rel:.0%}{done}"
+    )
+    incomplete = (
+        completeness is not None
+        and completeness == completeness
+        and (completeness > COMPLETENESS_WARN)
+    )
+    meaning = _TOTALS.get((method, kind), "")
+    meaning = f" {meaning}" if meaning and against == "exact" else ""
+    if incomplete:
         return (
-            f"{method} {kind} agrees with {against} here (r = {pearson:.2f}){done}: the {method} "
-            "map can stand in for it."
+            f"{lead}integrated {kind} is not complete here ({stats_}; over "
+            f"{COMPLETENESS_WARN:.0%}): its path has too few nodes, so do not read it yet; rerun "
+            f"with steps='auto' (or steps=16).{meaning}"
+        )
+    ranks = (
+        pearson == pearson
+        and pearson >= AGREE_PEARSON
+        and (spearman != spearman or spearman >= AGREE_PEARSON)
+        and (overlap != overlap or overlap >= AGREE_TOPK)
+    )
+    if ranks and rel == rel and rel <= AGREE_REL_ERROR:
+        return (
+            f"{lead}{method} {kind} agrees with {against} here in ranking and values ({stats_}): "
+            f"the {method} map can stand in for it.{meaning}"
+        )
+    if ranks:
+        return (
+            f"{lead}{method} {kind} ranks as {against} does but its values are {slope:.2f}× "
+            f"{against}'s ({stats_}): ranking only; read {against} for values.{meaning}"
         )
     if method == "integrated":
-        more = f"more steps (steps=16, or steps='auto'){done}, and {fix}"
+        more = f"more steps (steps=16, or steps='auto'), and {fix}"
     elif method == "linear":
         more = f"{ig}, which follows exact where linear does not (docs/scores.md §12), or {fix}"
     else:
         more = fix
     if pearson == pearson and pearson >= PARTLY_PEARSON:
-        overlap = f", top-k overlap {topk_overlap:.0%}" if topk_overlap == topk_overlap else ""
+        ov = f", top-k overlap {overlap:.0%}" if overlap == overlap else ""
         return (
-            f"{method} {kind} roughly agrees with {against} here (r = {pearson:.2f}{overlap}): "
-            f"trust the ranking more than the values; use {more}."
+            f"{lead}{method} {kind} roughly agrees with {against} here ({stats_}{ov}): "
+            f"trust the ranking more than the values; use {more}.{meaning}"
         )
     if method == "integrated":
         why = " The path has too few nodes for how curved it is."
@@ -221,9 +345,23 @@ def verdict(
     else:
         why = " The weight change is too large for its first-order description."
     return (
-        f"{method} {kind} disagrees with {against} here (r = {pearson:.2f}): do not read it on "
+        f"{lead}{method} {kind} disagrees with {against} here ({stats_}): do not read it on "
         f"its own; use {more}.{why}"
     )
+
+
+def partial_scope(exact: ComponentScores, kind: str, n_components: int) -> str:
+    """``""`` for a full exact run; else which components a partial one computed and why."""
+    m = exact.metadata
+    if m.get("top_k") is None and m.get("layers") is None:
+        return ""
+    how = []
+    if m.get("top_k") is not None:
+        how.append(f"chosen by the linear ranking, top_k={m['top_k']}")
+    if m.get("layers") is not None:
+        how.append(f"layers {', '.join(str(x) for x in m['layers'])}")
+    total = exact.n_layers * len(exact.component_labels)
+    return f"On the {n_components} of {total} components computed ({'; '.join(how)})"
 
 
 def _skipped(scores: ComponentScores, kind: str) -> list[str]:
@@ -265,8 +403,13 @@ def compare(
     k: int = 10,
     check_settings: bool = True,
 ) -> ScoreComparison:
-    """Pearson / Spearman r, sign agreement, top-k overlap and errors, per kind and part, with a
-    plain-words verdict per kind (``.verdicts``).
+    """Pearson / Spearman r, sign agreement, top-k overlap, slope and errors, per kind and part,
+    with a plain-words verdict per kind (``.verdicts``).
+
+    Spearman and sign agreement count the ``n_signal`` cells that carry signal (either result at
+    least 1% of the row's max |exact|); a verdict that the judged map "can stand in" for the
+    exact one checks its values too (relative error ≤ 20%), else it says "ranking only". A
+    verdict on a partial exact run names the components it rests on.
 
     ``level`` defaults to ``"token"`` when both results are per token, else ``"component"``.
     Cells that a result never computed (``causal_scores(top_k=..., layers=...)``) are left out,
@@ -300,32 +443,11 @@ def compare(
         if kind not in exact.kinds:
             continue
         for part in ("all", "heads", "mlp"):
-            a, b, _ = probe.cells(kind, part)
+            a, b, labels = probe.cells(kind, part)
             if len(a) == 0:
                 continue
-            kk = min(k, len(a))
-            top_a = set(np.argsort(-np.abs(a))[:kk])
-            top_b = set(np.argsort(-np.abs(b))[:kk])
-            overlap = float("nan") if chosen_by_linear or kk == len(a) else len(top_a & top_b) / kk
-            nz = (a != 0) | (b != 0)
-            err = np.abs(a - b)
-            pearson = _pearson(a, b)
-            rows.append(
-                dict(
-                    kind=kind,
-                    part=part,
-                    n=int(len(a)),
-                    pearson=pearson,
-                    spearman=_pearson(_ranks(a), _ranks(b)),
-                    sign_agreement=float((np.sign(a[nz]) == np.sign(b[nz])).mean())
-                    if nz.any()
-                    else float("nan"),
-                    topk_overlap=overlap,
-                    max_abs_err=float(err.max()),
-                    median_abs_err=float(np.median(err)),
-                    verdict=verdict(
-                        kind, pearson, overlap, (linear.method, exact.method), complete.get(kind)
-                    ),  # fmt: skip
-                )
-            )
+            row = statistics(a, b, k, overlap_known=not chosen_by_linear)
+            scope = partial_scope(exact, kind, len({lab.split("@")[0] for lab in labels}))
+            says = verdict(kind, row, (linear.method, exact.method), complete.get(kind), scope)
+            rows.append(dict(kind=kind, part=part, **row, verdict=says))
     return ScoreComparison(linear, exact, level, k, tuple(rows))

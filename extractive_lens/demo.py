@@ -31,6 +31,7 @@ def score_and_compare(
     import warnings
 
     from extractive_lens import causal_scores, compare, integrated_scores, linear_scores
+    from extractive_lens.comparison import INFORMATIVE_TOTALS, SIGNAL_FRACTION
 
     with warnings.catch_warnings():  # the demo prints the additivity check itself
         warnings.simplefilter("ignore", UserWarning)
@@ -42,13 +43,18 @@ def score_and_compare(
         echo(f"\ntop 3 components by |{s.method} score| (whole component, mean over {what}):")
         for kind in s.kinds:
             echo(f"  {kind:<12} " + ", ".join(f"{lab} {v:+.3f}" for _, lab, v in s.top(3, kind)))
+        echo(f"  ({INFORMATIVE_TOTALS[s.method]})")
     for cmp in cmps:
-        echo(f"\n{cmp.methods[0]} vs exact (per token):")
+        echo(
+            f"\n{cmp.methods[0]} vs exact (per token; Spearman and sign agreement on the cells "
+            f"where either is ≥ {SIGNAL_FRACTION:.0%} of the max |exact|):"
+        )
         for r in cmp.rows:
             if r["part"] == "all":
                 echo(
                     f"  {r['kind']:<12} pearson {r['pearson']:.3f}  spearman {r['spearman']:.3f}  "
-                    f"sign agreement {r['sign_agreement']:.2f}  top-10 overlap {r['topk_overlap']:.2f}"
+                    f"sign agreement {r['sign_agreement']:.2f} ({r['n_signal']} of {r['n']} cells)  "
+                    f"top-10 overlap {r['topk_overlap']:.2f}  slope {r['slope']:.2f}"
                 )
     m = ig.metadata["integrated"]
     echo(

@@ -171,10 +171,14 @@ def _how_to_read(results: Sequence[ComponentScores]) -> str:
         *(f"<b>{k}</b>: {html.escape(KIND_MEANING[k])}." for k in kinds),
         "<b>Exact</b> scores patch activations (one experiment per component and token); "
         "<b>linear</b> scores are their first-order estimate from gradients; <b>integrated</b> "
-        "scores average the gradient along the path of the change (the weights W → W', or the "
-        "exact patch applied gradually), so they add up to the change and to the exact "
-        "whole-component scores. A whole-component exact score patches every position at once, "
-        "so it is not the sum of its per-token scores; a linear or integrated one is.",
+        "scores average the gradient along the path of the change. Integrated upstream and "
+        "downstream apply the exact patch gradually, so whole components equal the exact ones "
+        "(up to the completeness error). <b>Integrated informative is a different quantity</b>: "
+        "it shares R(W') − R(W) out along the joint path W + αΔ (every component changing at "
+        "once), while exact informative changes one component's weights alone, the rest at W; "
+        "their totals differ by design, and the verdicts below compare their ranking, not their "
+        "values. A whole-component exact score patches every position at once, so it is not the "
+        "sum of its per-token scores; a linear or integrated one is.",
         "<b>Per token.</b> A component's score at a position is the effect of patching only that "
         "position of its output. The x axes name each position by its role in the prompt "
         "template and the tokens found there (<code>{name}[-1]: Stewart, King, …</code> is the last "
@@ -207,19 +211,13 @@ def _what_to_trust(results: Sequence[ComponentScores], comparison: Any) -> str:
         out.append(
             f"<p class='caption'>Verdicts compare the {html.escape(a)} scores with the "
             f"{html.escape(b)} ones ({html.escape(comparison.level)} level, thresholds in "
-            "docs/scores.md §11).</p>"
+            "docs/scores.md §11). <i>n_signal</i>: the cells where either is at least "
+            f"{comparison.signal_fraction:.0%} of the largest |{html.escape(b)}|; Spearman and sign "
+            "agreement count only those. <i>slope</i> and <i>rel_error</i> compare the values: "
+            'a map that ranks well but has other values is marked "ranking only".</p>'
             f"<ul class='verdicts'>{says}</ul>"
         )
-        cols = (
-            "kind",
-            "part",
-            "n",
-            "pearson",
-            "spearman",
-            "sign_agreement",
-            "topk_overlap",
-            "max_abs_err",
-        )
+        cols = comparison.columns
         out.append(_table([tuple(r[c] for c in cols) for r in comparison.rows], cols))
     for s in results:
         done = (s.metadata.get("integrated") or {}).get("completeness")
@@ -318,7 +316,7 @@ def token_table(rows: Sequence[tuple[ComponentScores, ScoreKind, str]], prompt: 
         lim = max((abs(x) for x in vals if x == x), default=0.0) or 1.0
         cells = "".join(
             f"<td title='{html.escape(role)}: {x:+.4g}' style='background:{score_rgba(x / lim, 0.8)}'>"
-            f"<small>{x:+.2g}</small></td>"
+            f"<small>{_cell(x, lim)}</small></td>"
             if x == x
             else f"<td title='{html.escape(role)}: not computed' style='background:{UNCOMPUTED}'>"
             "<small>n/c</small></td>"
@@ -371,6 +369,19 @@ def _table(rows: Sequence[tuple[Any, ...]], header: tuple[str, ...]) -> str:
 
 
 def _fmt(x: Any) -> str:
+    """A table cell: floats with three decimals (``1.000`` beside ``0.999``, never ``+1``)."""
     if isinstance(x, float) and x != x:
         return "n/a"  # not measured (e.g. top-k overlap of a top-k run)
-    return f"{x:+.4g}" if isinstance(x, float) else str(x)
+    if isinstance(x, float):
+        return f"{x:.3f}" if x == 0 or 1e-3 <= abs(x) < 1e5 else f"{x:.3g}"
+    return str(x)
+
+
+def _cell(x: float, lim: float) -> str:
+    """One token-view value, with the decimals that show two digits of the row's largest
+    ``lim``; a value that rounds to zero there (a structural zero, float noise) reads ``0``."""
+    import math
+
+    decimals = max(0, 1 - math.floor(math.log10(lim)))
+    shown = f"{x:+.{decimals}f}"
+    return "0" if float(shown) == 0 else shown

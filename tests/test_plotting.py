@@ -273,3 +273,23 @@ def test_partial_runs_show_not_computed_never_zero(scored, tmp_path):
     assert all(r["topk_overlap"] != r["topk_overlap"] for r in compare(lin, top).rows)
     html = report([lin, part], compare(lin, part), path=tmp_path / "p.html").read_text()
     assert "partial causal run" in html and "components not computed" in html
+
+
+def test_report_says_what_integrated_informative_totals_mean(scored, tmp_path):
+    """The "how to read" section and the verdicts: integrated informative is not exact's."""
+    lin, ex, _ = scored
+    text = report([lin, ex], compare(lin, ex), path=tmp_path / "r.html").read_text()
+    how = text[text.index("how to read this report") : text.index("what to trust")]
+    assert "Integrated informative is a different quantity" in how and "joint path" in how
+    assert "add up to the change and to the exact whole-component scores" not in how
+    trust = text[text.index("what to trust") :]
+    assert "n_signal" in trust and "ranking only" in trust
+
+
+def test_tables_and_token_view_format_numbers_one_way():
+    from extractive_lens.report import _cell, _fmt
+
+    assert [_fmt(x) for x in (1.0, 0.9991, -0.5644, 0.0)] == ["1.000", "0.999", "-0.564", "0.000"]
+    assert _cell(-3.6e-10, 3.18) == "0" and _cell(3.178, 3.18) == "+3.2"
+    assert _cell(0.36, 3.18) == "+0.4" and _cell(-0.04, 3.18) == "0"
+    assert _cell(0.0123, 0.05) == "+0.012" and _cell(-0.049, 0.05) == "-0.049"

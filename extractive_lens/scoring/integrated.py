@@ -57,6 +57,13 @@ Rule = Literal["gauss", "midpoint"]
 DEFAULT_STEPS = 4
 AUTO_TOLERANCE = 0.01
 AUTO_MAX_STEPS = 32
+COMPLETENESS_WARN = 0.05
+"""The completeness error past which ``integrated_scores`` warns (``CompletenessWarning``) and
+``compare`` will not call the result a stand-in for the exact one."""
+
+
+class CompletenessWarning(UserWarning):
+    """The integrated scores miss the change they integrate by more than ``COMPLETENESS_WARN``."""
 
 
 def nodes(steps: int, rule: Rule) -> tuple[list[float], list[float]]:
@@ -190,18 +197,38 @@ def integrated_scores_with(
         "completeness": errors, "tolerance": options.tolerance if options.steps == "auto" else None,
         "tried": tried, "R_change": out.change_summary(),
     }  # fmt: skip
-    if options.steps == "auto" and not done:
-        import warnings
-
-        warnings.warn(
-            f"integrated_scores(steps='auto') stopped at {m} nodes with completeness errors "
-            f"{ {k: round(v, 4) for k, v in errors.items()} } above tolerance {options.tolerance}.",
-            stacklevel=2,
-        )
+    _warn_if_incomplete(errors, m, options)
     return assemble(model, scored, options.score_kinds,
                     out.per_token if options.per == "token" else None, out.totals,
                     method="integrated", other=out.other if "informative" in options.kinds else None,
                     metadata=meta)  # fmt: skip
+
+
+def _warn_if_incomplete(errors: dict[str, float], m: int, options: IntegratedOptions) -> None:
+    """``steps='auto'`` that did not reach its tolerance, or a fixed ``steps`` whose completeness
+    error is past ``COMPLETENESS_WARN``: a ``CompletenessWarning`` that says what to rerun."""
+    import warnings
+
+    from extractive_lens.scoring.linear import _user_stacklevel
+
+    shown = ", ".join(f"{k} {v:.1%}" for k, v in errors.items() if v == v)
+    if options.steps == "auto":
+        if all(e <= options.tolerance for e in errors.values() if e == e):
+            return
+        said = f"integrated_scores(steps='auto') stopped at {m} nodes with completeness errors " \
+            f"{shown}, above tolerance {options.tolerance:.1%}"  # fmt: skip
+    elif any(e > COMPLETENESS_WARN for e in errors.values() if e == e):
+        said = f"integrated_scores(steps={m}) misses the change it integrates by {shown} " \
+            f"(completeness error past {COMPLETENESS_WARN:.0%})"  # fmt: skip
+    else:
+        return
+    warnings.warn(
+        f"{said}: the path has too few nodes for how curved it is, so the scores do not add up "
+        "to the change and are not yet a stand-in for the exact ones. Rerun with steps='auto' "
+        "(or more steps, e.g. steps=16). See docs/scores.md §12.",
+        CompletenessWarning,
+        stacklevel=_user_stacklevel(),
+    )
 
 
 @dataclass
