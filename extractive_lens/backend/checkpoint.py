@@ -10,6 +10,9 @@ held in memory beyond the one layer being read:
   (every other layer stays on the meta device and converts to nothing). One layer is held.
 - ``bridge_views(model, dir)``: for a ``TransformerBridge``, whose TransformerLens parameters are
   views of the Hugging Face tensors it stores: the same view of the file's tensor.
+
+Both read the files ``transformers`` would load, with plain reads that refuse a file changed on
+disk since it was opened (``weight_files``).
 """
 
 from __future__ import annotations
@@ -24,35 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from extractive_lens.backend.names import layer_of
-
-
-class SafetensorsFiles:
-    """The tensors of a checkpoint directory's ``*.safetensors`` files (sharded or not), read one
-    at a time (memory-mapped by safetensors; only the tensor asked for is copied out)."""
-
-    def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
-        self.path = Path(path)
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(
-                f"{self.path} has no .safetensors files: WeightDiff.from_checkpoints reads "
-                "safetensors checkpoints (save with model.save_pretrained(dir), the default "
-                "format), or load both models and use WeightDiff.from_models."
-            )
-        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-        self.where: dict[str, Any] = {}
-        for h in self._handles:
-            for name in h.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                self.where[name] = h
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.where
-
-    def get(self, name: str) -> Tensor:
-        return self.where[name].get_tensor(name)
-
+from extractive_lens.backend.weight_files import SafetensorsFiles
 
 _LAYER = re.compile(r"\.(\d+)\.")
 

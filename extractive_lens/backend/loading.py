@@ -204,10 +204,14 @@ REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "generation_config.
 def refuse_remote_code(path: str | Path) -> None:
     """Refuse, in one sentence, a checkpoint directory that asks to run its own code
     (``auto_map`` in its configuration files, or ``.py`` files beside them): extractive_lens
-    never executes code from a checkpoint, and ``transformers`` would otherwise prompt for it."""
+    never executes code from a checkpoint, and ``transformers`` would otherwise prompt for it.
+    First, a folder holding a FIFO, socket or device (which a read would block on forever)."""
     import json
 
+    from extractive_lens.backend.weight_files import refuse_special_files
+
     path = Path(path)
+    refuse_special_files(path)
     asks = []
     for name in REMOTE_CODE_FILES:
         f = path / name
