@@ -100,8 +100,9 @@ class WeightDiff:
                 f"signature must be a mapping (model.signature(model)), got {type(self.signature).__name__}."
             )
         from extractive_lens.backend.checkpoint import LazyDeltas
+        from extractive_lens.backend.lowrank import LowRankDeltas
 
-        if isinstance(self.deltas, LazyDeltas):
+        if isinstance(self.deltas, (LazyDeltas, LowRankDeltas)):
             return  # each tensor is checked (finite, shapes agree) when it is formed
         for name, d in self.deltas.items():
             if not isinstance(d, Tensor):
@@ -267,6 +268,20 @@ class WeightDiff:
         deltas = checkpoint.LazyDeltas(base_values, ft_values, delta_dtype_for(dt), device)
         meta = {"base": name, "finetuned": Path(finetuned).name, "formed": "on demand"}
         return cls(deltas, dict(sig), meta)
+
+    @classmethod
+    def from_peft(
+        cls, base: ScorableModel, adapter: str | Path | Any, *,
+        device: str | torch.device | None = None,
+    ) -> WeightDiff:  # fmt: skip
+        """The change a LoRA adapter (a ``peft`` directory or ``PeftModel``) makes to ``base``,
+        kept as its low-rank factors (``extractive_lens.lora.from_peft``).
+
+        >>> diff = WeightDiff.from_peft(base, "runs/lora-adapter")  # doctest: +SKIP
+        """
+        from extractive_lens.lora import from_peft
+
+        return from_peft(base, adapter, device=device)
 
     @classmethod
     def zeros_like(cls, model: ScorableModel) -> WeightDiff:

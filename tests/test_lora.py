@@ -1,0 +1,154 @@
+"""LoRA adapters (``WeightDiff.from_peft``): the change equals the merged model's dense Δ, and
+every score from it equals the merged model's scores.
+
+Adapters are made here with ``peft`` (``get_peft_model``, a few Adam steps, ``save_pretrained``)
+on tiny random Hugging Face models: a Llama with grouped-query attention, a GPT-2 (fused
+``c_attn``, Conv1D weights, tied embeddings), a Qwen2 (q/k/v biases) and a Gemma 2 (embedding ×
+√d_model, tied embeddings). The reference is ``merge_and_unload`` then ``from_models`` on the
+same base (``from_checkpoints``: TransformerLens's own weight conversion, in float64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import extractive_lens as el
+from extractive_lens.backend.loading import has_hooked, load_checkpoint
+from tests import lora_models as LM
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+ADAPTERS = {
+    # every projection, an embedding adapter, a dense lm_head, rsLoRA, per-module rank/alpha
+    "llama": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "embed_tokens"], rank_pattern={"o_proj": 2}, alpha_pattern={"down_proj": 3},
+        modules_to_save=["lm_head"]),
+    # fused c_attn and Conv1D [in, out] weights, trained biases, a dense Conv1D, tied wte
+    "gpt2": dict(r=4, lora_alpha=8, fan_in_fan_out=True, target_modules=["c_attn", "c_proj",
+        "wte"], bias="lora_only", modules_to_save=["c_fc"]),
+    # every bias trained (also outside the adapted layer), one layer adapted
+    "qwen2": dict(r=3, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"],
+        bias="all", layers_to_transform=[1]),
+    # embedding × √d_model with tied embeddings, grouped-query attention
+    "gemma2": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+        "gate_proj", "up_proj", "down_proj", "embed_tokens"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(ADAPTERS))
+def adapter(request, tmp_path_factory):
+    """(arch, base dir, adapter dir, PeftModel, merged dir)."""
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"lora_{arch}")
+    hf = LM.base_checkpoint(arch, root / "base")
+    model = LM.train_adapter(hf, ADAPTERS[arch])
+    model.save_pretrained(root / "adapter")
+    LM.merged_checkpoint(model, root / "merged")
+    return arch, root / "base", root / "adapter", model, root / "merged"
+
+
+def _reference(base, merged_dir):
+    """The merged model's dense Δ on ``base``'s parameters (read through TransformerLens's
+    weight conversion in float64, one tensor at a time)."""
+    lazy = el.WeightDiff.from_checkpoints(base, merged_dir)
+    return el.WeightDiff({n: lazy.deltas[n] for n in lazy.deltas}, lazy.signature)
+
+
+def _backends():
+    return ["hooked", "bridge"] if has_hooked() else ["bridge"]
+
+
+def test_delta_equals_merged_dense_delta(adapter):
+    arch, base_dir, adapter_dir, model, merged_dir = adapter
+    for backend in _backends():
+        base = load_checkpoint(base_dir, dtype=torch.float64, backend=backend)
+        ref = _reference(base, merged_dir)
+        changed = {n for n, d in ref.deltas.items() if d.abs().max() > 0}
+        for source in (adapter_dir, model):
+            diff = el.WeightDiff.from_peft(base, source)
+            assert set(diff.deltas) == changed, (backend, set(diff.deltas) ^ changed)
+            for name in changed:
+                want, got = ref.deltas[name], diff.deltas[name]
+                err = float((got - want).abs().max() / want.abs().max())
+                assert err <= 1e-10, f"{arch} {backend} {name}: relative error {err:.1e}"
+    assert diff.metadata["peft"]["rank"] == ADAPTERS[arch]["r"]
+
+
+def _batch(model, n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    pairs = [([1] + torch.randint(4, LM.VOCAB, (4 + i % 2,), generator=g).tolist(), [10 + i])
+             for i in range(n)]  # fmt: skip
+    return el.make_batch(model, pairs, candidates=[10 + i for i in range(n)])
+
+
+METHODS = {
+    "linear": lambda m, d, b, **kw: el.linear_scores(m, d, b, **kw),
+    "linear_authors": lambda m, d, b, gqa=False, **kw: el.linear_scores(
+        m, d, b, convention="authors_code", reward="logit_margin", ablation="resample",
+        kinds=("upstream", "downstream") if gqa else ("informative", "upstream", "downstream"),
+        **kw),
+    "causal_token": lambda m, d, b, **kw: el.causal_scores(m, d, b, **kw),
+    "causal_component": lambda m, d, b, **kw: el.causal_scores(m, d, b, per="component", **kw),
+    "integrated": lambda m, d, b, **kw: el.integrated_scores(m, d, b, steps=2, **kw),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["hooked", "bridge"])
+def test_scores_equal_merged_scores(adapter, backend):
+    arch, base_dir, adapter_dir, _, merged_dir = adapter
+    if arch not in ("llama", "gpt2"):
+        pytest.skip("scores checked on the Llama (GQA) and the GPT-2 (Conv1D); Δ on all")
+    if backend == "hooked" and not has_hooked():
+        pytest.skip("TransformerLens 4 has no HookedTransformer")
+    base = load_checkpoint(base_dir, dtype=torch.float64, backend=backend)
+    ref, diff = _reference(base, merged_dir), el.WeightDiff.from_peft(base, adapter_dir)
+    batch = _batch(base)
+    gqa = backend == "bridge" and arch == "llama"  # authors' informative: hooked only (GQA)
+    for method, fn in METHODS.items():
+        kw = {"gqa": gqa} if method == "linear_authors" else {}
+        want = fn(base, ref, batch, show_progress=False, **kw)
+        got = fn(base, diff, batch, show_progress=False, **kw)
+        for kind in want.kinds:
+            scale = float(want[kind].abs().max())
+            assert scale > 1e-6, (method, kind)  # not trivially equal
+            err = float((got[kind] - want[kind]).abs().max()) / scale
+            assert err <= 1e-10, f"{arch} {backend} {method} {kind}: relative error {err:.1e}"
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_refusals")
+    return root, LM.base_checkpoint("llama", root / "base")
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (lambda: peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True), "use_dora"),
+        (lambda: peft.LoraConfig(r=2, target_modules=["q_proj"], lora_bias=True), "lora_bias"),
+        (lambda: peft.IA3Config(target_modules=["k_proj"], feedforward_modules=[]), "LoRA"),
+    ],
+    ids=["dora", "lora_bias", "ia3"],
+)
+def test_unrepresentable_adapters_are_refused_naming_the_option(llama_dir, config, match):
+    root, hf = llama_dir
+    import copy
+
+    model = peft.get_peft_model(copy.deepcopy(hf), config())
+    model.save_pretrained(root / match)
+    base = load_checkpoint(root / "base", dtype=torch.float64, backend=_backends()[0])
+    for source in (root / match, model):
+        with pytest.raises(NotImplementedError, match=match):
+            el.WeightDiff.from_peft(base, source)
+
+
+def test_missing_adapter_files_are_named(llama_dir, tmp_path):
+    root, _ = llama_dir
+    base = load_checkpoint(root / "base", dtype=torch.float64, backend=_backends()[0])
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        el.WeightDiff.from_peft(base, tmp_path)
+    with pytest.raises(TypeError, match="PeftModel"):
+        el.WeightDiff.from_peft(base, 3)
