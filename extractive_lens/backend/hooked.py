@@ -52,8 +52,11 @@ def notes(model: Any) -> dict[str, Any]:
 
 
 def weights_processed(model: Any) -> bool:
-    """Whether the model's weights were folded / centred (recorded at load; default False)."""
-    return bool(notes(model).get("processed", False))
+    """Whether the model's weights were folded / centred: recorded at load
+    (``load_pretrained(process_weights=True)``), or found on the model (``processing.py``)."""
+    from extractive_lens.backend.processing import processing_found
+
+    return bool(notes(model).get("processed", False)) or bool(processing_found(model))
 
 
 def has_mlp(model: Any) -> bool:

@@ -1,0 +1,81 @@
+"""TransformerLens weight processing (fold_ln, centred writing weights, centred unembedding,
+a bridge's process_weights / enable_compatibility_mode) is found and refused with a sentence,
+on both backends; a model loaded processed on purpose is scored and recorded as processed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from extractive_lens import WeightDiff, linear_scores
+from extractive_lens.backend import weights_processed
+from extractive_lens.backend.installed import has_hooked
+from extractive_lens.backend.processing import processing_found
+from tests.conftest import make_pair
+from tests.test_linear import small_batch
+
+needs_hooked = pytest.mark.skipif(
+    not has_hooked(), reason="TransformerLens 4 has no HookedTransformer"
+)
+
+
+@needs_hooked
+@pytest.mark.parametrize(
+    "flags, found",
+    [
+        (dict(fold_ln=True, center_writing_weights=True, center_unembed=True),
+         ("fold_ln", "center_writing_weights", "center_unembed")),
+        (dict(fold_ln=True, center_writing_weights=False, center_unembed=False), ("fold_ln",)),
+        (dict(fold_ln=False, center_writing_weights=True, center_unembed=False),
+         ("center_writing_weights",)),
+        (dict(fold_ln=False, center_writing_weights=False, center_unembed=True),
+         ("center_unembed",)),
+    ],
+)  # fmt: skip
+def test_processed_hooked_model_is_refused(flags, found):
+    base, ft = make_pair("ln_gelu", torch.float64)
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base, n=2)
+    assert processing_found(base) == () and not weights_processed(base)  # negative control
+    base.process_weights_(**flags)
+    assert processing_found(base) == found
+    assert weights_processed(base)  # what every result and signature records
+    with pytest.raises(ValueError, match=r"processed by TransformerLens .*no_processing"):
+        linear_scores(base, diff, batch)
+
+
+@needs_hooked
+def test_rms_models_fold_too():
+    base, _ = make_pair("rms_gated_rotary_gqa", torch.float64)
+    base.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
+    assert processing_found(base) == ("fold_ln",)
+
+
+def test_processed_bridge_is_refused():
+    from extractive_lens.backend.building import as_bridge
+
+    base, ft = make_pair("ln_gelu", torch.float32)
+    if has_hooked():
+        base, ft = as_bridge(base), as_bridge(ft)
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base, n=2)
+    assert processing_found(base) == ()
+    linear_scores(base, diff, batch, kinds=("downstream",))  # unprocessed: scored
+    base.enable_compatibility_mode(disable_warnings=True)  # processes weights by default
+    assert processing_found(base) and weights_processed(base)
+    with pytest.raises(
+        ValueError, match=r"processed by TransformerLens.*enable_compatibility_mode"
+    ):
+        linear_scores(base, diff, batch, kinds=("downstream",))
+
+
+@needs_hooked
+def test_processed_on_purpose_is_scored_and_recorded():
+    from extractive_lens.backend.building import record_processing
+
+    base, ft = make_pair("ln_gelu", torch.float64)
+    for m in (base, ft):
+        m.process_weights_()
+        record_processing(m, processed=True)  # what load_pretrained(process_weights=True) does
+    lin = linear_scores(base, WeightDiff.from_models(base, ft), small_batch(base, n=2))
+    assert lin.metadata["weights_processed"] is True
