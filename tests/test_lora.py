@@ -51,10 +51,30 @@ def adapter(request, tmp_path_factory):
 
 
 def _reference(base, merged_dir):
-    """The merged model's dense Δ on ``base``'s parameters (read through TransformerLens's
-    weight conversion in float64, one tensor at a time)."""
-    lazy = el.WeightDiff.from_checkpoints(base, merged_dir)
-    return el.WeightDiff({n: lazy.deltas[n] for n in lazy.deltas}, lazy.signature)
+    """The merged model's dense Δ on ``base``'s parameters, in float64: the bridge's own
+    (``from_models``); for a ``HookedTransformer`` the merged checkpoint through
+    TransformerLens's weight conversion (its ``load_and_process_state_dict`` rounds float64
+    weights through float32)."""
+    import transformers
+
+    from extractive_lens import backend as B
+
+    if B.backend_for(base).NAME == "transformer_bridge":
+        merged = load_checkpoint(merged_dir, dtype=torch.float64, backend="bridge")
+        return el.WeightDiff.from_models(base, merged)
+    from transformer_lens.pretrained import weight_conversions
+
+    from extractive_lens.backend.families import family_of
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float64)
+    convert = getattr(weight_conversions, family_of(hf.config).conversion)
+    merged = {n: t.to(torch.float64) for n, t in convert(hf, base.cfg).items()}
+    params = B.parameters(base)
+    return el.WeightDiff.from_state_dicts(
+        {n: p.detach() for n, p in params.items()},
+        {n: merged.get(n, p.detach()) for n, p in params.items()},
+        signature=B.signature(base),
+    )  # fmt: skip
 
 
 def _backends():
