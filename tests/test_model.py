@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,10 +59,12 @@ def _hf_config(arch: str):
         )
     if arch == "olmo":
         return transformers.OlmoConfig(**common)
+    if arch == "qwen3":  # q/k norms; heads wider than d_model / n_heads, as in Qwen3-0.6B
+        return transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=12)
     raise KeyError(arch)
 
 
-ARCHS = ["gpt2", "pythia", "llama", "mistral", "qwen2", "gemma2", "olmo"]
+ARCHS = ["gpt2", "pythia", "llama", "mistral", "qwen2", "gemma2", "olmo", "qwen3"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -117,6 +121,36 @@ def test_unsupported_architecture_lists_supported(tmp_path):
         M.hf_config_to_tl(cfg)
     with pytest.raises(FileNotFoundError, match="config.json"):
         M.load_checkpoint(tmp_path)
+
+
+@needs_hooked
+@pytest.mark.parametrize("option", ["attention_bias", "use_sliding_window"])
+def test_a_family_refuses_what_its_conversion_would_compute_wrongly(tmp_path, option, monkeypatch):
+    from extractive_lens.backend import families
+
+    cfg = _hf_config("qwen3")
+    setattr(cfg, option, True)
+    if option == "use_sliding_window":  # a window shorter than the prompt, on every layer
+        cfg.sliding_window, cfg.max_window_layers = 3, 0
+        cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("bias"):
+                p.add_(torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"Qwen3ForCausalLM: {option}=True.*backend='bridge'"):
+        M.load_checkpoint(tmp_path)
+    # Why: converted anyway, the HookedTransformer computes something else than the checkpoint.
+    entry = families.ARCHITECTURES["Qwen3ForCausalLM"]
+    monkeypatch.setitem(
+        families.ARCHITECTURES, entry.architecture, dataclasses.replace(entry, refuses=None)
+    )
+    tokens = torch.tensor([[1, 5, 9, 22, 7, 30, 11, 4]])
+    with torch.no_grad():
+        err = (M.load_checkpoint(tmp_path)(tokens) - hf(tokens).logits).abs().max()
+    assert err > 1e-3
 
 
 def _assert_partition(model):
@@ -273,3 +307,34 @@ def test_tokenizer_built_in_memory_is_accepted():
     assert "name_or_path" not in fast.init_kwargs
     model = tiny_model({"d_vocab": len(vocab)}, tokenizer=fast)
     assert model.to_tokens("John lives in")[0].tolist() == [1, 3, 4, 5]
+
+
+@needs_hooked
+def test_qwen3_checkpoint_scores_match_the_reference(tmp_path):
+    """The family recipe followed once (CONTRIBUTING.md, Qwen3): its q/k norms, one vector shared
+    by a layer's heads, changed by the finetune and credited as the reference credits them."""
+    from extractive_lens import WeightDiff, linear_scores
+    from extractive_lens.rewards import answer_logprob
+    from tests import reference as ref
+    from tests.test_linear import small_batch
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_hf_config("qwen3")).float().eval()
+    models = []
+    for i in range(2):
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        hf.save_pretrained(tmp_path / str(i))
+        _tokenizer(tmp_path / str(i), hf.config.vocab_size)
+        models.append(M.load_checkpoint(tmp_path / str(i), dtype=torch.float64))
+    base, ft = models
+    diff = WeightDiff.from_models(base, ft)
+    assert diff.deltas["blocks.1.attn.k_norm.w"].abs().max() > 1e-3
+    batch = small_batch(base)
+    got = linear_scores(base, diff, batch, reward="answer_logprob", show_progress=False)
+    want_info = ref.linear_informative_paper(base, diff, batch, answer_logprob)
+    down, up = ref.linear_downstream_upstream_paper(base, ft, batch, answer_logprob)
+    for kind, want in (("informative", want_info), ("upstream", up), ("downstream", down)):
+        err = (got.prompt_values[got.kinds.index(kind)] - want).abs().max()
+        assert err < 1e-9 * want.abs().max(), kind

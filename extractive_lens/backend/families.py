@@ -251,3 +251,30 @@ def _olmo(hf: Any) -> dict[str, Any]:
     if getattr(hf, "clip_qkv", None):
         cfg["clip_qkv"] = hf.clip_qkv
     return cfg
+
+
+def _qwen3_refuses(hf: Any) -> str | None:
+    if getattr(hf, "attention_bias", False):
+        return (
+            "attention_bias=True: TransformerLens's Qwen3 conversion drops the attention biases. "
+            "Load it with load_checkpoint(dir, backend='bridge')."
+        )
+    if getattr(hf, "use_sliding_window", False):
+        return (
+            "use_sliding_window=True: the HookedTransformer conversion attends globally. "
+            "Load it with load_checkpoint(dir, backend='bridge')."
+        )
+    return None
+
+
+@family("Qwen3ForCausalLM", "convert_qwen3_weights", refuses=_qwen3_refuses)
+def _qwen3(hf: Any) -> dict[str, Any]:
+    return _common(
+        hf,
+        eps=hf.rms_norm_eps,
+        normalization_type="RMS",
+        final_rms=True,
+        gated_mlp=True,
+        use_qk_norm=True,
+        default_prepend_bos=False,
+    )

@@ -109,7 +109,7 @@ def load_checkpoint(
 
     Works offline. ``"hooked"``: the config is built from ``config.json`` and the weights are
     converted by TransformerLens's own conversion functions (the families in ``families.py``:
-    GPT-2, GPT-NeoX / Pythia, Llama, Mistral, Qwen2, Gemma 2 and OLMo). ``"bridge"``:
+    GPT-2, GPT-NeoX / Pythia, Llama, Mistral, Qwen2, Qwen3, Gemma 2 and OLMo). ``"bridge"``:
     ``TransformerBridge.boot_transformers`` on the directory (every architecture TransformerLens
     bridges; scoring checks the blocks). Other formats plug in through ``FORMATS`` (module
     docstring).
