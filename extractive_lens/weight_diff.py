@@ -27,6 +27,8 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend import ScorableModel
+from extractive_lens.diff_sources import checkpoints, models
+from extractive_lens.diff_sources import delta_dtype_for as delta_dtype_for
 from extractive_lens.interrupts import finish_stale, state_change
 from extractive_lens.types import Component, component_axis_labels, parse_components
 
@@ -35,44 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 FORMAT_VERSION = 1
 _FORMAT = "extractive_lens.WeightDiff"
-
-
-def delta_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16-bit weights, float64 otherwise (so ``W + Δ`` reproduces ``W'``)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else torch.float64
-
-
-def expected_shape(name: str, sig: Mapping[str, Any]) -> tuple[int, ...] | None:
-    """The shape of TransformerLens parameter ``name`` in a model with this signature (``None``
-    where the signature does not say: a name or size it does not record)."""
-    import re
-
-    g = {k: sig.get(k) for k in ("d_model", "d_vocab", "n_ctx", "n_heads", "d_head", "d_mlp")}
-    g["n_kv"] = sig.get("n_key_value_heads") or g["n_heads"]
-    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
-    if m is not None:
-        n_layers = sig.get("n_layers")
-        if isinstance(n_layers, int) and int(m.group(1)) >= n_layers:
-            return ()  # no such layer: no shape fits
-        name = m.group(2)
-    table: dict[str, tuple[str, ...]] = {
-        "embed.W_E": ("d_vocab", "d_model"), "pos_embed.W_pos": ("n_ctx", "d_model"),
-        "unembed.W_U": ("d_model", "d_vocab"), "unembed.b_U": ("d_vocab",),
-        "ln1.w": ("d_model",), "ln1.b": ("d_model",), "ln2.w": ("d_model",),
-        "ln2.b": ("d_model",), "ln_final.w": ("d_model",), "ln_final.b": ("d_model",),
-        "attn.W_Q": ("n_heads", "d_model", "d_head"), "attn.W_K": ("n_heads", "d_model", "d_head"),
-        "attn.W_V": ("n_heads", "d_model", "d_head"), "attn.W_O": ("n_heads", "d_head", "d_model"),
-        "attn._W_K": ("n_kv", "d_model", "d_head"), "attn._W_V": ("n_kv", "d_model", "d_head"),
-        "attn.b_Q": ("n_heads", "d_head"), "attn.b_K": ("n_heads", "d_head"),
-        "attn.b_V": ("n_heads", "d_head"), "attn._b_K": ("n_kv", "d_head"),
-        "attn._b_V": ("n_kv", "d_head"), "attn.b_O": ("d_model",),
-        "mlp.W_in": ("d_model", "d_mlp"), "mlp.W_gate": ("d_model", "d_mlp"),
-        "mlp.b_in": ("d_mlp",), "mlp.W_out": ("d_mlp", "d_model"), "mlp.b_out": ("d_model",),
-    }  # fmt: skip
-    dims = table.get(name)
-    if dims is None or any(not isinstance(g[d], int) for d in dims):
-        return None
-    return tuple(int(g[d]) for d in dims)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -116,7 +80,7 @@ class WeightDiff:
                     f"Δ[{name}] contains NaN or inf: check the finetuned weights (or the file it came "
                     "from) before scoring."
                 )
-            want = expected_shape(name, self.signature)
+            want = B.expected_shape(name, self.signature)
             if want is not None and tuple(d.shape) != want:
                 raise ValueError(
                     f"Δ[{name}] has shape {tuple(d.shape)}, but the model it was made for "
@@ -125,6 +89,7 @@ class WeightDiff:
                 )
 
     # ------------------------------------------------------------------ construction
+    # Where Δ comes from: each source is a function in ``diff_sources`` returning its parts.
     @classmethod
     def from_models(
         cls,
@@ -141,27 +106,7 @@ class WeightDiff:
                 ``"cpu"`` for large models; ``applied`` moves each tensor when it is used.
             dtype: Δ's dtype (default: ``delta_dtype_for(base.cfg.dtype)``).
         """
-        sig_b, sig_f = B.signature(base), B.signature(finetuned)
-        diffs = {k: (sig_b[k], sig_f[k]) for k in sig_b if sig_b[k] != sig_f.get(k)}
-        if diffs:
-            detail = ", ".join(f"{k}: base={a!r} finetuned={b!r}" for k, (a, b) in diffs.items())
-            raise ValueError(
-                f"The base and finetuned models differ in architecture or loading ({detail}). "
-                "Load both with the same config, dtype and weight processing."
-            )
-        ft = B.parameters(finetuned)
-        base_params = B.parameters(base)
-        missing = sorted(set(base_params) ^ set(ft))
-        if missing:
-            raise ValueError(f"Parameter names differ between base and finetuned: {missing[:5]}")
-        return cls.from_state_dicts(
-            {n: p.detach() for n, p in base_params.items()},
-            {n: p.detach() for n, p in ft.items()},
-            signature=sig_b,
-            device=device,
-            dtype=dtype,
-            metadata={"base": base.cfg.model_name, "finetuned": finetuned.cfg.model_name},
-        )
+        return cls(*models.from_models(base, finetuned, device=device, dtype=dtype))
 
     @classmethod
     def from_state_dicts(
@@ -175,30 +120,11 @@ class WeightDiff:
         metadata: Mapping[str, Any] | None = None,
     ) -> WeightDiff:
         """Δ from two state dicts with TransformerLens parameter names."""
-        extra = sorted(set(base) ^ set(finetuned))
-        if extra:
-            raise ValueError(f"Parameter names differ between the state dicts: {extra[:5]}")
-        deltas: dict[str, Tensor] = {}
-        for name, b in base.items():
-            f = finetuned[name]
-            if b.shape != f.shape:
-                raise ValueError(
-                    f"{name}: base shape {tuple(b.shape)} != finetuned {tuple(f.shape)}"
-                )
-            if b.dtype != f.dtype:
-                raise ValueError(f"{name}: base dtype {b.dtype} != finetuned dtype {f.dtype}")
-            if b.device != f.device:
-                raise ValueError(
-                    f"{name}: base is on {b.device} but finetuned on {f.device}; move both models "
-                    "to one device first (Δ can then be moved with .to(device))."
-                )
-            ddt = dtype or delta_dtype_for(b.dtype)
-            d = f.to(ddt) - b.to(ddt)
-            if not torch.isfinite(d).all():
-                raise ValueError(f"{name}: Δ contains NaN or inf (check the finetuned weights).")
-            deltas[name] = d.to(device) if device is not None else d
-        sig = dict(signature or {})
-        return cls(deltas, sig, dict(metadata or {}))
+        return cls(
+            *models.from_state_dicts(
+                base, finetuned, signature=signature, device=device, dtype=dtype, metadata=metadata
+            )
+        )
 
     @classmethod
     def from_checkpoints(
@@ -232,42 +158,7 @@ class WeightDiff:
         files through TransformerLens's weight conversion one layer at a time; a
         ``TransformerBridge`` base reads the same views of the files' tensors.
         """
-        from extractive_lens.backend import checkpoint
-        from extractive_lens.backend.loading import refuse_incomplete_weights, refuse_remote_code
-
-        refuse_remote_code(finetuned)
-        refuse_incomplete_weights(finetuned)
-        base_values: Mapping[str, Tensor]
-        if isinstance(base, (str, Path)):
-            refuse_remote_code(base)
-            refuse_incomplete_weights(base)
-            conv = checkpoint.Converted(base, dtype or torch.float32)
-            base_values, sig, dt = conv, conv.signature(), conv.dtype
-            ft_values: Mapping[str, Tensor] = checkpoint.Converted(finetuned, dt)
-            name = Path(base).name
-        else:
-            dt = dtype or base.cfg.dtype
-            sig = B.signature(base)
-            base_values = B.parameters(base)
-            if B.backend_for(base).NAME == "transformer_bridge":
-                ft_values = checkpoint.BridgeViews(base, finetuned)
-            else:
-                ft_values = checkpoint.Converted(finetuned, dt)
-            name = base.cfg.model_name
-        if isinstance(ft_values, checkpoint.Converted):
-            other = ft_values.signature()
-            differ = {k: (sig.get(k), v) for k, v in other.items()
-                      if k not in ("dtype", "processed") and sig.get(k) != v}  # fmt: skip
-            if differ:
-                detail = ", ".join(
-                    f"{k}: base={a!r} finetuned={b!r}" for k, (a, b) in differ.items()
-                )
-                raise ValueError(
-                    f"The base and finetuned checkpoints differ in architecture ({detail})."
-                )
-        deltas = checkpoint.LazyDeltas(base_values, ft_values, delta_dtype_for(dt), device)
-        meta = {"base": name, "finetuned": Path(finetuned).name, "formed": "on demand"}
-        return cls(deltas, dict(sig), meta)
+        return cls(*checkpoints.from_checkpoints(base, finetuned, dtype=dtype, device=device))
 
     @classmethod
     def from_peft(
@@ -286,14 +177,7 @@ class WeightDiff:
     @classmethod
     def zeros_like(cls, model: ScorableModel) -> WeightDiff:
         """A zero update for ``model`` (useful as a control and as a sum's start)."""
-        ddt = delta_dtype_for(model.cfg.dtype)
-        return cls(
-            {
-                n: torch.zeros(p.shape, dtype=ddt, device=p.device)
-                for n, p in B.parameters(model).items()
-            },
-            B.signature(model),
-        )
+        return cls(*models.zeros_like(model))
 
     # ------------------------------------------------------------------ applying
     @contextlib.contextmanager

@@ -35,6 +35,7 @@ from extractive_lens.backend.names import (
     ParamRole,
     ParamSlice,
     attn_out_names,
+    expected_shape,
     hook_name,
     layer_of,
     param_role,
@@ -45,7 +46,7 @@ from extractive_lens.backend.shift import W_O_shift, reusing, shifted, unshifted
 __all__ = [
     "BACKENDS", "Backend", "LayerRun", "ParamRole", "ParamSlice", "ScorableModel", "W_O",
     "attention", "attn_out_names", "backend_for", "check_scorable", "computing_in", "describe",
-    "embed", "frozen_parameters", "has_mlp", "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
+    "embed", "expected_shape", "frozen_parameters", "has_mlp", "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
     "notes", "on_block", "on_final", "parallel", "param_role", "parameter_slices", "parameters",
     "raw_masks", "resolve_compute_dtype", "reusing", "run_blocks", "shifted", "signature",
     "unshifted", "slices_for_names", "standard_flags",

@@ -17,9 +17,9 @@ ParamRole(layer=None, part='final')
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from extractive_lens.types import Component
 
@@ -89,6 +89,46 @@ def layer_of(name: str) -> int | None:
 def attn_out_names(layer: int) -> tuple[str, str]:
     """``(W_O, b_O)`` of a layer's attention: the output weight and the shared output bias."""
     return f"blocks.{layer}.attn.W_O", f"blocks.{layer}.attn.b_O"
+
+
+_SHAPES: dict[str, tuple[str, ...]] = {
+    "embed.W_E": ("d_vocab", "d_model"), "pos_embed.W_pos": ("n_ctx", "d_model"),
+    "unembed.W_U": ("d_model", "d_vocab"), "unembed.b_U": ("d_vocab",),
+    "ln1.w": ("d_model",), "ln1.b": ("d_model",), "ln2.w": ("d_model",),
+    "ln2.b": ("d_model",), "ln_final.w": ("d_model",), "ln_final.b": ("d_model",),
+    "attn.W_Q": ("n_heads", "d_model", "d_head"), "attn.W_K": ("n_heads", "d_model", "d_head"),
+    "attn.W_V": ("n_heads", "d_model", "d_head"), "attn.W_O": ("n_heads", "d_head", "d_model"),
+    "attn._W_K": ("n_kv", "d_model", "d_head"), "attn._W_V": ("n_kv", "d_model", "d_head"),
+    "attn.b_Q": ("n_heads", "d_head"), "attn.b_K": ("n_heads", "d_head"),
+    "attn.b_V": ("n_heads", "d_head"), "attn._b_K": ("n_kv", "d_head"),
+    "attn._b_V": ("n_kv", "d_head"), "attn.b_O": ("d_model",),
+    "mlp.W_in": ("d_model", "d_mlp"), "mlp.W_gate": ("d_model", "d_mlp"),
+    "mlp.b_in": ("d_mlp",), "mlp.W_out": ("d_mlp", "d_model"), "mlp.b_out": ("d_model",),
+}  # fmt: skip
+"""Each TransformerLens parameter's axes (within a block, without the ``blocks.{l}.`` prefix)."""
+
+
+def expected_shape(name: str, sig: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The shape of TransformerLens parameter ``name`` in a model with this signature
+    (``backend.signature``): ``()`` for a layer the model does not have, ``None`` where the
+    signature does not say (a name or size it does not record).
+
+    >>> expected_shape("blocks.1.attn._W_K", {"n_layers": 2, "n_heads": 4, "n_key_value_heads": 2,
+    ...                                       "d_model": 8, "d_head": 2})
+    (2, 8, 2)
+    """
+    g = {k: sig.get(k) for k in ("d_model", "d_vocab", "n_ctx", "n_heads", "d_head", "d_mlp")}
+    g["n_kv"] = sig.get("n_key_value_heads") or g["n_heads"]
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m is not None:
+        n_layers = sig.get("n_layers")
+        if isinstance(n_layers, int) and int(m.group(1)) >= n_layers:
+            return ()  # no such layer: no shape fits
+        name = m.group(2)
+    dims = _SHAPES.get(name)
+    if dims is None or any(not isinstance(g[d], int) for d in dims):
+        return None
+    return tuple(int(g[d]) for d in dims)  # type: ignore[arg-type]
 
 
 def slices_for_names(

@@ -1,0 +1,62 @@
+"""Δ between two checkpoints on disk, formed one tensor at a time when it is read.
+
+The file reading itself (safetensors, TransformerLens's weight conversion, a bridge's views)
+lives in ``backend/checkpoint.py``; this source checks the folders, matches the architectures
+and hands ``WeightDiff`` a ``LazyDeltas`` mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from extractive_lens import backend as B
+from extractive_lens.backend import ScorableModel
+from extractive_lens.diff_sources import Parts, delta_dtype_for
+
+
+def from_checkpoints(
+    base: str | Path | ScorableModel,
+    finetuned: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> Parts:
+    """Δ between two checkpoints, formed on demand (``WeightDiff.from_checkpoints``)."""
+    from extractive_lens.backend import checkpoint
+    from extractive_lens.backend.loading import refuse_incomplete_weights, refuse_remote_code
+
+    refuse_remote_code(finetuned)
+    refuse_incomplete_weights(finetuned)
+    base_values: Mapping[str, Tensor]
+    if isinstance(base, (str, Path)):
+        refuse_remote_code(base)
+        refuse_incomplete_weights(base)
+        conv = checkpoint.Converted(base, dtype or torch.float32)
+        base_values, sig, dt = conv, conv.signature(), conv.dtype
+        ft_values: Mapping[str, Tensor] = checkpoint.Converted(finetuned, dt)
+        name = Path(base).name
+    else:
+        dt = dtype or base.cfg.dtype
+        sig = B.signature(base)
+        base_values = B.parameters(base)
+        if B.backend_for(base).NAME == "transformer_bridge":
+            ft_values = checkpoint.BridgeViews(base, finetuned)
+        else:
+            ft_values = checkpoint.Converted(finetuned, dt)
+        name = base.cfg.model_name
+    if isinstance(ft_values, checkpoint.Converted):
+        other = ft_values.signature()
+        differ = {k: (sig.get(k), v) for k, v in other.items()
+                  if k not in ("dtype", "processed") and sig.get(k) != v}  # fmt: skip
+        if differ:
+            detail = ", ".join(f"{k}: base={a!r} finetuned={b!r}" for k, (a, b) in differ.items())
+            raise ValueError(
+                f"The base and finetuned checkpoints differ in architecture ({detail})."
+            )
+    deltas = checkpoint.LazyDeltas(base_values, ft_values, delta_dtype_for(dt), device)
+    meta = {"base": name, "finetuned": Path(finetuned).name, "formed": "on demand"}
+    return Parts(deltas, dict(sig), meta)
