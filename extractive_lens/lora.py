@@ -23,16 +23,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend.lowrank import Layout, LowRank, LowRankDeltas, to_layout
-
-if TYPE_CHECKING:  # pragma: no cover
-    from extractive_lens.weight_diff import WeightDiff
+from extractive_lens.diff_sources import Parts, delta_dtype_for
 
 
 @dataclass(frozen=True)
@@ -121,8 +119,9 @@ _PREFIX = "base_model.model."
 
 
 def from_peft(base: Any, adapter: str | Path | Any, *, device: str | torch.device | None = None
-              ) -> WeightDiff:  # fmt: skip
-    """The weight change of a LoRA adapter on ``base`` (see the module docstring).
+              ) -> Parts:  # fmt: skip
+    """The weight change of a LoRA adapter on ``base`` (see the module docstring), as the parts
+    of a ``WeightDiff`` (``WeightDiff.from_peft``: a source, like those in ``diff_sources``).
 
     Args:
         base: the base model (``HookedTransformer`` or ``TransformerBridge``) the adapter was
@@ -131,8 +130,6 @@ def from_peft(base: Any, adapter: str | Path | Any, *, device: str | torch.devic
             and ``adapter_model.safetensors``), or a ``PeftModel`` in memory.
         device: where to keep the factors (default: the base model's device).
     """
-    from extractive_lens.weight_diff import WeightDiff, delta_dtype_for
-
     config, state, name = _read(adapter)
     _refuse(config)
     arch = B.signature(base).get("original_architecture")
@@ -174,7 +171,7 @@ def from_peft(base: Any, adapter: str | Path | Any, *, device: str | torch.devic
         },
     }  # fmt: skip
     deltas = LowRankDeltas(reader.factors, {n: d for n, d in reader.dense.items() if d.any()})
-    return WeightDiff(deltas, B.signature(base), meta)
+    return Parts(deltas, dict(B.signature(base)), meta)
 
 
 def _read(adapter: Any) -> tuple[Any, dict[str, Tensor], str]:

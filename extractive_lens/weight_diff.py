@@ -172,7 +172,7 @@ class WeightDiff:
         """
         from extractive_lens.lora import from_peft
 
-        return from_peft(base, adapter, device=device)
+        return cls(*from_peft(base, adapter, device=device))
 
     @classmethod
     def zeros_like(cls, model: ScorableModel) -> WeightDiff:
