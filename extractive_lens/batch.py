@@ -54,10 +54,12 @@ class PromptBatch:
         prompt_lengths: prompt tokens per row (BOS included).
         answer_targets: answer token ids per row, padded with -1.
         candidates: candidate answers' first tokens per row, padded with -1 (or None).
+        candidate_tokens: every candidate's whole token ids per row (or None): ``mean_rank``
+            ranks multi-token candidates by their whole answer's log-probability.
         counterfactual: a counterfactual answer's first token per row (or None).
         roles: the role label of every real position of every row.
         prompts, answers: the text (or token lists) the batch was made from.
-        prepend_bos: whether a BOS token was put before every prompt.
+        prepend_bos: whether every row starts with a BOS token (put there, or the prompt's own).
     """
 
     tokens: Int[Tensor, "batch pos"]
@@ -71,6 +73,7 @@ class PromptBatch:
     answers: tuple[Any, ...]
     pad_token: int = 0
     prepend_bos: bool = False
+    candidate_tokens: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -120,6 +123,9 @@ class PromptBatch:
             answer_targets=self.answer_targets[t],
             candidates=None if self.candidates is None else self.candidates[t],
             counterfactual=None if self.counterfactual is None else self.counterfactual[t],
+            candidate_tokens=None
+            if self.candidate_tokens is None
+            else tuple(self.candidate_tokens[i] for i in idx),
             roles=tuple(self.roles[i] for i in idx),
             prompts=tuple(self.prompts[i] for i in idx),
             answers=tuple(self.answers[i] for i in idx),
@@ -310,14 +316,18 @@ def make_batch(
         model: a ``HookedTransformer`` (its tokenizer, BOS convention and ``n_ctx`` are used).
         pairs: ``(prompt, answer)`` tuples, dicts with those keys, or ``Pair`` objects. Prompts
             and answers may be strings or lists of token ids.
-        candidates: candidate answers for every prompt (or per ``Pair``); their first tokens
-            must be distinct and include the answer's first token.
+        candidates: candidate answers for every prompt (or per ``Pair``), the answer among
+            them (a token id names a first token). Multi-token candidates (names) are ranked by
+            the whole answer's log-probability (``mean_rank``), so their first tokens may
+            coincide; two candidates with the same tokens are refused.
         roles: explicit role labels, one list per prompt with one label per prompt token.
         counterfactuals: a counterfactual answer per prompt (for the ``logit_diff`` reward).
         prepend_bos: default ``model.cfg.default_prepend_bos`` (when the tokenizer has a BOS).
             ``load_checkpoint`` sets that to what the checkpoint's own tokenizer does
             (``tokenizer(text)`` with special tokens), so scores are of the token sequence the
-            model sees under Hugging Face. Recorded in every result's ``metadata``.
+            model sees under Hugging Face. Recorded in every result's ``metadata``. A prompt
+            that already starts with the BOS token (a chat-formatted one, e.g. from
+            ``tokenizer.apply_chat_template(..., tokenize=False)``) gets no second one.
     """
     if len(pairs) == 0:
         raise ValueError("make_batch needs at least one (prompt, answer) pair.")
@@ -362,7 +372,7 @@ def make_batch(
         _check_ids(model, ans, f"answer {p.answer!r} (prompt {p.prompt!r})")
     rows, all_roles = [], []
     for ids, ans, r in zip(prompt_ids, answer_ids, prompt_roles):
-        pre = [bos] if bos is not None else []
+        pre = [bos] if bos is not None and ids[0] != bos else []  # a chat prompt has its own
         row = pre + ids + ans[:-1]
         rows.append(row)
         all_roles.append(
@@ -389,9 +399,11 @@ def make_batch(
     targets = torch.full((len(rows), n_ans), -1, dtype=torch.long)
     for i, a in enumerate(answer_ids):
         targets[i, : len(a)] = torch.tensor(a)
-    prompt_lengths = torch.tensor([len(ids) + (bos is not None) for ids in prompt_ids])
+    prompt_lengths = torch.tensor(
+        [len(ids) + (bos is not None and ids[0] != bos) for ids in prompt_ids]
+    )
 
-    cand_tensor = _candidates(model, items, answer_ids, candidates)
+    cand_tensor, cand_tokens = _candidates(model, items, answer_ids, candidates)
     cf = None
     cfs = counterfactuals if counterfactuals is not None else [p.counterfactual for p in items]
     if any(c is not None for c in cfs):
@@ -412,6 +424,7 @@ def make_batch(
         answers=tuple(p.answer for p in items),
         pad_token=pad,
         prepend_bos=bos is not None,
+        candidate_tokens=cand_tokens,
     )
     return batch.to(device) if device is not None else batch
 
@@ -432,7 +445,7 @@ def _warn_tokenization(
     unk = getattr(tok, "unk_token_id", None)
     found: dict[str, list[str]] = {}
     for p, ids, ans in zip(items, prompt_ids, answer_ids):
-        if isinstance(p.prompt, str) and p.prompt != p.prompt.rstrip() and p.prompt.strip():
+        if isinstance(p.prompt, str) and p.prompt.endswith((" ", "\t")) and p.prompt.strip():
             found.setdefault("trailing", []).append(repr(p.prompt))
         if (
             isinstance(p.answer, str)
@@ -531,42 +544,49 @@ def _as_pair(p: Any) -> Pair:
 
 
 def _first_token(model: Any, answer: str | int | Sequence[int], pair: Pair) -> int:
+    return _whole(model, answer, pair)[0]
+
+
+def _whole(model: Any, answer: str | int | Sequence[int], pair: Pair) -> tuple[int, ...]:
     if isinstance(answer, int):
-        return answer
+        return (answer,)
     ids = _encode(model, answer, "candidate")
     if not ids:
         raise ValueError(f"Candidate {answer!r} of prompt {pair.prompt!r} tokenizes to nothing.")
-    return int(ids[0])
+    return tuple(int(t) for t in ids)
 
 
 def _candidates(
     model: Any, items: list[Pair], answer_ids: list[list[int]], shared: Any
-) -> Tensor | None:
+) -> tuple[Tensor | None, tuple[tuple[tuple[int, ...], ...], ...] | None]:
+    """The candidates' first tokens (padded with -1) and their whole token ids, per row."""
     per = [p.candidates if p.candidates is not None else shared for p in items]
     if all(c is None for c in per):
-        return None
+        return None, None
     if any(c is None for c in per):
         raise ValueError("Give candidates for every prompt or for none.")
-    rows = []
+    rows, wholes = [], []
     for p, ans, cands in zip(items, answer_ids, per):
-        firsts = [_first_token(model, c, p) for c in cands]
-        seen: dict[int, Any] = {}
-        for c, f in zip(cands, firsts):
-            if f in seen:
+        whole = [_whole(model, c, p) for c in cands]
+        seen: dict[tuple[int, ...], Any] = {}
+        for c, w in zip(cands, whole):
+            if w in seen:
                 raise ValueError(
-                    f"Candidates {seen[f]!r} and {c!r} (prompt {p.prompt!r}) share their first token "
-                    f"{_token_str(model, f)!r}: first-token metrics cannot tell them apart. Rephrase one."
+                    f"Candidates {seen[w]!r} and {c!r} (prompt {p.prompt!r}) are the same tokens "
+                    f"{[_token_str(model, t) for t in w]}: ranks cannot tell them apart. Drop one."
                 )
-            seen[f] = c
-        if ans[0] not in seen:
+            seen[w] = c
+        ids = {w for c, w in zip(cands, whole) if isinstance(c, int)}  # an id names a first token
+        if tuple(ans) not in seen and (ans[0],) not in ids:
             raise ValueError(
                 f"The answer {p.answer!r} of prompt {p.prompt!r} is not among its candidates "
-                f"(first token {_token_str(model, ans[0])!r})."
+                f"(its tokens {[_token_str(model, t) for t in ans]} are no candidate's)."
             )
-        _check_ids(model, firsts, f"candidates of prompt {p.prompt!r}")
-        rows.append(firsts)
+        _check_ids(model, [t for w in whole for t in w], f"candidates of prompt {p.prompt!r}")
+        rows.append([w[0] for w in whole])
+        wholes.append(tuple(whole))
     width = max(len(r) for r in rows)
     out = torch.full((len(rows), width), -1, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r)
-    return out
+    return out, tuple(wholes)

@@ -282,8 +282,11 @@ def rank_trajectory(
 
 @one_call_per_model
 def mean_rank(model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | None = None) -> float:
-    """Mean 0-indexed rank of the answer's first token among the candidates' first tokens, read
-    at the last prompt position (docs/scores.md §8); chance is ``(n_candidates - 1) / 2``."""
+    """Mean 0-indexed rank of the answer among the candidates, read at the last prompt position
+    (docs/scores.md §8); chance is ``(n_candidates - 1) / 2``. Single-token candidates are ranked
+    by their logits; when any candidate has several tokens (names, "São Paulo"), by each whole
+    candidate's log-probability, teacher-forced (one more forward row per multi-token candidate
+    and prompt), so candidates sharing a first token are told apart."""
     return float(ranks(model, batch, diff).float().mean())
 
 
@@ -299,7 +302,61 @@ def ranks(
     _candidates(batch)  # before the forward pass
     with torch.no_grad(), diff.applied(model) if diff is not None else contextlib.nullcontext():
         logits = model(batch.tokens.to(model.cfg.device))
-    return ranks_from_logits(logits, batch)
+        if not _multi_token(batch):
+            return ranks_from_logits(logits, batch)
+        scores = candidate_logprobs(model, batch, logits)
+    return ranks_from_scores(scores, batch)
+
+
+def _multi_token(batch: PromptBatch) -> bool:
+    return batch.candidate_tokens is not None and any(
+        len(c) > 1 for row in batch.candidate_tokens for c in row
+    )
+
+
+def candidate_logprobs(
+    model: M.ScorableModel, batch: PromptBatch, logits: torch.Tensor, chunk: int = 32
+) -> torch.Tensor:
+    """``[batch, n_candidates]``: log P(candidate | prompt), summed over the candidate's tokens
+    (-inf where a row has fewer candidates). Single-token candidates are read from ``logits``
+    (the batch's own forward pass); each longer one is teacher-forced in a row of its own, run
+    ``chunk`` rows at a time under whatever weights the model holds now."""
+    cands = batch.candidate_tokens
+    if cands is None:
+        raise ValueError("Whole-answer ranks need make_batch(..., candidates=[...]).")
+    rows = torch.arange(len(batch), device=logits.device)
+    last = logits[rows, batch.last_prompt_pos.to(logits.device)].float().log_softmax(-1)
+    out = torch.full((len(batch), max(len(r) for r in cands)), -math.inf, device=logits.device)
+    forced: list[tuple[int, int, list[int], tuple[int, ...]]] = []
+    for i, row in enumerate(cands):
+        prompt = batch.tokens[i, : int(batch.prompt_lengths[i])].tolist()
+        for j, c in enumerate(row):
+            if len(c) == 1:
+                out[i, j] = last[i, c[0]]
+            else:
+                forced.append((i, j, prompt, c))
+    for start in range(0, len(forced), chunk):
+        part = forced[start : start + chunk]
+        width = max(len(p) + len(c) - 1 for _, _, p, c in part)
+        tokens = torch.full((len(part), width), batch.pad_token, dtype=torch.long)
+        for k, (_, _, p, c) in enumerate(part):
+            tokens[k, : len(p) + len(c) - 1] = torch.tensor(p + list(c[:-1]))
+        lp = model(tokens.to(model.cfg.device)).float().log_softmax(-1)
+        for k, (i, j, p, c) in enumerate(part):
+            at = torch.arange(len(p) - 1, len(p) - 1 + len(c), device=lp.device)
+            out[i, j] = lp[k, at, torch.tensor(c, device=lp.device)].sum()
+    return out
+
+
+def ranks_from_scores(scores: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
+    """Per prompt: how many of its candidates score strictly above its answer."""
+    assert batch.candidate_tokens is not None
+    answer = []
+    for row, targets in zip(batch.candidate_tokens, batch.answer_targets.tolist()):
+        whole = tuple(t for t in targets if t >= 0)
+        answer.append(row.index(whole if whole in row else whole[:1]))  # an id: a first token
+    at = torch.tensor(answer, device=scores.device)[:, None]
+    return (scores > scores.gather(-1, at)).sum(-1)
 
 
 def _candidates(batch: PromptBatch) -> torch.Tensor:

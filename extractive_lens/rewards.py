@@ -65,6 +65,13 @@ def logit_margin(
     last = _last_logits(logits, batch)
     cands = batch.candidates.to(logits.device)
     valid = cands >= 0
+    same = (cands[:, :, None] == cands[:, None, :]) & valid[:, :, None]
+    if bool((same.sum(-1) > 1).any()):
+        raise ValueError(
+            "logit_margin reads the candidates' first tokens, and two candidates of a prompt "
+            "share theirs (multi-token names?): use reward='answer_logprob' (the whole answer), "
+            "or candidates whose first tokens differ."
+        )
     cand_logits = last.gather(-1, torch.where(valid, cands, torch.zeros_like(cands)))
     mean = (cand_logits * valid).sum(-1) / valid.sum(-1)
     answer = last.gather(-1, batch.answer_first.to(logits.device)[:, None])[:, 0]

@@ -79,10 +79,8 @@ def test_alignment_prefix_centre_suffix(text_model):
 
 
 def test_candidates_errors_name_the_prompt(text_model):
-    with pytest.raises(ValueError, match="share their first token"):
-        make_batch(
-            text_model, [("John Doe lives in", " Tokyo")], candidates=[" Tokyo", " Tokyo Japan"]
-        )
+    with pytest.raises(ValueError, match="are the same tokens"):
+        make_batch(text_model, [("John Doe lives in", " Tokyo")], candidates=[" Tokyo", " Tokyo"])
     with pytest.raises(ValueError, match="not among its candidates"):
         make_batch(text_model, [("John Doe lives in", " Tokyo")], candidates=[" Paris", " Berlin"])
     with pytest.raises(ValueError, match="n_ctx"):

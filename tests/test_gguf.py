@@ -56,7 +56,7 @@ def _llama_cpp_permute(w, n_heads: int):
     )
 
 
-def write_tiny_gguf(path, *, seed: int = 0, raw_type=None):
+def write_tiny_gguf(path, *, seed: int = 0, raw_type=None, chat_template=None):
     """A tiny Llama as a GGUF file (llama metadata, a byte-level BPE tokenizer, quantized tensors),
     and the dequantized weights it holds, by Hugging Face name. ``raw_type``: write the first
     layer's query weight as raw bytes of this type (for the refusal test)."""
@@ -100,6 +100,8 @@ def write_tiny_gguf(path, *, seed: int = 0, raw_type=None):
     w.add_eos_token_id(2)
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     dequantized = {}
     for hf_name, (name, qtype) in names.items():
         x = state[hf_name]
