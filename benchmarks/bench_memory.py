@@ -54,8 +54,10 @@ LLAMA3_8B = dict(
     rotary_dim=128, final_rms=True,
 )  # fmt: skip
 CALLS = ("linear", "exact_token_top_k", "exact_component", "integrated")
-PROMPTS, TOKENS = 8, 32
-COLS = ["call", "layerwise", "depth", "vocab", "extra_gib", "weights_gib", "seconds"]
+_BATCH = os.environ.get("BENCH_BATCH", "8x32")  # prompts x tokens; --batches sets it per case
+PROMPTS, TOKENS = (int(v) for v in _BATCH.split("x"))
+COLS = ["call", "batch", "layerwise", "depth", "vocab", "extra_gib", "weights_gib", "seconds",
+        "delta_moved_x"]  # fmt: skip
 
 
 def build(depth: int, vocab: int):
@@ -105,8 +107,10 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
         )
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
+    from extractive_lens.backend import shift
+
     t0 = time.perf_counter()
-    with PeakMemory() as mem:
+    with PeakMemory() as mem, shift.counting() as moved:
         if call == "linear":
             el.linear_scores(model, diff, batch, show_progress=False)
         elif call == "exact_token_top_k":
@@ -119,10 +123,15 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
             el.integrated_scores(model, diff, batch, top_k=3, linear=lin, show_progress=False)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
-        "call": call, "depth": depth, "vocab": vocab, "layerwise": layerwise,
+        "call": call, "batch": f"{PROMPTS}x{TOKENS}", "depth": depth, "vocab": vocab, "layerwise": layerwise,
         "extra_gib": mem.extra_mb / 1024,
         "weights_gib": weights / GiB, "seconds": time.perf_counter() - t0,
+        "delta_moved_x": moved.bytes / _delta_bytes(diff),
     }  # fmt: skip
+
+
+def _delta_bytes(diff) -> int:
+    return sum(t.numel() * t.element_size() for t in diff.deltas.values())
 
 
 def build_on_gpu(depth: int, vocab: int, device: str = "cuda"):
@@ -185,7 +194,7 @@ def gpu_cases(depths: list[int], vocab: int, calls: list[str]) -> list[dict]:
                 el.integrated_scores(model, diff, batch, top_k=3, show_progress=False)
             torch.cuda.synchronize()
             rows.append({
-                "call": call, "depth": depth, "vocab": vocab, "layerwise": True,
+                "call": call, "batch": f"{PROMPTS}x{TOKENS}", "depth": depth, "vocab": vocab, "layerwise": True,
                 "extra_gib": (torch.cuda.max_memory_allocated() - start) / GiB,
                 "weights_gib": weights / GiB, "seconds": time.perf_counter() - t0,
                 "peak_total_gib": torch.cuda.max_memory_allocated() / GiB,
@@ -241,9 +250,10 @@ def checkpoints_case(tmp: Path) -> dict:
     }  # fmt: skip
 
 
-def slope(rows: list[dict], call: str, layerwise: bool) -> float | None:
+def slope(rows: list[dict], call: str, layerwise: bool, batch: str = "8x32") -> float | None:
     pts = [(r["depth"], r["extra_gib"]) for r in rows
-           if r["call"] == call and r["vocab"] == 32000 and r["layerwise"] == layerwise]  # fmt: skip
+           if r["call"] == call and r["vocab"] == 32000 and r["layerwise"] == layerwise
+           and r["batch"] == batch]  # fmt: skip
     if len(pts) < 2:
         return None
     n = len(pts)
@@ -265,6 +275,13 @@ def main() -> None:
         type=int,
         default=[0, 1],
         help="1: gradients one layer at a time; 0: as chosen by size",
+    )
+    ap.add_argument(
+        "--batches",
+        nargs="+",
+        default=["8x32"],
+        metavar="PxT",
+        help="batches of P prompts x T tokens (e.g. 1x16 2x16 8x32 1x256)",
     )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--vocab", type=int, default=128256, help="--device cuda: the vocabulary")
@@ -293,14 +310,15 @@ def main() -> None:
         print("wrote", write(args.out, {"from_checkpoints": found}))
         return
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    jobs = [(c, d, 32000, lw) for c in args.calls for lw in args.layerwise for d in args.depths]
+    jobs = [(c, d, 32000, lw, b) for b in args.batches for c in args.calls
+            for lw in args.layerwise for d in args.depths]  # fmt: skip
     if args.real_vocab:
-        jobs += [(c, 1, 128256, max(args.layerwise)) for c in args.calls]
+        jobs += [(c, 1, 128256, max(args.layerwise), b) for b in args.batches for c in args.calls]
     rows = []
-    for call, depth, vocab, lw in jobs:
+    for call, depth, vocab, lw, b in jobs:
         out = subprocess.run(
             [sys.executable, __file__, "--case", call, str(depth), str(vocab), str(lw)],
-            capture_output=True, text=True, env=env, check=False,
+            capture_output=True, text=True, env=dict(env, BENCH_BATCH=b), check=False,
         )  # fmt: skip
         if out.returncode != 0:
             print(out.stderr[-2000:], file=sys.stderr)
@@ -308,20 +326,21 @@ def main() -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(table(rows[-1:], COLS),
               flush=True)  # fmt: skip
-    slopes = {f"{c}{' layerwise' if lw else ''}": slope(rows, c, bool(lw))
-              for c in args.calls for lw in args.layerwise}  # fmt: skip
+    slopes = {f"{c} {b}{' layerwise' if lw else ''}": slope(rows, c, bool(lw), b)
+              for b in args.batches for c in args.calls for lw in args.layerwise}  # fmt: skip
     print()
     print(table(rows, COLS))
     print()
     for key, s in slopes.items():
         if s is not None:
-            c, lw = key.split(" ")[0], key.endswith("layerwise")
+            c, b, lw = key.split(" ")[0], key.split(" ")[1], key.endswith("layerwise")
             first = next(r["extra_gib"] for r in rows if r["call"] == c and r["layerwise"] == lw
-                         and r["depth"] == min(args.depths) and r["vocab"] == 32000)  # fmt: skip
-            print(f"{key:30s} slope {s:.3f} GiB/layer (target <= 0.15); 32 layers: about "
+                         and r["depth"] == min(args.depths) and r["vocab"] == 32000
+                         and r["batch"] == b)  # fmt: skip
+            print(f"{key:36s} slope {s:.3f} GiB/layer (target <= 0.05); 32 layers: about "
                   f"{first + 31 * s:.1f} GiB above the weights")  # fmt: skip
     payload: dict = {"rows": rows, "slopes_gib_per_layer": slopes,
-                     "setting": {"prompts": PROMPTS, "tokens": TOKENS, "shape": LLAMA3_8B}}  # fmt: skip
+                     "setting": {"batches": args.batches, "shape": LLAMA3_8B}}  # fmt: skip
     if args.checkpoints:
         import tempfile
 

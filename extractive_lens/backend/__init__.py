@@ -263,3 +263,9 @@ def weights_processed(model: Any) -> bool:
 def mlp_input(model: Any, resid_pre: Tensor, resid_mid: Tensor) -> Tensor:
     """What the MLP of a block reads: ``resid_mid``, or ``resid_pre`` for parallel blocks."""
     return resid_pre if parallel(model) else resid_mid
+
+
+def layer_parameter_count(model: Any) -> int:
+    """Parameters of one block (the first: every block has the same shape)."""
+    blocks = getattr(model, "blocks", ())
+    return sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0

@@ -51,6 +51,43 @@ _SHIFTS: contextvars.ContextVar[tuple[Shift, ...]] = contextvars.ContextVar(
 )
 
 
+class Traffic:
+    """What the shifts inside ``counting()`` read of Δ: ``bytes`` of Δ tensors brought to where
+    the pieces run (moved to the device on a GPU; on the CPU the same reads, counted alike) in
+    ``loads`` layer loads. A layer's Δ read twice counts twice: the figure is what a GPU run
+    would move over the bus."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.loads = 0
+
+    def __repr__(self) -> str:
+        return f"Traffic({self.bytes / 2**20:.1f} MiB in {self.loads} layer loads)"
+
+
+_TRAFFIC: contextvars.ContextVar[Traffic | None] = contextvars.ContextVar(
+    "extractive_lens_traffic", default=None
+)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Traffic]:
+    """Count the Δ bytes read by every shift inside the block (``Traffic``).
+
+    >>> import extractive_lens as el
+    >>> with counting() as moved:
+    ...     _ = el.linear_scores(model, diff, batch, show_progress=False)
+    >>> moved.bytes > 0
+    True
+    """
+    traffic = Traffic()
+    token = _TRAFFIC.set(traffic)
+    try:
+        yield traffic
+    finally:
+        _TRAFFIC.reset(token)
+
+
 class Shift:
     """``W + alpha·Δ`` for one model: which stored tensor gets which offset, one layer at a time."""
 
@@ -139,6 +176,9 @@ class Shift:
         names = self.names_by_group.get(g, [])
         if not names:
             return {}
+        traffic = _TRAFFIC.get()
+        if traffic is not None:
+            traffic.loads += 1
         values = {}
         block_dev = None
         if isinstance(g, int):  # where that block lives (models split over devices: n_devices)
@@ -146,6 +186,8 @@ class Shift:
             block_dev = None if block_dev is None else block_dev.device
         for n in names:
             d = self.diff.deltas[n]
+            if traffic is not None:
+                traffic.bytes += _nbytes(d)
             dev = block_dev or self.device or d.device
             blocking = not (non_blocking and d.device.type == "cpu" and d.is_pinned())
             values[n] = d.to(dev, non_blocking=not blocking)
@@ -169,6 +211,10 @@ class Shift:
         for t in values.values():
             t.record_stream(current)
         return values
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size())
 
 
 def _group_of(name: str) -> Group:

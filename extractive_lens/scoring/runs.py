@@ -96,8 +96,9 @@ def forward_run(
 
 
 LAYERWISE_BYTES = 512 * 2**20
-"""Past this estimate of the activations a backward pass through the whole model would keep,
-gradients are taken one layer at a time (``layerwise``)."""
+"""Past this estimate of what a backward pass through the whole model would keep (activations
+and the compute-dtype weight copies its matmuls save), gradients are taken one layer at a time
+(``layerwise``)."""
 
 
 def layerwise(model: Any, batch: PromptBatch | int, n_pos: int | None = None) -> bool:
@@ -108,7 +109,12 @@ def layerwise(model: Any, batch: PromptBatch | int, n_pos: int | None = None) ->
     cfg = model.cfg
     rows = batch if isinstance(batch, int) else len(batch)
     pos = n_pos if n_pos is not None else batch.n_pos  # type: ignore[union-attr]
-    per_layer = rows * pos * (cfg.d_model * 12 + (cfg.d_mlp or 0) * 5) * 4  # bytes kept
+    per_layer = rows * pos * (cfg.d_model * 12 + (cfg.d_mlp or 0) * 5) * 4  # activations kept
+    # A whole-graph backward also keeps, per layer, the float32 weights its matmuls saved where
+    # a reshaped copy is saved instead of the stored tensor (attention's einsums): about one
+    # layer of weights in the compute dtype. Small batches on wide models are dominated by it
+    # (an 8B layer: 0.87 GB), so it is counted too: memory then does not grow with depth.
+    per_layer += B.layer_parameter_count(model) * 4
     return per_layer * cfg.n_layers > LAYERWISE_BYTES
 
 

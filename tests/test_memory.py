@@ -1,0 +1,71 @@
+"""What scoring keeps and moves (issue 41): the layer-at-a-time decision and the Δ traffic counter.
+
+The counter is checked against the diff's own tensors (summed here, not by the code under test),
+and the decision against the two parts of what a whole-graph backward keeps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import extractive_lens as el
+from extractive_lens import backend as B
+from extractive_lens.backend import shift
+from extractive_lens.scoring import runs
+
+CFG = dict(
+    n_layers=3, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50, n_ctx=16,
+    act_fn="gelu", normalization_type="LN",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setting():
+    torch.set_num_threads(1)
+    model = el.tiny_model(CFG, seed=0)
+    g = torch.Generator().manual_seed(3)
+    deltas = {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in B.parameters(model).items()}
+    diff = el.WeightDiff(deltas, B.signature(model))
+    batch = el.make_batch(model, [([1, 2, 3, 4], [5]), ([2, 3, 4, 6], [7])], candidates=[5, 7])
+    return model, diff, batch
+
+
+def _delta_bytes(diff, names=None) -> int:
+    return sum(
+        t.numel() * t.element_size() for n, t in diff.deltas.items() if names is None or n in names
+    )
+
+
+def test_layer_at_a_time_counts_the_weights_a_whole_graph_backward_keeps(setting, monkeypatch):
+    model, _, batch = setting
+    rows, pos = len(batch), batch.n_pos
+    cfg = model.cfg
+    activations = rows * pos * (cfg.d_model * 12 + cfg.d_mlp * 5) * 4 * cfg.n_layers
+    weights = sum(p.numel() for p in model.blocks[0].parameters()) * 4 * cfg.n_layers
+    assert weights > activations  # a wide model on a small batch: the weights dominate
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", activations + weights // 2)
+    assert runs.layerwise(model, batch)  # activations alone would say "whole graph"
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", activations + weights + 1)
+    assert not runs.layerwise(model, batch)
+
+
+def test_traffic_counts_each_layer_of_delta_once_per_load(setting):
+    model, diff, batch = setting
+    with shift.counting() as moved, shift.shifted(model, diff):
+        B.unembed(model, B.run_blocks(model, B.embed(model, batch.tokens)))
+    assert moved.bytes == _delta_bytes(diff)  # every tensor of Δ read once: embed, blocks, unembed
+    assert moved.loads == model.cfg.n_layers + 2
+    with shift.counting() as none:
+        B.unembed(model, B.run_blocks(model, B.embed(model, batch.tokens)))
+    assert none.bytes == 0 and none.loads == 0  # no shift, nothing read
+
+
+def test_traffic_of_a_large_model_counts_every_reload(setting, monkeypatch):
+    """A model past ``REUSE_BYTES`` holds ``KEEP_LAYERS`` layers of Δ: a second pass reads Δ again."""
+    model, diff, batch = setting
+    monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+    with shift.counting() as moved, shift.shifted(model, diff):
+        for _ in range(2):
+            B.unembed(model, B.run_blocks(model, B.embed(model, batch.tokens)))
+    assert moved.bytes == 2 * _delta_bytes(diff)
