@@ -267,5 +267,5 @@ def mlp_input(model: Any, resid_pre: Tensor, resid_mid: Tensor) -> Tensor:
 
 def layer_parameter_count(model: Any) -> int:
     """Parameters of one block (the first: every block has the same shape)."""
-    blocks = getattr(model, "blocks", ())
-    return sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0
+    blocks: Any = getattr(model, "blocks", None)
+    return sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
