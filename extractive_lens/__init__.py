@@ -27,6 +27,7 @@ _EXPORTS = {
     "tiny_model": "extractive_lens.model",
     "load_pretrained": "extractive_lens.model",
     "load_checkpoint": "extractive_lens.model",
+    "from_hf": "extractive_lens.model",
     "WeightDiff": "extractive_lens.weight_diff",
     "make_batch": "extractive_lens.batch",
     "PromptBatch": "extractive_lens.batch",

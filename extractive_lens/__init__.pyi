@@ -64,6 +64,9 @@ from extractive_lens.finetuning import (
     mean_rank as mean_rank,
 )
 from extractive_lens.model import (
+    from_hf as from_hf,
+)
+from extractive_lens.model import (
     load_checkpoint as load_checkpoint,
 )
 from extractive_lens.model import (

@@ -19,6 +19,7 @@ Roles (docs/scores.md §6) let prompts of different lengths be aggregated positi
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,7 +28,13 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from extractive_lens.backend.tokenizer import bos_disagreement
+
 ANSWER_ROLE = "answer[{k}]"
+
+
+class BosWarning(UserWarning):
+    """The model's BOS setting disagrees with its tokenizer, and ``make_batch`` was not told."""
 
 
 @dataclass(frozen=True)
@@ -327,11 +334,15 @@ def make_batch(
             (``tokenizer(text)`` with special tokens), so scores are of the token sequence the
             model sees under Hugging Face. Recorded in every result's ``metadata``. A prompt
             that already starts with the BOS token (a chat-formatted one, e.g. from
-            ``tokenizer.apply_chat_template(..., tokenize=False)``) gets no second one.
+            ``tokenizer.apply_chat_template(..., tokenize=False)``) gets no second one. A model
+            loaded another way whose setting disagrees with its tokenizer gets a ``BosWarning``
+            unless ``prepend_bos`` is passed.
     """
     if len(pairs) == 0:
         raise ValueError("make_batch needs at least one (prompt, answer) pair.")
     items = [_as_pair(p) for p in pairs]
+    if prepend_bos is None and (why := bos_disagreement(model)):
+        warnings.warn(why, BosWarning, stacklevel=2)
     bos = _bos(model, explicit=bool(prepend_bos)) if prepend_bos in (None, True) else None
     if prepend_bos and bos is None:
         raise ValueError("prepend_bos=True but the model's tokenizer has no BOS token.")

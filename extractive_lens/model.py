@@ -55,6 +55,7 @@ from extractive_lens.backend import (  # noqa: F401
 from extractive_lens.backend.building import as_bridge  # noqa: F401
 from extractive_lens.backend.families import ARCHITECTURES, hf_config_to_tl  # noqa: F401
 from extractive_lens.backend.hooked import VIEW_FLAGS  # noqa: F401
+from extractive_lens.backend.in_memory import from_hf  # noqa: F401
 from extractive_lens.backend.installed import BACKEND_NAMES, resolve_backend  # noqa: F401
 from extractive_lens.backend.loading import (  # noqa: F401
     NO_PROCESSING,

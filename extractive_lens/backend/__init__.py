@@ -45,8 +45,9 @@ from extractive_lens.backend.shift import W_O_shift, reusing, shifted, unshifted
 
 __all__ = [
     "BACKENDS", "Backend", "LayerRun", "ParamRole", "ParamSlice", "ScorableModel", "W_O",
-    "attention", "attn_out_names", "backend_for", "check_scorable", "computing_in", "describe",
-    "embed", "expected_shape", "frozen_parameters", "has_mlp", "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
+    "attention", "attn_out_names", "backend_for", "check_scorable", "check_unprocessed",
+    "computing_in", "describe", "embed", "expected_shape", "frozen_parameters", "has_mlp",
+    "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
     "notes", "on_block", "on_final", "parallel", "param_role", "parameter_slices", "parameters",
     "raw_masks", "resolve_compute_dtype", "reusing", "run_blocks", "shifted", "signature",
     "unshifted", "slices_for_names", "standard_flags",
@@ -258,6 +259,15 @@ def notes(model: Any) -> dict[str, Any]:
 
 def weights_processed(model: Any) -> bool:
     return backend_for(model).weights_processed(model)
+
+
+def check_unprocessed(model: Any, what: str) -> None:
+    """Refuse a model whose weights TransformerLens processed (``processing.py``), unless it was
+    loaded processed on purpose (``load_pretrained(..., process_weights=True)``)."""
+    from extractive_lens.backend.processing import refusal
+
+    if not notes(model).get("processed") and (why := refusal(model, what)):
+        raise ValueError(why)
 
 
 def mlp_input(model: Any, resid_pre: Tensor, resid_mid: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from extractive_lens.backend.hooked import notes
 from extractive_lens.backend.installed import hooked_tl, quiet_transformer_lens, quiet_transformers
-from extractive_lens.backend.tokenizer import named_tokenizer
+from extractive_lens.backend.tokenizer import BOS_NOTE, named_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformer_lens import HookedTransformer
@@ -40,6 +40,7 @@ def build(
         )
     record_processing(model, processed=False)
     notes(model).update(notes_ or {})
+    notes(model).setdefault(BOS_NOTE, "builder")
     return model
 
 
@@ -71,6 +72,7 @@ def native_bridge(
         )  # fmt: skip
     write_native(out, parameters)
     notes(out).update(copy.deepcopy(notes_ or {}))
+    notes(out).setdefault(BOS_NOTE, "builder")
     out.eval()
     return out
 

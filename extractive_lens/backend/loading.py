@@ -26,6 +26,7 @@ import torch
 
 from extractive_lens.backend.building import record_processing
 from extractive_lens.backend.families import family_of, hf_config_to_tl
+from extractive_lens.backend.hooked import notes
 from extractive_lens.backend.installed import (  # noqa: F401  (has_hooked, version re-exported)
     has_hooked,
     hooked_tl,
@@ -34,7 +35,7 @@ from extractive_lens.backend.installed import (  # noqa: F401  (has_hooked, vers
     resolve_backend,
     version,
 )
-from extractive_lens.backend.tokenizer import named_tokenizer, tokenizer_prepends_bos
+from extractive_lens.backend.tokenizer import BOS_NOTE, named_tokenizer, tokenizer_prepends_bos
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformer_lens import HookedTransformer
@@ -210,6 +211,7 @@ def hooked_from_hf(
         )
     model.to(device, print_details=False)
     record_processing(model, processed=False)
+    notes(model)[BOS_NOTE] = "tokenizer"
     del source
     model.eval()
     return model
@@ -314,5 +316,6 @@ def _boot_bridge(
     if tokenizer is not None:
         model.cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
     record_processing(model, processed=False)
+    notes(model)[BOS_NOTE] = "tokenizer"
     model.eval()
     return model

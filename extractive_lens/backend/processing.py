@@ -21,7 +21,7 @@ TransformerLens users hold a model. What is looked at:
 - on a ``TransformerBridge``: ``process_weights()`` (which ``enable_compatibility_mode()`` runs by
   default) sets its ``_weights_processed`` flag.
 
-``check_unprocessed`` refuses such a model with a sentence that says how to load it unprocessed;
+``backend.check_unprocessed`` refuses such a model with a sentence that says how to load it unprocessed;
 a model loaded with ``load_pretrained(..., process_weights=True)`` opted in and is scored, with
 ``weights_processed`` recorded in every result.
 """
@@ -49,18 +49,20 @@ def _centred(w: torch.Tensor, dim: int) -> bool:
     return bool((w.mean(-1).abs() <= CENTRED * w.std(-1).clamp_min(1e-30)).all())
 
 
+def _is_bridge(model: Any) -> bool:
+    return hasattr(model, "_weights_processed") or hasattr(model, "compatibility_mode")
+
+
 def processing_found(model: Any) -> tuple[str, ...]:
     """The TransformerLens weight processing found on ``model`` (``()``: none; module doc)."""
-    from extractive_lens.backend import bridge, parameters
-
     found: list[str] = []
-    if bridge.handles(model):
+    if _is_bridge(model):
         if getattr(model, "_weights_processed", False):
             found.append("process_weights (enable_compatibility_mode)")
         return tuple(found)
     if getattr(model.cfg, "normalization_type", None) in ("LNPre", "RMSPre"):
         found.append("fold_ln")
-    params = parameters(model)
+    params = dict(model.named_parameters())
     writing = [params[n] for n in _WRITING if n in params]
     if writing and all(_centred(w, w.ndim - 1) for w in writing):
         found.append("center_writing_weights")
@@ -69,15 +71,13 @@ def processing_found(model: Any) -> tuple[str, ...]:
     return tuple(found)
 
 
-def check_unprocessed(model: Any, what: str) -> None:
-    """Refuse a model whose weights TransformerLens processed, unless it was loaded processed on
-    purpose (``load_pretrained(..., process_weights=True)``, recorded on the model)."""
-    from extractive_lens.backend import bridge, notes
-
+def refusal(model: Any, what: str) -> str | None:
+    """Why ``what`` refuses ``model`` (``None``: its weights are as trained). A model loaded
+    processed on purpose is not asked: ``backend.check_unprocessed`` reads that note first."""
     found = processing_found(model)
-    if not found or notes(model).get("processed"):
-        return
-    if bridge.handles(model):
+    if not found:
+        return None
+    if _is_bridge(model):
         how = (
             "boot a fresh bridge (TransformerBridge.boot_transformers(...), or "
             "el.load_checkpoint(dir) / el.load_pretrained(name)) and do not call "
@@ -90,7 +90,7 @@ def check_unprocessed(model: Any, what: str) -> None:
             "el.load_pretrained(name) or el.load_checkpoint(dir), and do not call "
             "process_weights_() on it"
         )
-    raise ValueError(
+    return (
         f"{what}: this model's weights were processed by TransformerLens ({', '.join(found)}). "
         "The scores are defined on the weights as trained (docs/scores.md §1): folding and "
         "centring change what a weight change means, so the scores would be of another model. "

@@ -61,3 +61,64 @@ def word_tokenizer(
     path.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(path)
     return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def hf_prepends_bos(tokenizer: Any) -> bool | None:
+    """Whether ``tokenizer`` adds a BOS under Hugging Face: TransformerLens hands a model a
+    tokenizer reloaded with ``add_bos_token=True``, so the original is reloaded from its
+    ``name_or_path`` (offline: local files or the cache only); ``None`` where it cannot be."""
+    import transformers
+
+    from extractive_lens.backend.installed import quiet_transformers
+
+    name = getattr(tokenizer, "name_or_path", None)
+    if not name:
+        return None
+    try:
+        with quiet_transformers():
+            original = transformers.AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return tokenizer_prepends_bos(original)
+
+
+BOS_NOTE = "bos_set_by"
+"""The note (``backend.notes``) that says extractive_lens chose the model's BOS setting: from
+its tokenizer (``"tokenizer"``: ``load_checkpoint``, ``from_hf``) or deliberately when it built
+the model (``"builder"``: ``tiny_model``, the world model)."""
+
+
+def bos_disagreement(model: Any) -> str | None:
+    """Why ``make_batch`` should warn about ``model``'s BOS setting (``None``: nothing to say).
+
+    A model whose BOS setting extractive_lens did not choose (``HookedTransformer.from_pretrained``,
+    ``TransformerBridge.boot_transformers``, a model built by hand) prepends a BOS when
+    ``cfg.default_prepend_bos`` says so, whatever its tokenizer does; the same checkpoint then
+    scores differently depending on who loaded it."""
+    from extractive_lens.backend import notes
+
+    tok = getattr(model, "tokenizer", None)
+    if tok is None or getattr(tok, "bos_token_id", None) is None or notes(model).get(BOS_NOTE):
+        return None
+    cfg_bos = bool(getattr(model.cfg, "default_prepend_bos", True))
+    if "hf_prepends_bos" not in notes(model):
+        notes(model)["hf_prepends_bos"] = hf_prepends_bos(tok)
+    tok_bos = notes(model)["hf_prepends_bos"]
+    if tok_bos is None or cfg_bos == tok_bos:
+        return None
+    said = (
+        "prepends a BOS token to every prompt (cfg.default_prepend_bos=True: TransformerLens's "
+        "default, as HookedTransformer.from_pretrained and TransformerBridge.boot_transformers "
+        "set it) but its tokenizer does not (tokenizer(text) starts without one, as under "
+        "Hugging Face)"
+        if cfg_bos
+        else "prepends no BOS token (cfg.default_prepend_bos=False) but its tokenizer does "
+        "(tokenizer(text) starts with one, as under Hugging Face)"
+    )
+    return (
+        f"make_batch: this model {said}. A BOS changes every position's context, so the scores "
+        "depend on it. Choose: prepend_bos="
+        f"{tok_bos} scores the tokens the tokenizer produces (what el.load_checkpoint and "
+        f"el.from_hf do), prepend_bos={cfg_bos} keeps the model's setting. See "
+        "docs/getting-started.md, 'Which BOS'."
+    )

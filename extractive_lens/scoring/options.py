@@ -169,12 +169,11 @@ def prepare(fn: str, model: Any, diff: Any, batch: Any, options: ScoreOptions) -
     """The checks every score function makes before touching the model; returns the compute
     dtype (``docs/scores.md``: float32 for 16-bit models by default)."""
     from extractive_lens import backend as B
-    from extractive_lens.backend.processing import check_unprocessed
     from extractive_lens.interrupts import refuse_attached_hooks
 
     check_arguments(fn, model, diff, batch)
     B.check_scorable(model)
-    check_unprocessed(model, fn)
+    B.check_unprocessed(model, fn)
     refuse_attached_hooks(model, fn)
     dtype = B.resolve_compute_dtype(model, options.compute_dtype)
     diff.check_compatible(model)
