@@ -58,9 +58,11 @@ class Component:
         >>> Component(3, 1).hook_name, Component(3).hook_name
         ('blocks.3.attn.hook_z', 'blocks.3.hook_mlp_out')
         """
-        if self.head is None:
-            return f"blocks.{self.layer}.hook_mlp_out"
-        return f"blocks.{self.layer}.attn.hook_z"
+        # The backend spells hook names; its table imports nothing of ours (no circle), and is
+        # read at call time because the backend package itself imports this module.
+        from extractive_lens.backend.hook_names import hook_name
+
+        return hook_name(self.layer, self.head)
 
     @property
     def short_label(self) -> str:

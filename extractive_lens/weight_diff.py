@@ -166,11 +166,11 @@ class WeightDiff:
         device: str | torch.device | None = None,
     ) -> WeightDiff:  # fmt: skip
         """The change a LoRA adapter (a ``peft`` directory or ``PeftModel``) makes to ``base``,
-        kept as its low-rank factors (``extractive_lens.lora.from_peft``).
+        kept as its low-rank factors (``backend/lora.py``).
 
         >>> diff = WeightDiff.from_peft(base, "runs/lora-adapter")  # doctest: +SKIP
         """
-        from extractive_lens.lora import from_peft
+        from extractive_lens.backend.lora import from_peft
 
         return cls(*from_peft(base, adapter, device=device))
 

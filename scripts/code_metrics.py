@@ -14,7 +14,7 @@ from pathlib import Path
 # TransformerLens parameter / hook name fragments that only the backend may spell.
 TL_NAMES = re.compile(
     r"(?:^|[.{}])(?:W_[QKVOU]|_W_[KV]|b_[QKVOU]|W_in|W_out|W_gate|b_in|b_out|W_E|W_pos)(?:$|[.{])"
-    r"|(?:^|\.)(?:ln_final|ln1|ln2|pos_embed|unembed|embed|attn|mlp|blocks)\.|hook_"
+    r"|(?:^|\.)(?:ln_final|ln1|ln2|pos_embed|unembed|embed|attn|mlp|blocks)\.|\bhook_(?!name\b)\w"
 )
 
 

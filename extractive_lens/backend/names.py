@@ -2,9 +2,10 @@
 
 A ``WeightDiff`` is keyed by these names (``blocks.3.attn.W_Q``), whatever class the model is:
 a ``HookedTransformer`` has them as its own parameter names, a TransformerBridge exposes them
-through ``tl_parameters()``. This module is the only place that parses or spells them; the rest
-of the package asks what a name *is* (``param_role``) or which components own it
-(``slices_for_names``, docs/scores.md §2).
+through ``tl_parameters()``. This module is the only place that parses or spells parameter
+names (hook names: ``hook_names.py``); the rest of the package asks what a name *is*
+(``param_role``), which components own it (``slices_for_names``, docs/scores.md §2) or what
+shape it has (``expected_shape``).
 
 >>> param_role("blocks.3.attn.W_O")
 ParamRole(layer=3, part='attn_out')
@@ -21,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from extractive_lens.backend import hook_names
 from extractive_lens.types import Component
 
 Part = Literal["embed", "attn", "attn_out", "attn_out_bias", "mlp", "final", "unknown"]
@@ -160,10 +162,9 @@ def slices_for_names(
 
 
 def hook_name(component: Component) -> str:
-    """The TransformerLens hook holding a component's output: a head's ``hook_z`` (index
-    ``[:, :, head]``; its write is that times ``W_O[head]``) or an MLP's ``hook_mlp_out``.
+    """The TransformerLens hook holding a component's output (``hook_names.hook_name``).
 
     >>> hook_name(Component(3, 1)), hook_name(Component(3))
     ('blocks.3.attn.hook_z', 'blocks.3.hook_mlp_out')
     """
-    return component.hook_name
+    return hook_names.hook_name(component.layer, component.head)

@@ -5,16 +5,17 @@ folders, ...) and returns ``Parts``: Δ keyed by TransformerLens parameter names
 architecture signature both sides shared, and provenance metadata. ``WeightDiff`` (algebra,
 ``applied``, norms, save/load) builds itself from them; its classmethods are the public spelling:
 
-===========================  ===========================================
-``WeightDiff.from_models``       ``models.from_models`` (two loaded models)
-``WeightDiff.from_state_dicts``  ``models.from_state_dicts``
-``WeightDiff.zeros_like``        ``models.zeros_like``
-``WeightDiff.from_checkpoints``  ``checkpoints.from_checkpoints`` (formed on demand)
-===========================  ===========================================
+- ``WeightDiff.from_models``: ``models.from_models`` (two loaded models);
+- ``WeightDiff.from_state_dicts``: ``models.from_state_dicts``;
+- ``WeightDiff.zeros_like``: ``models.zeros_like``;
+- ``WeightDiff.from_checkpoints``: ``checkpoints.from_checkpoints`` (formed on demand);
+- ``WeightDiff.from_peft``: ``backend/lora.from_peft`` (a LoRA adapter, kept as its factors).
 
 A new source (CONTRIBUTING.md, "Add a diff source") is a module here with a function returning
 ``Parts`` and a one-line classmethod on ``WeightDiff``; the sources import nothing of
-``weight_diff`` (the diff imports them), so the two never import each other.
+``weight_diff`` (the diff imports them), so the two never import each other. A source that maps
+another library's names onto TransformerLens's (a LoRA adapter's ``q_proj``) lives in
+``backend/``, the one package that spells TransformerLens names, and returns ``Parts`` alike.
 
 >>> import torch
 >>> from extractive_lens.diff_sources import models

@@ -144,7 +144,7 @@ class CausalOptions(ScoreOptions):
             raise ValueError(
                 f"causal_scores(convention={self.convention!r}): exact scores exist only in the "
                 "paper's convention. The authors' code is a set of linear approximations (head "
-                "output at hook_z, ŷ' with all weights finetuned, key/value changes credited at "
+                "output before its output weight, ŷ' with all weights finetuned, key/value changes credited at "
                 "the key position) with no patching experiment behind it: use "
                 "linear_scores(..., convention='authors_code') for those, and causal_scores in "
                 "the paper convention (the default) for exact ones (docs/scores.md §7)."
