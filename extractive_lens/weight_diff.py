@@ -239,6 +239,16 @@ class WeightDiff:
         """Raise a clear error unless this Δ fits ``model`` (architecture, names, shapes)."""
         params = B.parameters(model)
         sig = B.signature(model)
+        formed, now = self.signature.get("processed"), sig.get("processed")
+        if formed is not None and now is not None and bool(formed) != bool(now):
+            state = {True: "processed (folded / centred)", False: "as trained (unprocessed)"}
+            raise ValueError(
+                f"This WeightDiff was formed on weights {state[bool(formed)]}, but the model's "
+                f"weights are {state[bool(now)]} now (TransformerLens's process_weights_ / "
+                "enable_compatibility_mode, or a model loaded another way): Δ means something "
+                "else on them. Use a model loaded the way the diff's models were "
+                "(docs/scores.md §1), or form the diff again from two models loaded alike."
+            )
         for key, value in self.signature.items():
             if key in ("processed",) or key not in sig:
                 continue

@@ -42,6 +42,8 @@ def test_processed_hooked_model_is_refused(flags, found):
     assert weights_processed(base)  # what every result and signature records
     with pytest.raises(ValueError, match=r"processed by TransformerLens .*no_processing"):
         linear_scores(base, diff, batch)
+    with pytest.raises(ValueError, match=r"formed on weights as trained"), diff.applied(base):
+        pass  # the diff remembers the state it was formed on
 
 
 @needs_hooked
@@ -79,3 +81,21 @@ def test_processed_on_purpose_is_scored_and_recorded():
         record_processing(m, processed=True)  # what load_pretrained(process_weights=True) does
     lin = linear_scores(base, WeightDiff.from_models(base, ft), small_batch(base, n=2))
     assert lin.metadata["weights_processed"] is True
+
+
+def test_a_diff_refuses_a_model_processed_after_it_was_formed():
+    """The issue's bridge case: enable_compatibility_mode() after the diff was formed changed
+    R(W') - R(W) with no error. The diff records the state it was formed on."""
+    from extractive_lens.backend.building import as_bridge
+
+    base, ft = make_pair("ln_gelu", torch.float32)
+    if has_hooked():
+        base, ft = as_bridge(base), as_bridge(ft)
+    diff = WeightDiff.from_models(base, ft)
+    assert diff.signature["processed"] is False
+    with diff.applied(base):  # fits
+        pass
+    base.enable_compatibility_mode(disable_warnings=True)
+    with pytest.raises(ValueError, match=r"formed on weights as trained.*processed"):
+        with diff.applied(base):
+            pass
