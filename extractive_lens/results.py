@@ -300,25 +300,27 @@ class ComponentScores:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
-        """``path`` (a directory): ``scores.safetensors`` + ``scores.json`` (labels, metadata).
+        """``path`` (a directory): the tensors in ``scores.<id>.safetensors`` and ``scores.json``
+        (labels, metadata, and the name of that tensor file).
 
-        Each file is replaced whole (written beside it, then renamed), and both carry one save
-        id: an interrupted save over an earlier result leaves it loadable, or refused by
-        ``load`` (one file of each save), never the new tensors under the old labels."""
-        from safetensors.torch import save_file
-
+        ``scores.json`` is the manifest: the new tensor file is written beside the old one,
+        then ``scores.json`` is replaced in one step, then the old tensor file is removed. An
+        interrupted or killed save leaves the previous result loadable (or the new one), never
+        a mix and never nothing; what it left behind is removed by the next save. Overwritten
+        files keep their mode."""
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise ValueError(
-                f"{path} is a file; ComponentScores.save writes a directory (scores.safetensors "
-                "and scores.json): pass a directory path."
+                f"{path} is a file; ComponentScores.save writes a directory (scores.json and "
+                "the tensor file it names): pass a directory path."
             )
         import uuid
 
-        from extractive_lens.files import replacing, write_text_atomic
+        from extractive_lens.files import locked, replacing, save_safetensors, write_text_atomic
 
         path.mkdir(parents=True, exist_ok=True)
-        save_id = uuid.uuid4().hex  # in both files: load refuses two files of different saves
+        save_id = uuid.uuid4().hex  # in both files
+        tensor_file = f"scores.{save_id[:16]}.safetensors"
         tensors = {
             "values": self.values,
             "totals": self.totals,
@@ -327,17 +329,9 @@ class ComponentScores:
         }
         if self.other is not None:
             tensors["other"] = self.other
-        with replacing(path / "scores.safetensors") as tmp:  # each file whole, old or new
-            save_file(  # clone: safetensors refuses tensors sharing memory (per="component")
-                {
-                    k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
-                    for k, v in tensors.items()
-                },
-                str(tmp),
-                metadata={"save_id": save_id},
-            )
         info = {
             "save_id": save_id,
+            "tensors": tensor_file,
             "kinds": list(self.kinds),
             "component_labels": list(self.component_labels),
             "position_labels": list(self.position_labels),
@@ -346,27 +340,56 @@ class ComponentScores:
             "per": self.per,
             "metadata": jsonable(self.metadata),
         }
-        write_text_atomic(path / "scores.json", json.dumps(info, indent=1))
+        with locked(path):  # saves into one directory take turns
+            previous = _tensor_file(path)
+            with replacing(path / tensor_file, mode_of=previous) as tmp:  # beside the old one
+                save_safetensors(tensors, tmp, metadata={"save_id": save_id})
+            write_text_atomic(path / "scores.json", json.dumps(info, indent=1))  # the switch
+            _remove_litter(path, keep=tensor_file)
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> ComponentScores:
-        from safetensors.torch import load_file
-
         path = Path(path)
-        missing = [f for f in ("scores.safetensors", "scores.json") if not (path / f).is_file()]
-        if missing:
+        if not (path / "scores.json").is_file():
             raise FileNotFoundError(
-                f"{path} has no {' or '.join(missing)}: pass a directory written by "
+                f"{path} has no scores.json: pass a directory written by "
                 "ComponentScores.save() (or `extractive-lens score --out`)."
             )
-        try:
-            from safetensors import safe_open
+        for attempt in range(3):  # a save may switch and clean up between our two reads
+            try:
+                return cls._load(path)
+            except _Superseded:
+                if attempt == 2:
+                    raise ValueError(
+                        f"{path} is being saved to again and again; load it once saving stops."
+                    ) from None
+        raise AssertionError("unreachable")
 
-            with safe_open(str(path / "scores.safetensors"), framework="pt") as f:
-                tensor_save = (f.metadata() or {}).get("save_id")
-            t = load_file(str(path / "scores.safetensors"))
-            info = json.loads((path / "scores.json").read_text())
+    @classmethod
+    def _load(cls, path: Path) -> ComponentScores:
+        from safetensors import safe_open
+
+        try:
+            raw = (path / "scores.json").read_text()
+            info = json.loads(raw)
+            name = info.get("tensors", "scores.safetensors")  # before manifests: fixed names
+            if (
+                not isinstance(name, str)
+                or Path(name).name != name
+                or not name.endswith(".safetensors")
+            ):
+                raise ValueError(f"scores.json names {name!r} as its tensor file")
+            try:
+                with safe_open(str(path / name), framework="pt") as f:
+                    tensor_save = (f.metadata() or {}).get("save_id")
+                    t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            except Exception:
+                if (path / name).exists():
+                    raise
+                if (path / "scores.json").read_text() != raw:
+                    raise _Superseded() from None  # a newer save switched and cleaned up
+                raise FileNotFoundError(f"{name}, which scores.json names, is missing") from None
             if info.get("save_id") != tensor_save:
                 raise _MixedSave()
             fields: dict[str, Any] = dict(
@@ -381,9 +404,11 @@ class ComponentScores:
             tensors: dict[str, Any] = {
                 k: t[k] for k in ("values", "totals", "prompt_values", "prompt_totals")
             }
+        except _Superseded:
+            raise
         except _MixedSave:
             raise ValueError(
-                f"{path}: scores.safetensors and scores.json come from two different saves (one "
+                f"{path}: the tensor file and scores.json come from two different saves (one "
                 "was interrupted); score again, or restore the directory from a backup."
             ) from None
         except Exception as e:  # KeyError, JSON errors, safetensors' own error for a damaged file
@@ -470,6 +495,34 @@ class ComponentScores:
 
 class _MixedSave(Exception):
     """The two files of a saved result carry different save ids."""
+
+
+class _Superseded(Exception):
+    """The tensor file ``scores.json`` named was replaced by a newer save while loading."""
+
+
+def _tensor_file(path: Path) -> Path | None:
+    """The tensor file ``path/scores.json`` names now (``None``: no readable manifest)."""
+    try:
+        info = json.loads((path / "scores.json").read_text())
+        name = info.get("tensors", "scores.safetensors")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path / name if isinstance(name, str) and Path(name).name == name else None
+
+
+def _remove_litter(path: Path, keep: str) -> None:
+    """Tensor files ``scores.json`` does not name, and temporaries of killed saves: the
+    litter of earlier saves, never read (each removed only if no live writer holds it)."""
+    from extractive_lens.files import remove_stale
+
+    litter = [
+        p
+        for pattern in ("scores.safetensors", "scores.*.safetensors", ".scores.*.tmp")
+        for p in path.glob(pattern)
+        if p.name != keep
+    ]
+    remove_stale(litter)
 
 
 def _indices(shape: Sequence[int]):

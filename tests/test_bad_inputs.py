@@ -90,7 +90,7 @@ def _saved_scores(e, edit):
         (d / "scores.json").unlink()
         return ComponentScores.load(d)
     elif edit == "garbage":
-        (d / "scores.safetensors").write_text("not tensors")
+        (d / info["tensors"]).write_text("not tensors")  # the tensor file scores.json names
     (d / "scores.json").write_text(json.dumps(info))
     return ComponentScores.load(d)
 

@@ -71,9 +71,7 @@ def test_score_end_to_end(checkpoints, tmp_path):
         ],
     )
     assert res.exit_code == 0, res.output
-    assert (out / "linear" / "scores.safetensors").exists() and (
-        out / "causal" / "scores.json"
-    ).exists()
+    assert (out / "linear" / "scores.json").exists() and (out / "causal" / "scores.json").exists()
     assert (out / "report.html").exists() and (out / "comparison.csv").exists()
     assert "informative" in res.output
 

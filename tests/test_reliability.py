@@ -3,6 +3,7 @@ that cannot be half-written."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -109,15 +110,20 @@ class _Injected(BaseException):
     pass
 
 
+def _raise(name: str) -> None:
+    raise _Injected(name)
+
+
 SAVES = {
     "ComponentScores": (synthetic_scores, lambda obj, p: obj.save(p), el.ComponentScores.load),
     "WeightDiff": (synthetic_diff, lambda obj, p: obj.save(p), el.WeightDiff.load),
 }
 
 
-def _fs_calls(monkeypatch, when: str, k: int) -> list[str]:
+def _fs_calls(monkeypatch, when: str, k: int, fire=None) -> list[str]:
     """Patch every file-system call a save makes (opening, writing, syncing, renaming; the
-    safetensors writer as one call) to raise on its k-th occurrence, before or after it."""
+    safetensors writer as one call) to raise on its k-th occurrence, before or after it (or to
+    call ``fire(name)`` there instead)."""
     import builtins
     import os
 
@@ -129,10 +135,10 @@ def _fs_calls(monkeypatch, when: str, k: int) -> list[str]:
         def call(*args, **kwargs):
             seen.append(name)
             if len(seen) == k and when == "before":
-                raise _Injected(name)
+                (fire or _raise)(name)
             out = fn(*args, **kwargs)
             if len(seen) == k and when == "after":
-                raise _Injected(name)
+                (fire or _raise)(name)
             return out
 
         return call
@@ -153,14 +159,17 @@ def _fs_calls(monkeypatch, when: str, k: int) -> list[str]:
 def test_an_interrupt_at_any_file_system_call_leaves_old_new_or_a_refusal(
     kind, tmp_path, monkeypatch
 ):
-    """Over an existing result, an interrupt before or after each file-system call of a save:
-    afterwards the path loads as the old result or the new one, or load refuses in one line
-    (never a mix of the two)."""
+    """Over an existing result (a private 0600 one: its mode is kept, one more call), an
+    interrupt before or after each file-system call of a save: afterwards the path loads as the
+    old result or the new one (never a mix, never nothing)."""
     make, save, load = SAVES[kind]
     old, new = make(1), make(2)
-    with monkeypatch.context() as m:  # the calls one save makes
+    count = tmp_path / "count" / ("scores" if kind == "ComponentScores" else "d.st")
+    save(old, count)
+    os.chmod(count / "scores.json" if kind == "ComponentScores" else count, 0o600)
+    with monkeypatch.context() as m:  # the calls one save over an earlier result makes
         seen = _fs_calls(m, "never", 0)
-        save(new, tmp_path / "count")
+        save(new, count)
         calls = list(seen)
     assert calls, "the save made no file-system call that could be interrupted"
     outcomes = set()
@@ -168,6 +177,7 @@ def test_an_interrupt_at_any_file_system_call_leaves_old_new_or_a_refusal(
         for k in range(1, len(calls) + 1):
             path = tmp_path / f"{when}{k}" / ("scores" if kind == "ComponentScores" else "d.st")
             save(old, path)
+            os.chmod(path / "scores.json" if kind == "ComponentScores" else path, 0o600)
             with monkeypatch.context() as m:
                 _fs_calls(m, when, k)
                 with pytest.raises(_Injected):
@@ -181,8 +191,7 @@ def test_an_interrupt_at_any_file_system_call_leaves_old_new_or_a_refusal(
             assert _same(got, old) or _same(got, new), (when, k, calls[k - 1])
             outcomes.add("old" if _same(got, old) else "new")
     assert "old" in outcomes and "new" in outcomes, outcomes
-    if kind == "WeightDiff":  # one file: replaced in one step, so never lost
-        assert "refused" not in outcomes
+    assert "refused" not in outcomes  # the old result is never lost (#42)
 
 
 SAVER = """
@@ -200,9 +209,8 @@ for obj in itertools.cycle((a, b)):
 @pytest.mark.parametrize("kind", list(SAVES))
 def test_sigkill_during_large_saves_never_leaves_a_mix(kind, tmp_path):
     """A process saving two large results over one path in a loop, killed (SIGKILL) at random
-    moments: the path always loads as one of the two whole results, or (the two files of a
-    ComponentScores directory from two saves) is refused in one line. A killed save may leave
-    its hidden temporary file behind; it is never read."""
+    moments: the path always loads as one of the two whole results. A killed save may leave its
+    hidden temporary file behind; it is never read, and the next save removes it."""
     import random
     import subprocess
     import sys
@@ -232,9 +240,22 @@ def test_sigkill_during_large_saves_never_leaves_a_mix(kind, tmp_path):
             continue
         assert _same(got, a) or _same(got, b)
         seen.add("a" if _same(got, a) else "b")
-    assert seen
-    if kind == "WeightDiff":  # one file replaced in one step: the previous diff survives
-        assert "refused" not in seen
+    assert seen and "refused" not in seen, seen  # the previous result survives (#42)
+    save(b, path)  # the next save removes what the killed ones left
+    assert litter(path) == [], litter(path)
+
+
+def litter(path) -> list[str]:
+    """What saves left at ``path`` beyond the result itself: hidden temporaries and, in a
+    scores directory, tensor files its scores.json does not name."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        named = json.loads((path / "scores.json").read_text())["tensors"]
+        return sorted(set(os.listdir(path)) - {"scores.json", named})
+    return sorted(p.name for p in path.parent.glob(f".{path.name}.*.tmp"))
 
 
 def test_report_refuses_linear_and_exact_of_two_different_score_runs(tmp_path, capsys):
