@@ -162,11 +162,11 @@ class Converted(Mapping[str, Tensor]):
         return len(self.shapes)
 
     def signature(self) -> dict[str, Any]:
-        from types import SimpleNamespace
-
+        """The checkpoint's ``signature``: its weights are as Hugging Face saved them."""
         from extractive_lens.backend import hooked
 
-        return hooked.signature(SimpleNamespace(cfg=self.cfg))
+        sig = hooked.config_signature(self.cfg, self.cfg.original_architecture)
+        return {**sig, "processed": False}
 
 
 class BridgeViews(Mapping[str, Tensor]):

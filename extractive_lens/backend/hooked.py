@@ -94,11 +94,17 @@ def architecture(model: Any) -> str | None:
 def signature(model: Any, arch: str | None = None) -> dict[str, Any]:
     """The configuration fields a base and a finetuned model must share (``arch``: the
     architecture, when the model's config does not name it as ``HookedTransformer`` does)."""
-    cfg = model.cfg
-    sig = {k: getattr(cfg, k, None) for k in SIGNATURE_KEYS}
-    sig["original_architecture"] = architecture(model) if arch is None else arch
-    sig["dtype"] = str(cfg.dtype)
+    sig = config_signature(model.cfg, architecture(model) if arch is None else arch)
     sig["processed"] = weights_processed(model)
+    return sig
+
+
+def config_signature(cfg: Any, arch: str | None) -> dict[str, Any]:
+    """``signature`` as far as the configuration alone says (no ``processed``: that needs the
+    weights)."""
+    sig = {k: getattr(cfg, k, None) for k in SIGNATURE_KEYS}
+    sig["original_architecture"] = arch
+    sig["dtype"] = str(cfg.dtype)
     return json.loads(json.dumps(sig, default=str))
 
 
