@@ -58,7 +58,9 @@ def tiny_model(
     Biases and LayerNorm parameters are randomised too (TransformerLens initialises them to
     zero / one), so that every parameter matters in tests. ``init_scale`` scales the random
     weights for models that should be far from linear. The same ``seed`` gives the same weights
-    in both backends: parameters draw their noise in the ``HookedTransformer``'s order.
+    in both backends: parameters draw their noise in the ``HookedTransformer``'s order (biases
+    the native bridge does not have, a gated MLP's, stay zero there). Block variants the native
+    bridge does not compute (parallel blocks, rotary on halves) are refused, saying what to use.
     """
     backend = resolve_backend(backend)
     cfg_dict = dict(TINY_DEFAULTS)
@@ -132,37 +134,74 @@ def hooked_order(name: str, gated: bool = False) -> tuple[int, int, int]:
 
 
 def _tiny_bridge(cfg: dict[str, Any], seed: int, *, tokenizer: Any, init_scale: float) -> Any:
-    """``tiny_model`` as a TransformerLens native ``TransformerBridge``. On TransformerLens 3.9
-    it is ``as_bridge`` of the ``HookedTransformer`` (which checks that the native architecture
-    computes the same logits); on 4.x it is built directly, with the same weights."""
-    if has_hooked():
-        return as_bridge(
-            tiny_model(cfg, seed, tokenizer=tokenizer, init_scale=init_scale, backend="hooked")
-        )
-    if cfg.get("parallel_attn_mlp"):
-        raise NotImplementedError(
-            "TransformerLens's native TransformerBridge has no parallel attention/MLP blocks. "
-            "tiny_model(..., backend='hooked') builds one with TransformerLens 3.9 "
-            "(pip install 'transformer-lens>=3.9,<4'); on TransformerLens 4 save a tiny Hugging "
-            "Face GPT-NeoX checkpoint and load_checkpoint(dir) it."
-        )
-    if cfg.get("positional_embedding_type") == "rotary" and not cfg.get("rotary_adjacent_pairs"):
-        raise NotImplementedError(
-            "TransformerLens 4's native TransformerBridge rotates adjacent pairs of dimensions "
-            "(GPT-J style): pass rotary_adjacent_pairs=True to tiny_model, or "
-            "load a Hugging Face checkpoint with load_checkpoint(dir)."
-        )
+    """``tiny_model`` as a TransformerLens native ``TransformerBridge``: the ``HookedTransformer``'s
+    weights (the same seed draws the same values), except biases the native model does not have
+    (a gated MLP's ``b_in``...), which stay 0. On TransformerLens 3.9 it is ``as_bridge`` of that
+    ``HookedTransformer`` (which checks that the native architecture computes the same logits);
+    on 4.x it is built directly."""
+    refusal = _native_refusal(cfg, hooked_checks=has_hooked())
+    if refusal:
+        raise NotImplementedError(refusal)
     cfg = dict(cfg)
     dtype, device = cfg.pop("dtype", torch.float32), cfg.pop("device", "cpu")
     out = native_bridge(cfg, named_tokenizer(tokenizer), {}, device=device, dtype=dtype,
                         model_name=cfg.get("model_name", "tiny"))  # fmt: skip
+    keep = _native_names(out)
+    if has_hooked():
+        hooked = tiny_model(
+            dict(cfg, dtype=dtype, device=device), seed, tokenizer=tokenizer,
+            init_scale=init_scale, backend="hooked",
+        )  # fmt: skip
+        with torch.no_grad():
+            for name, p in hooked.named_parameters():
+                if name not in keep:
+                    p.zero_()
+        return as_bridge(hooked)
     from extractive_lens.backend import bridge as bridge_backend
 
     params = bridge_backend.parameters(out)
     values = _tiny_weights({n: (tuple(p.shape), p.dtype) for n, p in params.items()}, seed,
                            init_scale)  # fmt: skip
-    keep = bridge_backend.stored_names(out)  # biases the native model lacks stay 0
-    if "bias" in dict(out.unembed.original_component.named_buffers(recurse=False)):
-        keep.add("unembed.b_U")  # a fixed buffer in TransformerLens 4: write_native sets it
     write_native(out, {n: v for n, v in values.items() if n in keep})
     return out
+
+
+def _native_names(bridge: Any) -> set[str]:
+    """The TransformerLens names a native bridge holds weights for (the biases it lacks are
+    zeros TransformerLens shows)."""
+    from extractive_lens.backend import bridge as bridge_backend
+
+    keep = bridge_backend.stored_names(bridge)
+    if "bias" in dict(bridge.unembed.original_component.named_buffers(recurse=False)):
+        keep.add("unembed.b_U")  # a fixed buffer in TransformerLens 4: write_native sets it
+    return keep
+
+
+def _native_refusal(cfg: dict[str, Any], hooked_checks: bool) -> str | None:
+    """Why TransformerLens's native ``TransformerBridge`` cannot compute this configuration (a
+    sentence saying what to use instead), or ``None``. ``hooked_checks``: TransformerLens 3.9,
+    where ``as_bridge`` checks the bridge against the ``HookedTransformer`` to the dtype's
+    rounding."""
+    if cfg.get("parallel_attn_mlp"):
+        return (
+            "TransformerLens's native TransformerBridge has no parallel attention/MLP blocks: "
+            "use tiny_model(..., backend='hooked') (TransformerLens 3.9), or save a tiny Hugging "
+            "Face GPT-NeoX checkpoint and load_checkpoint(dir, backend='bridge') it."
+        )
+    if cfg.get("positional_embedding_type") == "rotary" and not cfg.get("rotary_adjacent_pairs"):
+        return (
+            "TransformerLens's native TransformerBridge rotates adjacent pairs of dimensions "
+            "(GPT-J style): pass rotary_adjacent_pairs=True to tiny_model, use "
+            "backend='hooked' (TransformerLens 3.9), or load a Hugging Face checkpoint with "
+            "load_checkpoint(dir, backend='bridge')."
+        )
+    rms = str(cfg.get("normalization_type")).startswith("RMS")
+    rotary = cfg.get("positional_embedding_type") == "rotary"
+    if hooked_checks and cfg.get("dtype") == torch.float64 and (rms or rotary):
+        return (
+            "TransformerLens 3.9's native TransformerBridge computes RMS norms and rotary "
+            "embeddings to about 1e-7 of the logits, not to float64's rounding: build this "
+            "bridge with dtype=torch.float32, use backend='hooked', or load a Hugging Face "
+            "checkpoint with load_checkpoint(dir, backend='bridge')."
+        )
+    return None
