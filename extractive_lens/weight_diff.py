@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,8 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
-from extractive_lens.backend import ScorableModel
+from extractive_lens.backend import ScorableModel, lowrank
+from extractive_lens.backend.lowrank import LowRankDeltas
 from extractive_lens.diff_sources import checkpoints, models
 from extractive_lens.diff_sources import delta_dtype_for as delta_dtype_for
 from extractive_lens.interrupts import finish_stale, state_change
@@ -35,7 +37,9 @@ from extractive_lens.types import Component, component_axis_labels, parse_compon
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LOW_RANK_VERSION = 2
+"""Files of a low-rank diff (``from_peft``) hold its factors and are version 2; others are 1."""
 _FORMAT = "extractive_lens.WeightDiff"
 
 
@@ -258,16 +262,22 @@ class WeightDiff:
                 raise ValueError(
                     f"This WeightDiff was made for {key}={value!r} but the model has {sig[key]!r}."
                 )
-        for name, d in self.deltas.items():
+        for name in self.deltas:
             if name not in params:
                 raise ValueError(
                     f"The model has no parameter {name!r} (Δ was made for another architecture)."
                 )
-            if params[name].shape != d.shape:
+            shape = self._shape_of(name)
+            if tuple(params[name].shape) != shape:
                 raise ValueError(
-                    f"{name}: Δ has shape {tuple(d.shape)} but the model's parameter has "
+                    f"{name}: Δ has shape {shape} but the model's parameter has "
                     f"{tuple(params[name].shape)}."
                 )
+
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        if isinstance(self.deltas, LowRankDeltas):  # without forming it
+            return self.deltas.shape(name)
+        return tuple(self.deltas[name].shape)
 
     # ------------------------------------------------------------------ arithmetic
     def _combine(self, other: WeightDiff, sign: float) -> WeightDiff:
@@ -283,6 +293,10 @@ class WeightDiff:
                 f"Cannot {'add' if sign > 0 else 'subtract'} weight changes of different architectures "
                 f"({detail}): combine updates of the same base model only."
             )
+        op = {"op": "sum" if sign > 0 else "difference"}
+        if isinstance(self.deltas, LowRankDeltas) and isinstance(other.deltas, LowRankDeltas):
+            summed = lowrank.summed(self.deltas, other.deltas, sign)  # ranks add
+            return WeightDiff(summed, dict(self.signature), op)
         names = set(self.deltas) | set(other.deltas)
         out: dict[str, Tensor] = {}
         for n in names:
@@ -311,10 +325,12 @@ class WeightDiff:
                 f"A WeightDiff scales by a number (diff * 0.5), got {type(alpha).__name__}; to combine "
                 "two updates use diff_a + diff_b or diff_a - diff_b."
             )
+        meta = {**self.metadata, "scaled_by": alpha}
+        if isinstance(self.deltas, LowRankDeltas):  # the factors' left sides scaled
+            scaled = self.deltas.map(lambda f: f.scaled(alpha), lambda d: alpha * d)
+            return WeightDiff(scaled, dict(self.signature), meta)
         return WeightDiff(
-            {n: alpha * d for n, d in self.deltas.items()},
-            dict(self.signature),
-            {**self.metadata, "scaled_by": alpha},
+            {n: alpha * d for n, d in self.deltas.items()}, dict(self.signature), meta
         )
 
     __rmul__ = __mul__
@@ -329,6 +345,13 @@ class WeightDiff:
         beside the model (an 8B model in bf16 has a 30 GB float32 Δ)."""
         if not torch.cuda.is_available():
             return self
+        if isinstance(self.deltas, LowRankDeltas):
+            pin = self.deltas.map(
+                lambda f: lowrank.LowRank(f.left.cpu().pin_memory(), f.right.cpu().pin_memory(),
+                                          f.layout, f.n_heads),
+                lambda d: d.detach().cpu().pin_memory(),
+            )  # fmt: skip
+            return WeightDiff(pin, self.signature, self.metadata)
         return WeightDiff(
             {n: d.detach().cpu().pin_memory() for n, d in self.deltas.items()},
             self.signature,
@@ -336,6 +359,9 @@ class WeightDiff:
         )
 
     def to(self, device: str | torch.device) -> WeightDiff:
+        if isinstance(self.deltas, LowRankDeltas):  # the factors move, still factors
+            moved = self.deltas.map(lambda f: f.to(device), lambda d: d.to(device))
+            return WeightDiff(moved, self.signature, self.metadata)
         return WeightDiff(
             {n: d.to(device) for n, d in self.deltas.items()}, self.signature, self.metadata
         )
@@ -359,6 +385,16 @@ class WeightDiff:
         if layer_set is not None and any(not 0 <= x < n_layers for x in layer_set):
             raise ValueError(f"layers must be in 0..{n_layers - 1}, got {sorted(layer_set)}")
         slices = self.slices()
+        meta = {
+            **self.metadata,
+            "restricted_to": {
+                "components": None if comps is None else [c.label for c in comps],
+                "layers": None if layer_set is None else sorted(layer_set),
+            },
+        }
+        if isinstance(self.deltas, LowRankDeltas):
+            kept = self._restricted_low_rank(slices, comps, layer_set)
+            return WeightDiff(kept, dict(self.signature), meta)
         keep: dict[str, Tensor] = {}
         for s in slices:
             if layer_set is not None and B.layer_of(s.name) not in layer_set:
@@ -372,14 +408,37 @@ class WeightDiff:
                 keep[s.name] = d.clone()
             else:
                 keep[s.name][s.index] = d[s.index]
-        meta = {
-            **self.metadata,
-            "restricted_to": {
-                "components": None if comps is None else [c.label for c in comps],
-                "layers": None if layer_set is None else sorted(layer_set),
-            },
-        }
         return WeightDiff(keep, dict(self.signature), meta)
+
+    def _restricted_low_rank(
+        self, slices: list[B.ParamSlice], comps: Any, layer_set: set[int] | None
+    ) -> LowRankDeltas:
+        """``restricted`` on the factors: each kept head or key/value group a masked copy of
+        one factor (still rank r); dense parts sliced as ever."""
+        assert isinstance(self.deltas, LowRankDeltas)
+        n_slices = {s.name: 0 for s in slices}
+        kept: dict[str, list[int | None]] = {}
+        for s in slices:
+            n_slices[s.name] += 1
+            if layer_set is not None and B.layer_of(s.name) not in layer_set:
+                continue
+            if comps is not None and not set(s.owners) & set(comps):
+                continue
+            kept.setdefault(s.name, []).append(s.index)
+        factors, dense = {}, {}
+        for name, idx in kept.items():
+            f, d = self.deltas.factors.get(name), self.deltas.dense.get(name)
+            whole = None in idx or len(idx) == n_slices[name]
+            if f is not None:
+                parts = [f] if whole else [lowrank.restricted_factor(f, i, n_slices[name])
+                                           for i in idx]  # fmt: skip
+                factors[name] = lowrank.combined(parts)
+            if d is not None:
+                dense[name] = d.clone() if whole else torch.zeros_like(d)
+                if not whole:
+                    for i in idx:
+                        dense[name][i] = d[i]
+        return LowRankDeltas(factors, dense)
 
     def slices(self) -> list[B.ParamSlice]:
         """The ownership partition (docs/scores.md §2) of the parameters Δ covers."""
@@ -411,10 +470,12 @@ class WeightDiff:
         n_layers, n_heads, mlp = self._shape()
         sq = torch.zeros(n_layers, n_heads + int(mlp), dtype=torch.float64)
         other = 0.0
-        for s in self.slices():
-            d = self.deltas[s.name]
-            part = d if s.index is None else d[s.index]
-            v = _sum_of_squares(part)
+        slices = self.slices()
+        count = {s.name: 0 for s in slices}
+        for s in slices:
+            count[s.name] += 1
+        for s in slices:
+            v = self._part_sum_of_squares(s.name, s.index, count[s.name])
             if not s.owners:
                 other += v
             for c in s.owners:
@@ -429,7 +490,16 @@ class WeightDiff:
         return component_axis_labels(n_heads, mlp)
 
     def norm(self) -> float:
-        return float(sum(_sum_of_squares(d) for d in self.deltas.values()) ** 0.5)
+        return float(sum(self._part_sum_of_squares(n) for n in self.deltas) ** 0.5)
+
+    def _part_sum_of_squares(self, name: str, index: int | None = None, n: int = 1) -> float:
+        """``‖Δ[name][index]‖²``; from the factors of a purely low-rank tensor."""
+        if isinstance(self.deltas, LowRankDeltas):
+            f = self.deltas.factors.get(name)
+            if f is not None and name not in self.deltas.dense:
+                return lowrank.sum_of_squares(f, index, n)
+        d = self.deltas[name]
+        return _sum_of_squares(d if index is None else d[index])
 
     def _shape(self) -> tuple[int, int, bool]:
         sig = self.signature
@@ -452,18 +522,23 @@ class WeightDiff:
             raise ValueError(
                 f"{path} is a directory; WeightDiff.save writes one .safetensors file."
             )
+        tensors = None
+        version = 1
+        if isinstance(self.deltas, LowRankDeltas):  # the factors, not their product
+            tensors, layout = lowrank.to_file(self.deltas)
+            version = LOW_RANK_VERSION
         meta = {
             "format": _FORMAT,
-            "format_version": str(FORMAT_VERSION),
+            "format_version": str(version),
             "signature": json.dumps(dict(self.signature)),
             "metadata": json.dumps(dict(self.metadata), default=str),
         }
         with replacing(path) as tmp:  # the old file stays whole until the new one is complete
-            save_file(
-                {n: d.detach().cpu().contiguous() for n, d in self.deltas.items()},
-                str(tmp),
-                metadata=meta,
-            )
+            if tensors is not None:
+                meta["low_rank"] = json.dumps(layout)
+            else:
+                tensors = {n: d.detach().cpu().contiguous() for n, d in self.deltas.items()}
+            save_file(tensors, str(tmp), metadata=meta)
         return path
 
     @classmethod
@@ -479,7 +554,7 @@ class WeightDiff:
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 meta = f.metadata() or {}
-                deltas = (
+                deltas: Mapping[str, Tensor] = (
                     {k: f.get_tensor(k) for k in f.keys()} if meta.get("format") == _FORMAT else {}
                 )
         except Exception as e:  # safetensors' own error type for a file that is not safetensors
@@ -505,13 +580,18 @@ class WeightDiff:
             raise ValueError(
                 f"{path}: the signature and metadata must be JSON objects; the file is damaged."
             )
+        if "low_rank" in meta:
+            try:
+                deltas = lowrank.from_file(deltas, json.loads(meta["low_rank"]))
+            except (ValueError, TypeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}: the low-rank factors are damaged ({e}).") from None
         try:
             return cls(deltas, signature, metadata)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
 
     def __repr__(self) -> str:
-        n = sum(d.numel() for d in self.deltas.values())
+        n = sum(math.prod(self._shape_of(name)) for name in self.deltas)
         return (
             f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
             f"model={self.signature.get('original_architecture') or self.metadata.get('base')})"

@@ -172,3 +172,97 @@ def test_missing_adapter_files_are_named(llama_dir, tmp_path):
         el.WeightDiff.from_peft(base, tmp_path)
     with pytest.raises(TypeError, match="PeftModel"):
         el.WeightDiff.from_peft(base, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Low rank all the way through: the factors are kept by the algebra, norms and files, and the
+# shifted pieces add them to W in one (b)addmm
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2_pair(tmp_path_factory):
+    """A GPT-2 base (every backend there is), its adapter's diff and the merged dense Δ."""
+    root = tmp_path_factory.mktemp("lora_algebra")
+    hf = LM.base_checkpoint("gpt2", root / "base")
+    LM.train_adapter(hf, ADAPTERS["gpt2"]).save_pretrained(root / "adapter")
+    base = load_checkpoint(root / "base", dtype=torch.float64, backend=_backends()[0])
+    diff = el.WeightDiff.from_peft(base, root / "adapter")
+    dense = el.WeightDiff({n: diff.deltas[n] for n in diff.deltas}, diff.signature)
+    return base, diff, dense
+
+
+def _assert_same(a, b, tol=1e-12):
+    assert set(a.deltas) == set(b.deltas)
+    for n in b.deltas:
+        want = b.deltas[n]
+        err = float((a.deltas[n] - want).abs().max()) / max(float(want.abs().max()), 1e-300)
+        assert err <= tol or float(want.abs().max()) == 0, (n, err)
+
+
+def test_algebra_and_files_keep_the_factors(gpt2_pair, tmp_path):
+    from extractive_lens.backend.lowrank import LowRankDeltas
+
+    base, diff, dense = gpt2_pair
+    ranks = {n: f.rank for n, f in diff.deltas.factors.items()}
+    cases = {
+        "scaled": (diff * 0.5, dense * 0.5),
+        "negated": (-diff, -dense),
+        "sum": (diff + diff * 0.25, dense + dense * 0.25),
+        "difference": (diff - diff * 0.5, dense - dense * 0.5),
+        "heads": (diff.restricted(["L0H1", "L1H3", "L1MLP"]),
+                  dense.restricted(["L0H1", "L1H3", "L1MLP"])),
+        "layers": (diff.restricted(layers=[1]), dense.restricted(layers=[1])),
+        "moved": (diff.to("cpu"), dense),
+        "loaded": (el.WeightDiff.load(diff.save(tmp_path / "d.safetensors")), dense),
+    }  # fmt: skip
+    for case, (got, want) in cases.items():
+        assert isinstance(got.deltas, LowRankDeltas), case
+        _assert_same(got, want)
+    summed = (diff + diff).deltas.factors
+    assert all(summed[n].rank == 2 * r for n, r in ranks.items())  # ranks add, no product
+    assert (diff * 0.5).metadata["scaled_by"] == 0.5
+    assert cases["loaded"][0].metadata["peft"] == diff.metadata["peft"]
+    # norms from the factors' Gram matrices equal the dense ones, per head and MLP
+    assert torch.allclose(
+        torch.tensor(diff.norms().to_numpy()), torch.tensor(dense.norms().to_numpy()),
+        rtol=1e-10, atol=1e-14,
+    )  # fmt: skip
+    assert abs(diff.other_norm() - dense.other_norm()) <= 1e-10 * dense.other_norm()
+    assert abs(diff.norm() - dense.norm()) <= 1e-10 * dense.norm()
+    with pytest.raises(ValueError, match="differ|architectures"):
+        diff + el.WeightDiff({}, {**diff.signature, "n_layers": 3})
+
+
+def test_shifted_pieces_never_form_the_product(gpt2_pair, monkeypatch):
+    """Exact scores of a low-rank diff on a HookedTransformer run W + αΔ as one (b)addmm of
+    the factors: forming ``left @ right`` is an error here, and they still equal the dense
+    Δ's scores; the diff's shapes, norms and repr need no product either."""
+    from extractive_lens.backend import lowrank
+
+    base, diff, dense = gpt2_pair
+    if lowrank.low_rank_factors(diff.deltas, el.backend.backend_for(base)) == {}:
+        pytest.skip("a TransformerBridge forms each layer's Δ on the device")
+    batch = _batch(base)
+    want = el.causal_scores(base, dense, batch, show_progress=False)
+
+    def no_product(self):
+        raise AssertionError("B @ A formed")
+
+    monkeypatch.setattr(lowrank.LowRank, "dense", no_product)
+    got = el.causal_scores(base, diff, batch, show_progress=False)
+    for kind in want.kinds:
+        err = float((got[kind] - want[kind]).abs().max()) / float(want[kind].abs().max())
+        assert err <= 1e-10, (kind, err)
+    diff.check_compatible(base), repr(diff), diff.norms(), (diff * 2).restricted(["L0H0"])
+
+
+def test_scoring_with_an_adapter_never_writes_the_model(gpt2_pair):
+    from tests.test_read_only import CALLS, assert_untouched, snapshot
+
+    base, diff, _ = gpt2_pair
+    batch = _batch(base)
+    for call in CALLS.values():
+        before = snapshot(base)
+        call(base, diff, batch)
+        assert_untouched(base, before)

@@ -31,6 +31,7 @@ from extractive_lens.backend.compute import (
     frozen_parameters,
     resolve_compute_dtype,
 )
+from extractive_lens.backend.lowrank import LowRank
 from extractive_lens.backend.names import (
     ParamRole,
     ParamSlice,
@@ -177,6 +178,8 @@ def W_O(model: Any, layer: int) -> Tensor:
     if d is None:
         return w
     dt = torch.promote_types(w.dtype, d.dtype)
+    if isinstance(d, LowRank):
+        return d.to(w.device).added_to(w, 1.0, dt)
     return w.detach().to(dt) + d.to(device=w.device, dtype=dt)
 
 

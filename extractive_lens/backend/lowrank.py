@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import einops
 import torch
@@ -76,6 +76,25 @@ class LowRank:
         """The change as an ordinary tensor of the parameter's shape."""
         m = self.left.to(self.dtype) @ self.right.to(device=self.left.device, dtype=self.dtype)
         return to_layout(m, self.layout, self.n_heads)
+
+    def added_to(self, w: Tensor, alpha: float, dtype: torch.dtype) -> Tensor:
+        """``w + alpha·Δ`` in ``dtype``, as one ``addmm`` / ``baddbmm`` (per head): the product
+        ``left @ right`` is never a tensor of its own."""
+        L, R, h = (
+            self.left.to(dtype),
+            self.right.to(device=self.left.device, dtype=dtype),
+            self.n_heads,
+        )
+        w = w.detach().to(dtype)
+        if self.layout == "heads_out":  # w [head, in, d_head] += L @ R[:, head]
+            r_h = einops.rearrange(R, "r (head d_head) -> head r d_head", head=h)
+            return torch.baddbmm(w, L.expand(h, -1, -1), r_h, alpha=alpha)
+        if self.layout == "heads_in":  # w [head, d_head, out] += L[head] @ R
+            l_h = einops.rearrange(L, "(head d_head) r -> head d_head r", head=h)
+            return torch.baddbmm(w, l_h, R.expand(h, -1, -1), alpha=alpha)
+        if self.layout == "transposed":
+            return torch.addmm(w, R.T, L.T, alpha=alpha)
+        return torch.addmm(w, L, R, alpha=alpha)
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None
            ) -> LowRank:  # fmt: skip
@@ -153,3 +172,127 @@ class LowRankDeltas(Mapping[str, Tensor]):
             {n: fn_factor(f) for n, f in self.factors.items()},
             {n: fn_dense(d) for n, d in self.dense.items()},
         )
+
+
+def low_rank_factors(
+    deltas: Mapping[str, Tensor], backend: Any, *, any_backend: bool = False
+) -> dict[str, LowRank]:
+    """The names whose Δ a shifted piece of this backend's model can take as factors: a
+    low-rank diff's purely low-rank tensors on a model whose stored parameters are the
+    TransformerLens ones (``HookedTransformer``); none elsewhere (a TransformerBridge stores the
+    Hugging Face weights: its Δ is formed, one layer at a time, on the device).
+    ``any_backend``: for a TransformerLens view any backend gives (``W_O``)."""
+    if not isinstance(deltas, LowRankDeltas):
+        return {}
+    if not any_backend and backend.NAME != "hooked_transformer":
+        return {}
+    return {n: f for n, f in deltas.factors.items() if n not in deltas.dense}
+
+
+# ---------------------------------------------------------------------------------------------
+# The diff's algebra, norms and files, on the factors (``WeightDiff`` calls these for a
+# ``LowRankDeltas``; anything else keeps its dense path)
+# ---------------------------------------------------------------------------------------------
+
+
+def restricted_factor(f: LowRank, index: int | None, n_slices: int) -> LowRank:
+    """The part of ``f`` in slice ``index`` of ``n_slices`` along the parameter's first axis
+    (a head, a key/value group; ``None``: all of it), zero elsewhere: a mask on one factor."""
+    if index is None:
+        return f
+    if f.layout == "heads_out":  # the slice's columns of right
+        mask = torch.zeros(f.right.shape[1], dtype=f.right.dtype, device=f.right.device)
+        width = f.right.shape[1] // n_slices
+        mask[index * width : (index + 1) * width] = 1
+        return LowRank(f.left, f.right * mask, f.layout, f.n_heads)
+    if f.layout == "heads_in":  # the slice's rows of left
+        mask = torch.zeros(f.left.shape[0], 1, dtype=f.left.dtype, device=f.left.device)
+        width = f.left.shape[0] // n_slices
+        mask[index * width : (index + 1) * width] = 1
+        return LowRank(f.left * mask, f.right, f.layout, f.n_heads)
+    raise ValueError(f"A {f.layout} low-rank change has no per-head slices.")
+
+
+def combined(parts: list[LowRank]) -> LowRank:
+    """One factor pair for a sum of changes of the same layout: ranks add (``[L1 L2]``,
+    ``[R1; R2]``)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    dt = parts[0].dtype
+    for p in parts[1:]:
+        dt = torch.promote_types(dt, p.dtype)
+    left = torch.cat([p.left.to(device=first.device, dtype=dt) for p in parts], dim=1)
+    right = torch.cat([p.right.to(device=first.device, dtype=dt) for p in parts], dim=0)
+    return LowRank(left, right, first.layout, first.n_heads)
+
+
+def sum_of_squares(f: LowRank, index: int | None = None, n_slices: int = 1) -> float:
+    """``‖Δ[index]‖²`` from the factors: ``Σ (LᵀL) ⊙ (RRᵀ)`` (two ``r × r`` Gram matrices), in
+    float64, never forming ``L @ R``."""
+    g = restricted_factor(f, index, n_slices)
+    L, R = g.left.double(), g.right.double().to(g.left.device)
+    return float(((L.T @ L) * (R @ R.T)).sum().clamp(min=0))
+
+
+def summed(a: LowRankDeltas, b: LowRankDeltas, sign: float) -> LowRankDeltas:
+    """``a + sign·b`` keeping factors: a name low-rank in both gets both factor pairs (ranks
+    add) where their layouts agree; dense parts add."""
+    factors: dict[str, LowRank] = {}
+    for n in dict.fromkeys([*a.factors, *b.factors]):
+        fa, fb = a.factors.get(n), b.factors.get(n)
+        fb = None if fb is None else fb.scaled(sign)
+        got = [f for f in (fa, fb) if f is not None]
+        if len(got) == 2 and got[0].layout != got[1].layout:
+            raise ValueError(f"{n}: the two low-rank changes are laid out differently.")
+        factors[n] = combined(got)
+    dense: dict[str, Tensor] = {}
+    for n in dict.fromkeys([*a.dense, *b.dense]):
+        da, db = a.dense.get(n), b.dense.get(n)
+        if da is None:
+            assert db is not None
+            dense[n] = sign * db
+        elif db is None:
+            dense[n] = da.clone()
+        else:
+            dt = torch.promote_types(da.dtype, db.dtype)
+            dense[n] = da.to(dt) + sign * db.to(device=da.device, dtype=dt)
+    return LowRankDeltas(factors, dense)
+
+
+FILE_KEYS = ("left", "right", "dense")
+
+
+def to_file(deltas: LowRankDeltas) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Tensors (``name::left``, ``name::right``, ``name::dense``) and a layout table for a
+    ``.safetensors`` file; factors shared by several names (GPT-2's fused ``c_attn``) are
+    written once per name."""
+    tensors: dict[str, Tensor] = {}
+    layout: dict[str, Any] = {}
+    for n, f in deltas.factors.items():
+        tensors[f"{n}::left"] = f.left.detach().cpu().clone()
+        tensors[f"{n}::right"] = f.right.detach().cpu().clone()
+        layout[n] = {"layout": f.layout, "n_heads": f.n_heads}
+    for n, d in deltas.dense.items():
+        tensors[f"{n}::dense"] = d.detach().cpu().contiguous()
+    return tensors, layout
+
+
+def from_file(tensors: Mapping[str, Tensor], layout: Mapping[str, Any]) -> LowRankDeltas:
+    """``to_file`` read back (a clear error for a damaged file)."""
+    factors, dense = {}, {}
+    for key in tensors:
+        name, _, part = key.rpartition("::")
+        if part not in FILE_KEYS or not name:
+            raise ValueError(f"{key!r} is not a low-rank diff's tensor.")
+        if part == "dense":
+            dense[name] = tensors[key]
+    for name, spec in layout.items():
+        try:
+            factors[name] = LowRank(
+                tensors[f"{name}::left"], tensors[f"{name}::right"], spec["layout"],
+                int(spec["n_heads"]),
+            )  # fmt: skip
+        except KeyError as e:
+            raise ValueError(f"the low-rank factors of {name} are incomplete ({e}).") from None
+    return LowRankDeltas(factors, dense)

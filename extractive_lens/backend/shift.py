@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from extractive_lens.backend.lowrank import LowRank, low_rank_factors
 from extractive_lens.backend.names import layer_of
 
 KEEP_LAYERS = 2
@@ -40,6 +41,10 @@ the whole shift (a scoring call runs each layer many times and forms ``W + αΔ`
 write into the model did before; GPT-2 small with its own unembedding is 0.65 GB); a larger
 model forms them in each piece and holds ``KEEP_LAYERS`` layers of Δ (an 8B layer's ``W + αΔ``
 is 0.9 GB in float32)."""
+
+Offset = Tensor | LowRank
+"""Δ of one stored tensor: dense, or the factors of a low-rank change (``WeightDiff.from_peft``
+on a ``HookedTransformer``: ``value`` adds them to W in one ``addmm``)."""
 
 Group = int | str
 """Where a stored tensor runs: a block's index, ``EMBED`` (before the blocks) or ``UNEMBED``
@@ -113,15 +118,15 @@ class Shift:
         self.names_by_group: dict[Group, list[str]] = {}
         for name in diff.deltas:
             self.names_by_group.setdefault(_group_of(name), []).append(name)
-        self._loaded: OrderedDict[Group, dict[int, Tensor]] = OrderedDict()
+        self._loaded: OrderedDict[Group, dict[int, Offset]] = OrderedDict()
         self._values: dict[Group, dict[tuple[int, torch.dtype], Tensor]] = {}
         self.small = sum(p.numel() for p in model.parameters()) * 4 <= REUSE_BYTES
-        self._pending: dict[Group, tuple[Any, dict[int, Tensor]]] = {}
+        self._pending: dict[Group, tuple[Any, dict[int, Offset]]] = {}
 
     def covers(self, p: Tensor) -> bool:
         return id(p) in self.group
 
-    def offset(self, p: Tensor) -> Tensor | None:
+    def offset(self, p: Tensor) -> Offset | None:
         """``Δ`` for the stored tensor ``p`` (on its device), or ``None`` where Δ is zero."""
         if id(p) not in self.group:
             return None
@@ -137,6 +142,11 @@ class Shift:
         if reuse is not None and (id(p), dtype) in reuse:
             return reuse[(id(p), dtype)]
         wide = torch.promote_types(torch.promote_types(p.dtype, d.dtype), dtype)
+        if isinstance(d, LowRank):  # W + αΔ as one (b)addmm: B @ A is never formed
+            out = d.to(p.device).added_to(p, self.alpha, wide).to(dtype)
+            if reuse is not None:
+                reuse[(id(p), dtype)] = out
+            return out
         d = d if d.device == p.device else d.to(p.device)
         # one tensor of W's size beside Δ (an unembedding's W + αΔ at Llama-3 size is 2 GiB in
         # float32): αΔ in Δ's dtype, widened, then W added in place (same rounding as W + αΔ)
@@ -147,7 +157,7 @@ class Shift:
         return out
 
     # ---------------------------------------------------------------- one layer at a time
-    def _layer(self, g: Group) -> dict[int, Tensor]:
+    def _layer(self, g: Group) -> dict[int, Offset]:
         found = self._loaded.get(g)
         if found is None:
             found = self._wait(g) if g in self._pending else self._load(g)
@@ -172,28 +182,35 @@ class Shift:
             return g + 1 if g + 1 < self.model.cfg.n_layers else UNEMBED
         return None
 
-    def _load(self, g: Group, non_blocking: bool = False) -> dict[int, Tensor]:
+    def _load(self, g: Group, non_blocking: bool = False) -> dict[int, Offset]:
         names = self.names_by_group.get(g, [])
         if not names:
             return {}
         traffic = _TRAFFIC.get()
         if traffic is not None:
             traffic.loads += 1
-        values = {}
+        values: dict[str, Tensor] = {}
+        low_rank: dict[int, Offset] = {}
         block_dev = None
         if isinstance(g, int):  # where that block lives (models split over devices: n_devices)
             block_dev = next(iter(self.model.blocks[g].parameters()), None)
             block_dev = None if block_dev is None else block_dev.device
+        factors = low_rank_factors(self.diff.deltas, self.backend)
         for n in names:
+            if n in factors:  # kept as factors: W + αΔ is formed from them (value)
+                low_rank[self.raw_names[n]] = factors[n].to(block_dev or self.device)
+                continue
             d = self.diff.deltas[n]
             if traffic is not None:
                 traffic.bytes += _nbytes(d)
             dev = block_dev or self.device or d.device
             blocking = not (non_blocking and d.device.type == "cpu" and d.is_pinned())
             values[n] = d.to(dev, non_blocking=not blocking)
+        if not values:
+            return low_rank
         dtype = torch.promote_types(next(iter(values.values())).dtype, torch.float32)
         raw = self.backend.raw_tangents(self.model, values, dtype)
-        return {self.raw_names[n]: t for n, t in raw.items() if n in self.raw_names}
+        return {self.raw_names[n]: t for n, t in raw.items() if n in self.raw_names} | low_rank
 
     def _prefetch(self, g: Group) -> None:
         if g in self._loaded or g in self._pending or self.device is None:
@@ -204,12 +221,13 @@ class Shift:
         with torch.cuda.stream(stream):
             self._pending[g] = (stream, self._load(g, non_blocking=True))
 
-    def _wait(self, g: Group) -> dict[int, Tensor]:
+    def _wait(self, g: Group) -> dict[int, Offset]:
         stream, values = self._pending.pop(g)
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(stream)
         for t in values.values():
-            t.record_stream(current)
+            for part in (t.left, t.right) if isinstance(t, LowRank) else (t,):
+                part.record_stream(current)
         return values
 
 
@@ -308,12 +326,16 @@ def _shifts(now: tuple[Shift, ...]) -> Iterator[None]:
         _SHIFTS.set(previous)
 
 
-def W_O_shift(model: Any, layer: int) -> Tensor | None:
+def W_O_shift(model: Any, layer: int) -> Offset | None:
     """``alpha·ΔW_O`` of ``layer`` under the innermost shift of ``model`` (``None``: none)."""
     s = for_model(model)
     if s is None:
         return None
-    d = s.diff.deltas.get(f"blocks.{layer}.attn.W_O")
+    name = f"blocks.{layer}.attn.W_O"
+    f = low_rank_factors(s.diff.deltas, s.backend, any_backend=True).get(name)
+    if f is not None:
+        return f if s.alpha == 1.0 else f.scaled(s.alpha)
+    d = s.diff.deltas.get(name)
     if d is None:
         return None
     return d if s.alpha == 1.0 else s.alpha * d
