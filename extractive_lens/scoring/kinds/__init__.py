@@ -15,15 +15,17 @@ A kind module provides (``downstream.py`` is the smallest example):
   model; ``"finetuned_late"``: the layers after the patch finetuned).
 
 A new kind is one module here plus one line in ``KINDS`` (and its name in ``types.ScoreKind``).
+``protocols.py`` spells this interface (``Kind``) and what a kind may read of a chunk
+(``LinearChunk``, ``CausalChunk``); mypy checks each module in ``KINDS`` and each engine's chunk
+against them.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from extractive_lens.scoring.kinds import downstream, informative, upstream
+from extractive_lens.scoring.kinds.protocols import Kind
 
-KINDS: dict[str, ModuleType] = {
+KINDS: dict[str, Kind] = {
     "informative": informative,
     "upstream": upstream,
     "downstream": downstream,

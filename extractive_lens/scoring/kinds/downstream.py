@@ -14,8 +14,7 @@ from extractive_lens import backend as B
 from extractive_lens.scoring.runs import forward_run, head_out, wide
 
 if TYPE_CHECKING:  # pragma: no cover
-    from extractive_lens.scoring.causal import CausalChunk
-    from extractive_lens.scoring.linear import LinearChunk
+    from extractive_lens.scoring.kinds.protocols import CausalChunk, LinearChunk
     from extractive_lens.scoring.options import ScoreOptions
 
 CONTEXTS = ("base",)

@@ -18,8 +18,7 @@ from extractive_lens.scoring.runs import Run, grad_at, head_grad, head_out, laye
 if TYPE_CHECKING:  # pragma: no cover
     from extractive_lens.batch import PromptBatch
     from extractive_lens.rewards import Reward
-    from extractive_lens.scoring.causal import CausalChunk
-    from extractive_lens.scoring.linear import LinearChunk
+    from extractive_lens.scoring.kinds.protocols import CausalChunk, LinearChunk
     from extractive_lens.scoring.options import ScoreOptions
     from extractive_lens.weight_diff import WeightDiff
 
