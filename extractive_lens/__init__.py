@@ -44,6 +44,8 @@ _EXPORTS = {
     "FinetuneConfig": "extractive_lens.finetuning",
     "finetune": "extractive_lens.finetuning",
     "mean_rank": "extractive_lens.finetuning",
+    "estimate": "extractive_lens.budget",
+    "Estimate": "extractive_lens.budget",
 }
 
 # Submodules reachable as attributes in a fresh session (``el.plotting.report(...)``), imported on first use.

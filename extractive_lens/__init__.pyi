@@ -52,6 +52,8 @@ from extractive_lens import (
 )
 from extractive_lens.batch import PromptBatch as PromptBatch
 from extractive_lens.batch import make_batch as make_batch
+from extractive_lens.budget import Estimate as Estimate
+from extractive_lens.budget import estimate as estimate
 from extractive_lens.comparison import ScoreComparison as ScoreComparison
 from extractive_lens.comparison import compare as compare
 from extractive_lens.finetuning import (

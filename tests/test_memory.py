@@ -69,3 +69,28 @@ def test_traffic_of_a_large_model_counts_every_reload(setting, monkeypatch):
         for _ in range(2):
             B.unembed(model, B.run_blocks(model, B.embed(model, batch.tokens)))
     assert moved.bytes == 2 * _delta_bytes(diff)
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [("linear", {}), ("causal", {"per": "component"}), ("integrated", {"steps": 2})],
+)
+def test_estimate_counts_the_delta_traffic_of_the_real_call(setting, monkeypatch, method, options):
+    """``estimate`` reads the traffic off a narrow copy; here the real call is counted directly."""
+    model, diff, batch = setting
+    e = el.estimate(model, diff, batch, method, **options)
+    monkeypatch.setattr(shift, "REUSE_BYTES", 0)  # the regime the estimate describes
+    call = {"linear": el.linear_scores, "causal": el.causal_scores,
+            "integrated": el.integrated_scores}[method]  # fmt: skip
+    with shift.counting() as moved:
+        call(model, diff, batch, show_progress=False, **options)
+    assert e.delta_read_bytes == moved.bytes
+    assert e.layer_loads == moved.loads
+    assert e.delta_bytes == _delta_bytes(diff)
+    assert "Δ read" in str(e)
+
+
+def test_estimate_refuses_an_unknown_method(setting):
+    model, diff, batch = setting
+    with pytest.raises(ValueError, match="linear, causal, integrated"):
+        el.estimate(model, diff, batch, "exact")

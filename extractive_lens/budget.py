@@ -1,0 +1,229 @@
+"""Before a long run: will it fit, and how much of Δ will it move? (``estimate``)
+
+>>> import extractive_lens as el
+>>> e = el.estimate(model, diff, batch, "linear")
+>>> e.method, e.layer_loads > 0
+('linear', True)
+
+Two parts, each said plainly in the printed estimate:
+
+- **Δ traffic** is *counted*, not modelled: the same call runs on a narrow copy of the model
+  (the same depth, heads, key/value heads, MLP and norm types, a batch of the same prompts'
+  count and length, widths of 8) in the large-model regime (Δ held ``KEEP_LAYERS`` layers at a
+  time), and every layer load is scaled by the real diff's bytes for that layer
+  (``shift.counting``). Which layers a method reads, and how often, does not depend on widths.
+- **Memory** above the weights is a formula over the shapes (listed in ``Estimate.parts``):
+  the Δ layers held on the device, one piece's ``W + αΔ`` in the compute dtype (twice: forward
+  and the backward's re-formed copy), the embedding's and unembedding's ``W + αΔ``, the logits
+  and the activations (one layer with a graph when gradients go one layer at a time, else every
+  layer's). It is an upper-bound-minded sketch checked against ``benchmarks/bench_memory.py``'s
+  measurements (docs/benchmarks.md), not a guarantee.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+GiB = 2**30
+METHODS = ("linear", "causal", "integrated")
+
+
+@dataclass
+class Estimate:
+    """What a scoring call needs: bytes by part, Δ traffic and passes (see the module docstring)."""
+
+    method: str
+    device: str
+    weights_bytes: int
+    delta_bytes: int
+    parts: dict[str, int] = field(default_factory=dict)
+    delta_read_bytes: int = 0
+    layer_loads: int = 0
+    layerwise: bool = False
+
+    @property
+    def device_bytes(self) -> int:
+        """Peak bytes on the model's device above its weights (the sum of ``parts``)."""
+        return sum(self.parts.values())
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.method} on {self.device}: about {_size(self.device_bytes)} above the "
+            f"weights ({_size(self.weights_bytes)}); total "
+            f"{_size(self.device_bytes + self.weights_bytes)}",
+        ]
+        for name, b in self.parts.items():
+            lines.append(f"  {name:<44s} {_size(b):>10s}")
+        lines.append(
+            f"Δ read: {_size(self.delta_read_bytes)} in {self.layer_loads} layer loads "
+            f"= {self.delta_read_bytes / max(self.delta_bytes, 1):.1f}× the diff "
+            f"({_size(self.delta_bytes)})"
+            + ("" if self.method == "causal" else "; gradients " + (
+                "one layer at a time" if self.layerwise else "through the whole graph"))
+        )  # fmt: skip
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **options: Any) -> Estimate:
+    """Memory and Δ traffic of ``<method>_scores(model, diff, batch, **options)`` before running it.
+
+    Args:
+        method: ``"linear"``, ``"causal"`` (exact) or ``"integrated"``.
+        options: the scoring call's keyword arguments (``kinds``, ``per``, ``top_k``, ``steps``,
+            ``layers``, …); they shape the counted traffic.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    from extractive_lens import backend as B
+    from extractive_lens.backend import shift
+    from extractive_lens.scoring import runs
+
+    cfg = model.cfg
+    params = B.parameters(model)
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    deltas = diff.deltas
+    delta_bytes = sum(_nbytes(t) for t in deltas.values())
+    by_group: dict[Any, int] = {}
+    for name, t in deltas.items():
+        g = shift._group_of(name)
+        by_group[g] = by_group.get(g, 0) + _nbytes(t)
+    loads = _counted_loads(model, diff, batch, method, options)
+    read = sum(by_group.get(g, 0) * n for g, n in loads.items())
+
+    compute = 4  # float32 (the default compute dtype of 16-bit models)
+    if any(p.dtype == torch.float64 for p in params.values()):
+        compute = 8
+    rows, pos = len(batch), batch.n_pos
+    d_model, d_mlp, vocab = cfg.d_model, cfg.d_mlp or 0, cfg.d_vocab
+    on_host = next(iter(deltas.values())).device.type == "cpu" if deltas else True
+    model_dev = torch.device(cfg.device) if cfg.device else torch.device("cpu")
+    moved = on_host and model_dev.type != "cpu"
+    small = sum(p.numel() for p in params.values()) * 4 <= shift.REUSE_BYTES
+    layer_groups = [b for g, b in by_group.items() if isinstance(g, int)]
+    layer_delta = max(layer_groups, default=0)
+    parts: dict[str, int] = {}
+    if moved:
+        held = delta_bytes if small else shift.KEEP_LAYERS * layer_delta
+        parts["Δ held on the device"] = (
+            held + by_group.get(shift.EMBED, 0) + by_group.get(shift.UNEMBED, 0)
+        )
+    block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
+    parts["one block's W + αΔ (forward, backward)"] = 2 * block * compute
+    vocab_matrix = vocab * d_model * compute
+    parts["embedding and unembedding W + αΔ"] = 2 * vocab_matrix
+    parts["logits (value, log-softmax, gradient)"] = 3 * rows * pos * vocab * compute
+    per_layer = rows * pos * (d_model * 12 + d_mlp * 5) * compute
+    lw = method != "causal" and runs.layerwise(model, batch)
+    if lw:
+        parts["activations (boundaries; one layer's graph)"] = (
+            rows * pos * d_model * compute * 4 * cfg.n_layers + per_layer
+        )
+    else:
+        parts["activations (every layer)"] = per_layer * cfg.n_layers
+    return Estimate(
+        method=method, device=str(model_dev), weights_bytes=weights, delta_bytes=delta_bytes,
+        parts=parts, delta_read_bytes=read, layer_loads=sum(loads.values()), layerwise=lw,
+    )  # fmt: skip
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size())
+
+
+def _counted_loads(
+    model: Any, diff: Any, batch: Any, method: str, options: dict[str, Any]
+) -> dict[Any, int]:
+    """Layer loads by group of the same call on a narrow copy (module docstring)."""
+    import warnings
+    from collections import Counter
+
+    from extractive_lens import WeightDiff, make_batch
+    from extractive_lens import backend as B
+    from extractive_lens.backend import shift
+    from extractive_lens.model import tiny_model
+    from extractive_lens.scoring.causal import causal_scores
+    from extractive_lens.scoring.integrated import integrated_scores
+    from extractive_lens.scoring.linear import linear_scores
+
+    narrow = tiny_model(_narrow_config(model), seed=0)  # which layers are read: not backend-bound
+    g = torch.Generator().manual_seed(0)
+    names = set(diff.deltas)
+    small = {
+        n: 1e-3 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+        for n, p in B.parameters(narrow).items()
+        if n in names
+    }
+    proxy = WeightDiff(small, B.signature(narrow))
+    n_vocab = narrow.cfg.d_vocab
+    pairs = [
+        ([1 + (i + j) % (n_vocab - 2) for j in range(batch.n_pos - 1)], [1 + i % (n_vocab - 2)])
+        for i in range(len(batch))
+    ]  # fmt: skip
+    proxy_batch = make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}))
+    counts: Counter[Any] = Counter()
+    original = shift.Shift._load
+
+    def counted(self: Any, group: Any, non_blocking: bool = False) -> Any:
+        counts[group] += 1
+        return original(self, group, non_blocking)
+
+    options = {k: v for k, v in options.items() if k not in ("linear", "show_progress")}
+    saved = shift.REUSE_BYTES
+    try:
+        shift.REUSE_BYTES = 0  # the large-model regime: Δ held a few layers at a time
+        shift.Shift._load = counted  # type: ignore[method-assign,assignment]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lin = None
+            if method != "linear" and options.get("top_k") is not None:
+                lin = linear_scores(narrow, proxy, proxy_batch, show_progress=False)
+                counts.clear()
+            if method == "linear":
+                linear_scores(narrow, proxy, proxy_batch, show_progress=False, **options)
+            elif method == "causal":
+                causal_scores(
+                    narrow, proxy, proxy_batch, linear=lin, show_progress=False, **options
+                )
+            else:
+                integrated_scores(
+                    narrow, proxy, proxy_batch, linear=lin, show_progress=False, **options
+                )
+    finally:
+        shift.Shift._load = original  # type: ignore[method-assign]
+        shift.REUSE_BYTES = saved
+    return dict(counts)
+
+
+_NARROW = 8
+
+
+def _narrow_config(model: Any) -> dict[str, Any]:
+    """The model's structure at width 8 (every head 8 wide, the MLP 16, a vocabulary of 64)."""
+    cfg = model.cfg
+    out: dict[str, Any] = dict(
+        n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_head=_NARROW,
+        d_model=_NARROW * cfg.n_heads, d_mlp=2 * _NARROW * cfg.n_heads if cfg.d_mlp else None,
+        d_vocab=64, n_ctx=max(cfg.n_ctx if cfg.n_ctx else 0, 8),
+        act_fn=cfg.act_fn, normalization_type=cfg.normalization_type,
+        positional_embedding_type=cfg.positional_embedding_type,
+        attn_only=cfg.attn_only, gated_mlp=cfg.gated_mlp,
+        parallel_attn_mlp=getattr(cfg, "parallel_attn_mlp", False),
+        dtype=torch.float32,
+    )  # fmt: skip
+    if getattr(cfg, "n_key_value_heads", None):
+        out["n_key_value_heads"] = cfg.n_key_value_heads
+    if cfg.positional_embedding_type == "rotary":
+        out["rotary_dim"] = _NARROW
+    if getattr(cfg, "final_rms", False):
+        out["final_rms"] = True
+    return {k: v for k, v in out.items() if v is not None}
