@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from extractive_lens import backend as M
+from extractive_lens.arguments import indices
 from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model, state_change
 from extractive_lens.rewards import answer_logprob
@@ -59,6 +60,10 @@ class FinetuneConfig:
             raise ValueError(f"schedule must be 'constant' or 'linear', got {self.schedule!r}")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError("warmup_frac must be in [0, 1)")
+        if self.layers is not None:
+            object.__setattr__(
+                self, "layers", indices("FinetuneConfig.layers", self.layers, "layer")
+            )
 
 
 def _trainable_mask(model: M.ScorableModel, cfg: FinetuneConfig) -> dict[str, torch.Tensor | None]:

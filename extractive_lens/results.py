@@ -221,7 +221,8 @@ class ComponentScores:
         verb = "add up to" if check["ok"] else "do not add up to"
         return (
             f"Additivity: Σ informative + other = {check['linear_change']:+.4g} against "
-            f"R(W') - R(W) = {check['exact_change']:+.4g} (gap {check['relative_gap']:.0%}; the "
+            f"R(W') - R(W) = {check['exact_change']:+.4g} on average (gap {check['relative_gap']:.0%} "
+            f"prompt by prompt; the "
             f"scores {verb} the whole change within {check['tolerance']:.0%}). This is about "
             "the sum, not the ranking: the linear-vs-exact verdicts say whether each kind's map "
             f"can stand in for the exact one. The 'other' parameters (embeddings, b_O, final "

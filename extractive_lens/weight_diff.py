@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
+from extractive_lens.arguments import in_range, indices
 from extractive_lens.backend import ScorableModel, lowrank
 from extractive_lens.backend.lowrank import LowRankDeltas
 from extractive_lens.diff_sources import checkpoints, models
@@ -381,9 +382,9 @@ class WeightDiff:
         """
         n_layers, n_heads, mlp = self._shape()
         comps = parse_components(components, n_layers, n_heads, mlp)
-        layer_set = None if layers is None else {int(x) for x in layers}
-        if layer_set is not None and any(not 0 <= x < n_layers for x in layer_set):
-            raise ValueError(f"layers must be in 0..{n_layers - 1}, got {sorted(layer_set)}")
+        layer_set = None if layers is None else set(indices("layers", layers, "layer"))
+        if layer_set is not None:
+            in_range("layers", sorted(layer_set), n_layers, "diff's layers")
         slices = self.slices()
         meta = {
             **self.metadata,

@@ -153,3 +153,52 @@ def test_layerwise_integrated_scores_equal_whole_graph_ones(pair64, monkeypatch)
     monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
     got = integrated_scores(base, diff, batch, steps=2)
     torch.testing.assert_close(got.prompt_values, want.prompt_values, rtol=0, atol=1e-12)
+
+
+THREAD_CALLS = {
+    "linear": lambda m, d, b: linear_scores(m, d, b),
+    "causal": lambda m, d, b: causal_scores(m, d, b),
+    "integrated": lambda m, d, b: integrated_scores(m, d, b, steps=2),
+}
+
+
+@pytest.mark.parametrize("call", list(THREAD_CALLS))
+def test_another_threads_forward_sees_the_base_weights_during_scoring(pair64, call):
+    """#42: while one thread scores, a plain ``model(tokens)`` in another thread runs on the
+    base weights, every time (W + αΔ is substituted for the scoring thread only), and the
+    scores are those computed alone (the other thread's forwards trigger no capture)."""
+    import threading
+
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base)
+    tokens = batch.tokens
+    with torch.no_grad():
+        want = base(tokens)
+    with _quiet():
+        alone = THREAD_CALLS[call](base, diff, batch)
+    done = threading.Event()
+    seen: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def forwards() -> None:
+        try:
+            while not done.is_set():
+                with torch.no_grad():
+                    seen.append(base(tokens))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    other = threading.Thread(target=forwards)
+    other.start()
+    try:
+        with _quiet():
+            got = THREAD_CALLS[call](base, diff, batch)
+    finally:
+        done.set()
+        other.join(timeout=60)
+    assert errors == [], errors[:1]
+    assert len(seen) >= 3, "the other thread ran too few forwards to overlap the scoring"
+    changed = sum(not torch.equal(s, want) for s in seen)
+    assert changed == 0, f"{changed} of {len(seen)} forwards saw other weights"
+    torch.testing.assert_close(got.prompt_values, alone.prompt_values, rtol=0, atol=1e-12)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from extractive_lens.backend import hooked
-from extractive_lens.backend.compute import compute_dtype, upcast_call
+from extractive_lens.backend.compute import compute_dtype, this_thread_only, upcast_call
 from extractive_lens.backend.hooked import has_mlp, notes, parallel, weights_processed
 from extractive_lens.backend.names import ParamSlice, slices_for_names
 
@@ -391,10 +391,38 @@ def _piece(root: nn.Module, parts: tuple[nn.Module | None, ...], fn: Any, *args:
     return upcast_call(root, _names_in(root, *parts), fn, *args)
 
 
+class _Entered(Exception):
+    """Raised by ``embed``'s hook with what entered the first block: the forward stops there."""
+
+    def __init__(self, x: Tensor) -> None:
+        self.x = x
+
+
 def embed(model: Any, tokens: Tensor) -> Tensor:
-    """The residual stream entering layer 0, as the bridge computes it."""
+    """The residual stream entering layer 0, as the bridge computes it: the model's own forward,
+    stopped where block 0 is entered (what its ``stop_at_layer=0`` returns). Not by
+    ``stop_at_layer``, which sets a flag on every block that stopped another thread's plain
+    forward of the model at layer 0 too (#42); this hook acts for this thread only."""
     parts = (getattr(model, "embed", None), getattr(model, "pos_embed", None))
-    return _piece(model, parts, lambda m, t: m(t, stop_at_layer=0), tokens)
+    first = model.blocks[0]
+
+    def stop(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+        if not isinstance(x, Tensor):
+            raise ValueError("embed: cannot find the input of the first block")
+        raise _Entered(first.hook_in(x))
+
+    def run(m: Any, t: Tensor) -> Tensor:
+        handle = first.register_forward_pre_hook(this_thread_only(stop), with_kwargs=True)
+        try:
+            m(t)
+        except _Entered as entered:
+            return entered.x
+        finally:
+            handle.remove()
+        raise RuntimeError("embed: the forward pass never entered the first block")
+
+    return _piece(model, parts, run, tokens)
 
 
 class _Prefix:
@@ -434,7 +462,8 @@ def _recorded(model: Any, n: int, device: torch.device) -> list[dict[str, Any]]:
 
         handles = [
             b.attn.register_forward_pre_hook(
-                lambda m, a, kw, layer=layer: save(layer, m, a, kw), with_kwargs=True
+                this_thread_only(lambda m, a, kw, layer=layer: save(layer, m, a, kw)),
+                with_kwargs=True,
             )
             for layer, b in enumerate(model.blocks)
         ]
@@ -504,7 +533,7 @@ def _capturing(model: Any, layer: int, capture: tuple[str, ...]) -> Iterator[dic
                     captured[name] = t
                     return t if conv is None else conv.revert(t)
 
-                handles.append(hp.register_forward_hook(hook))
+                handles.append(hp.register_forward_hook(this_thread_only(hook)))
         yield captured
     finally:
         for h in handles:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,26 +139,112 @@ def _upcast_again(p: Tensor, dtype: torch.dtype) -> Tensor:
 @contextlib.contextmanager
 def substituted(module: Any, tensors: dict[str, Tensor]) -> Iterator[None]:
     """Inside the block, ``module``'s parameters and buffers named in ``tensors`` (``"model."``
-    + the name ``named_parameters()`` gives) are those tensors; the original objects are put
-    back on exit, whatever happens. The registries (``_parameters`` / ``_buffers``) holding
-    those objects are edited directly, every alias of a tied weight included: TransformerLens 4's
-    bridge components forward attribute access to the wrapped module, and
-    ``torch.func.functional_call`` left the substitutes in place there."""
+    + the name ``named_parameters()`` gives) are those tensors *for this thread* (this context);
+    any other thread running the model meanwhile reads the stored tensors (docs/api.md,
+    "Threads"). Every alias of a tied weight is substituted (GPT-2's ``W_E`` and ``W_U``).
+
+    How (#42): a module reads a parameter as ``self._parameters[name]`` (``nn.Module.__getattr__``;
+    TransformerLens 4's bridge components forward attribute access to the wrapped module, which
+    does the same). While a substitution is in force, the registries holding substituted tensors
+    are ``_Registry`` dicts: they hold the stored tensors, as before, and answer a lookup with
+    the substitute only in the context that made it (``_SUBSTITUTES``, a context variable: a new
+    thread starts without it). Writing the substitutes into the plain registries, as this did
+    before, let a plain ``model(tokens)`` in another thread run with ``W + αΔ`` on some layers
+    and ``W`` on others, or with forward-mode duals of a level that thread does not have.
+    The plain registries (the same dict objects) are put back on exit, whatever happens."""
+    from extractive_lens.interrupts import state_change
+
     named = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
     by_id = {id(named[name.removeprefix("model.")]): value for name, value in tensors.items()}
-    saved: list[tuple[dict[str, Any], str, Any]] = []
-    try:
+    previous = _SUBSTITUTES.get()
+    installed: list[tuple[dict[str, Any], str, dict[str, Any], _Registry]] = []
+
+    def change() -> None:
+        now = dict(previous)
         for m in module.modules():  # every alias of a tied weight (GPT-2's W_E and W_U)
-            for registry in (m._parameters, m._buffers):
-                for leaf, t in registry.items():
-                    if t is not None and id(t) in by_id:
-                        saved.append((registry, leaf, t))
-                        registry[leaf] = by_id[id(t)]
+            for attr in ("_parameters", "_buffers"):
+                registry = m.__dict__[attr]
+                leaves = {
+                    leaf: by_id[id(t)]
+                    for leaf, t in dict.items(registry)
+                    if t is not None and id(t) in by_id
+                }
+                if not leaves:
+                    continue
+                if type(registry) is not _Registry:  # an inner block reuses the outer's
+                    overlay = _Registry(registry)
+                    installed.append((m.__dict__, attr, registry, overlay))
+                    m.__dict__[attr] = overlay  # one store: any thread sees one or the other
+                    registry = overlay
+                now[registry] = {**now.get(registry, {}), **leaves}
+        _SUBSTITUTES.set(now)
+
+    def restore() -> None:  # set, not reset: a late run (after an interrupt) is in another context
+        _SUBSTITUTES.set(previous)
+        for owner, attr, original, overlay in reversed(installed):
+            if dict.keys(overlay) != original.keys() or any(
+                original[k] is not v for k, v in dict.items(overlay)
+            ):  # registered or replaced meanwhile: keep that in the original dict object
+                original.clear()
+                original.update(dict.items(overlay))
+            owner[attr] = original
+        installed.clear()
+
+    with state_change(change, restore):
         yield
-    finally:
-        for registry, leaf, original in reversed(saved):
-            registry[leaf] = original
+
+
+_SUBSTITUTES: contextvars.ContextVar[dict[_Registry, dict[str, Any]]] = contextvars.ContextVar(
+    "extractive_lens_substitutes",
+    default={},  # noqa: B039 - never mutated, only replaced
+)
+"""Per ``_Registry`` (the object: a key that no later registry can reuse), the tensors that
+replace its entries in this context."""
+
+
+class _Registry(dict):
+    """A module's ``_parameters`` or ``_buffers`` while ``substituted`` is in force: the stored
+    tensors, except in the context that substitutes some of them (``_SUBSTITUTES``), which
+    reads its substitutes. Only what ``nn.Module`` reads through is overridden (``[]``, ``get``,
+    ``items``, ``values``, iteration over ``items``); writes go to the stored entries."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__  # type: ignore[assignment]  # a key of _SUBSTITUTES, by identity
+    __eq__ = object.__eq__  # type: ignore[assignment]
+
+    def __getitem__(self, key: str) -> Any:
+        subs = _SUBSTITUTES.get().get(self)
+        if subs is not None and key in subs:
+            return subs[key]
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def items(self) -> Any:
+        subs = _SUBSTITUTES.get().get(self)
+        if not subs:
+            return dict.items(self)
+        return [(k, subs.get(k, v)) for k, v in dict.items(self)]
+
+    def values(self) -> Any:
+        return [v for _, v in self.items()]
+
+
+def this_thread_only(hook: Any) -> Any:
+    """``hook`` (a module hook) acting only when the thread that made it runs the module: the
+    hooks a piece attaches while it runs (captures) ignore another thread's forward of the same
+    model, which neither runs them nor overwrites what they captured."""
+    owner = threading.get_ident()
+
+    @functools.wraps(hook)
+    def mine(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != owner:
+            return None
+        return hook(*args, **kwargs)
+
+    return mine
 
 
 def _weights_not_saved(sources: dict[int, tuple[Tensor, Any, torch.dtype]]) -> tuple[Any, Any]:

@@ -24,7 +24,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from extractive_lens.backend.compute import upcast_call
+from extractive_lens.backend.compute import this_thread_only, upcast_call
 from extractive_lens.backend.names import ParamSlice, slices_for_names
 
 NAME = "hooked_transformer"
@@ -287,7 +287,7 @@ def attention(
             hp = getattr(block.attn, f"hook_{name}")
             handles.append(
                 hp.register_forward_hook(
-                    lambda _m, _i, out, name=name: captured.__setitem__(name, out)
+                    this_thread_only(lambda _m, _i, out, name=name: captured.__setitem__(name, out))
                 )
             )
         out = _piece(block, ("ln1.", "attn."), run, resid_pre)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
+from extractive_lens.arguments import count
 from extractive_lens.batch import PromptBatch
 from extractive_lens.scoring.runs import Run, forward_run, wide
 from extractive_lens.types import Ablation
@@ -40,11 +41,9 @@ class AblationTable:
         """``runs``: already computed base runs covering the source prompts in order (saves a pass)."""
         if ablation not in ("mean", "zero", "resample"):
             raise ValueError(f"ablation must be 'mean', 'zero' or 'resample', got {ablation!r}")
-        if ablation == "resample" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(
-                f"resample_k must be a positive number of prompts to average, got {k!r}; "
-                "use ablation='zero' for a zero ablation."
-            )
+        if ablation == "resample":
+            k = count("resample_k", k, "prompts to average",
+                      hint="; use ablation='zero' for a zero ablation.")  # fmt: skip
         if ablation != "zero" and reference is None and len(batch) < 2:
             raise ValueError(
                 f"Upstream scores with ablation={ablation!r} take y* from the batch's other prompts, and this "

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
+from extractive_lens.arguments import in_range
 from extractive_lens.batch import PromptBatch, token_strings
 from extractive_lens.results import ComponentScores, aggregate_by_role
 from extractive_lens.scoring.options import ScoreOptions
@@ -24,8 +25,7 @@ def plan_chunks(
     ids = list(range(len(batch))) if rows is None else [int(r) for r in rows]
     if not ids:
         raise ValueError("rows selects no prompts.")
-    if any(not 0 <= r < len(batch) for r in ids):
-        raise ValueError(f"rows must index the batch (0..{len(batch) - 1}), got {ids}")
+    in_range("rows", ids, len(batch), "batch")
     scored = batch if rows is None else batch.subset(ids)
     size = batch_size or len(ids)
     if len(ids) <= size:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
+from extractive_lens.arguments import in_range
 from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
@@ -140,9 +141,7 @@ def _skipped(
     L, H = model.cfg.n_layers, model.cfg.n_heads
     labels = [f"H{h}" for h in range(H)] + (["MLP"] if B.has_mlp(model) else [])
     if options.layers is not None:
-        bad = [layer for layer in options.layers if not 0 <= layer < L]
-        if bad:
-            raise ValueError(f"layers {bad} out of range 0..{L - 1}")
+        in_range("layers", options.layers, L, "model's layers")
     within = range(L) if options.layers is None else sorted(set(options.layers))
     if options.top_k is not None:
         linear = options.linear
@@ -158,6 +157,14 @@ def _skipped(
                     "other prompts (or another model), so their top components are not this "
                     "batch's. Pass linear_scores(model, diff, batch) of this batch, or leave "
                     "linear=None to compute them."
+                )
+            if not _same_diff(linear.metadata, diff):
+                raise ValueError(
+                    "causal_scores(top_k=..., linear=...): these linear scores were computed for "
+                    "another weight change (their per-component norms of Δ differ from this "
+                    "diff's), so their top components are not this diff's. Pass "
+                    "linear_scores(model, diff, batch) of this diff, or leave linear=None to "
+                    "compute them."
                 )
         if linear is None:
             from extractive_lens.scoring.linear import linear_scores
@@ -175,6 +182,23 @@ def _skipped(
         for kind in options.kinds:
             skipped[kind] = sorted(set(skipped.get(kind, [])) | outside)
     return skipped
+
+
+def _same_diff(meta: Mapping[str, Any], diff: WeightDiff) -> bool:
+    """Whether a result's recorded Δ norms (per component, and "other") are ``diff``'s: the
+    fingerprint of the diff every result carries (a result without them is not judged)."""
+    import math
+
+    norms, other = meta.get("diff_norms"), meta.get("diff_other_norm")
+    if norms is None or other is None:
+        return True
+    mine = torch.as_tensor(diff.norms().to_numpy().copy(), dtype=torch.float64)
+    theirs = torch.as_tensor(norms, dtype=torch.float64)
+    return (
+        theirs.shape == mine.shape
+        and torch.allclose(theirs, mine, rtol=1e-6, atol=1e-12)
+        and math.isclose(float(other), diff.other_norm(), rel_tol=1e-6, abs_tol=1e-12)
+    )
 
 
 class _RowsKV(Mapping[int, tuple[Tensor, Tensor]]):

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
+from extractive_lens.arguments import count
 from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
@@ -57,6 +58,12 @@ Rule = Literal["gauss", "midpoint"]
 DEFAULT_STEPS = 4
 AUTO_TOLERANCE = 0.01
 AUTO_MAX_STEPS = 32
+MAX_STEPS = 256
+"""The most nodes ``steps`` takes without ``force=True``: each node is one gradient pass along
+every path, so the cost grows linearly with ``steps`` (Gauss–Legendre at 32 nodes is already
+exact for polynomials of degree 63)."""
+FORCE_MAX_STEPS = 4096
+"""The most nodes ``steps`` takes at all (4096 Gauss–Legendre nodes take numpy ~20 s to form)."""
 COMPLETENESS_WARN = 0.05
 """The completeness error past which ``integrated_scores`` warns (``CompletenessWarning``) and
 ``compare`` will not call the result a stand-in for the exact one."""
@@ -91,6 +98,7 @@ class IntegratedOptions(CausalOptions):
     path: Path = "component"
     rule: Rule = "gauss"
     tolerance: float = AUTO_TOLERANCE
+    force: bool = False
 
     def __post_init__(self) -> None:
         if self.convention != "paper":
@@ -100,9 +108,24 @@ class IntegratedOptions(CausalOptions):
                 "linear_scores(..., convention='authors_code') for the authors' approximations."
             )
         super().__post_init__()
-        s = self.steps
-        if s != "auto" and not (isinstance(s, int) and not isinstance(s, bool) and s >= 1):
-            raise ValueError(f"steps must be a positive number of nodes or 'auto', got {s!r}")
+        if self.steps != "auto":
+            s = count("steps", self.steps, "quadrature nodes per path (or 'auto')")
+            cost = (
+                f"steps={s} is {s} gradient passes along every path (per kind, component and "
+                f"prompt): {s / DEFAULT_STEPS:.4g} times the cost of the default steps="
+                f"{DEFAULT_STEPS}"
+            )
+            if s > FORCE_MAX_STEPS:
+                raise ValueError(
+                    f"{cost}; at most {FORCE_MAX_STEPS} nodes are taken. Use steps='auto' (nodes "
+                    f"doubled until complete within tolerance) or a few dozen nodes."
+                )
+            if s > MAX_STEPS and self.force is not True:
+                raise ValueError(
+                    f"{cost}. Past {MAX_STEPS} nodes pass force=True to run it anyway, or use "
+                    "steps='auto' (nodes doubled until complete within tolerance)."
+                )
+            object.__setattr__(self, "steps", s)
         if self.path not in ("component", "layer"):
             raise ValueError(f"path must be 'component' or 'layer', got {self.path!r}")
         if self.rule not in ("gauss", "midpoint"):
@@ -121,6 +144,7 @@ def integrated_scores(
     path: Path = "component",
     rule: Rule = "gauss",
     tolerance: float = AUTO_TOLERANCE,
+    force: bool = False,
     per: Per = "token",
     ablation: Ablation = "mean",
     reference: PromptBatch | None = None,
@@ -146,17 +170,20 @@ def integrated_scores(
             scores up to the quadrature error) or ``"layer"`` (one per component group: cheap).
         rule: ``"gauss"`` (Gauss–Legendre, default) or ``"midpoint"``.
         tolerance: for ``steps="auto"``: the completeness error to reach.
+        force: take more than ``MAX_STEPS`` (256) nodes: the cost grows linearly with
+            ``steps`` (at most ``FORCE_MAX_STEPS``, 4096).
         per, ablation, reference, reward, max_batch, top_k, linear, layers, batch_size,
         resample_k, seed, show_progress, rows, compute_dtype: as in ``causal_scores``.
 
     ``metadata["integrated"]`` records the nodes, the weights, the rule, the path and, per kind,
-    the completeness error: informative ``|Σ + other - (R(W') - R(W))| / |R(W') - R(W)|``;
-    upstream and downstream ``Σ|path integral - endpoint difference| / Σ|endpoint difference|``
-    over components and prompts (the endpoints' rewards are one forward pass per path).
+    the completeness error: informative ``Σ_p |Σ + other - (R(W') - R(W))|_p / Σ_p |R(W') -
+    R(W)|_p`` over prompts; upstream and downstream ``Σ|path integral - endpoint difference| /
+    Σ|endpoint difference|`` over components and prompts (the endpoints' rewards are one forward
+    pass per path).
     """
     check_arguments("integrated_scores", model, diff, batch)
     options = IntegratedOptions(
-        kinds=kinds, steps=steps, path=path, rule=rule, tolerance=tolerance, per=per,
+        kinds=kinds, steps=steps, path=path, rule=rule, tolerance=tolerance, force=force, per=per,
         ablation=ablation, reference=reference, reward=reward, max_batch=max_batch, top_k=top_k,
         linear=linear, layers=layers, batch_size=batch_size, resample_k=resample_k, seed=seed,
         show_progress=show_progress, rows=rows, compute_dtype=compute_dtype,
@@ -211,12 +238,12 @@ def _warn_if_incomplete(errors: dict[str, float], m: int, options: IntegratedOpt
 
     from extractive_lens.scoring.linear import _user_stacklevel
 
-    shown = ", ".join(f"{k} {v:.1%}" for k, v in errors.items() if v == v)
+    shown = ", ".join(f"{k} {_share(v)}" for k, v in errors.items() if v == v)
     if options.steps == "auto":
         if all(e <= options.tolerance for e in errors.values() if e == e):
             return
         said = f"integrated_scores(steps='auto') stopped at {m} nodes with completeness errors " \
-            f"{shown}, above tolerance {options.tolerance:.1%}"  # fmt: skip
+            f"{shown}, above tolerance {_share(options.tolerance)}"  # fmt: skip
     elif any(e > COMPLETENESS_WARN for e in errors.values() if e == e):
         said = f"integrated_scores(steps={m}) misses the change it integrates by {shown} " \
             f"(completeness error past {COMPLETENESS_WARN:.0%})"  # fmt: skip
@@ -231,6 +258,12 @@ def _warn_if_incomplete(errors: dict[str, float], m: int, options: IntegratedOpt
     )
 
 
+def _share(x: float) -> str:
+    """A fraction as a percentage, or in scientific notation where a percentage with one
+    decimal would round it to 0.0% (an error of 1.2e-05 against a tolerance of 1e-30)."""
+    return f"{x:.1%}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2g}"
+
+
 @dataclass
 class _Result:
     per_token: list[Tensor]  # per chunk [kind batch layer comp pos]
@@ -241,11 +274,14 @@ class _Result:
     informative_sum: list[Tensor] = field(default_factory=list)  # per chunk [batch], every comp
 
     def completeness(self, kind: str) -> float:
+        """``Σ_p |error_p| / Σ_p |change_p|`` over prompts (docs/scores.md §12): per prompt, so
+        that errors of opposite sign in two prompts do not cancel."""
         if kind == "informative":  # every component's share (computed even where not reported)
-            total = sum(float((t + o).sum()) for t, o in zip(self.informative_sum, self.other))
-            change = sum(float(c.sum()) for c in self.change)
-            return abs(total - change) / abs(change) if change else 0.0
-        err, scale = self.path_sums[kind]
+            parts = zip(self.informative_sum, self.other, self.change)
+            err = sum(float((t + o - c).abs().sum()) for t, o, c in parts)
+            scale = sum(float(c.abs().sum()) for c in self.change)
+        else:
+            err, scale = self.path_sums[kind]
         return err / scale if scale else 0.0
 
     def change_summary(self) -> float | None:

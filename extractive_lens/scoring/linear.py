@@ -228,10 +228,13 @@ LinearizationWarning = AdditivityWarning  # the name before 0.2: still caught by
 def additivity_check(
     scores: ComponentScores, change: Tensor, *, warn: bool = True
 ) -> dict[str, Any]:
-    """Compare ``Σ_{c,t} Ī + other`` with ``R(W') - R(W)`` (both means over prompts).
+    """Compare ``Σ_{c,t} Ī + other`` with ``R(W') - R(W)`` prompt by prompt (the changes
+    reported are means over prompts).
 
-    ``relative_gap = |linear - exact| / max(|linear|, |exact|)``: 0 when the scores add up to
-    the whole change, 1 when their sum misses it entirely or has the wrong sign. It says whether
+    ``relative_gap = Σ_p |linear_p - exact_p| / Σ_p max(|linear_p|, |exact_p|)``: 0 when the
+    scores add up to each prompt's change, 1 when their sums miss them entirely, at least 1
+    when they have the wrong sign; per prompt, so that two prompts' misses of opposite sign do
+    not cancel. It says whether
     the scores *decompose the change*, not whether they *rank components* as exact scores do:
     ``compare()`` says that.
     """
@@ -242,8 +245,9 @@ def additivity_check(
         raise ValueError("The additivity check needs linear informative scores (with 'other').")
     linear_total = scores.prompt_totals[k].sum((1, 2)) + scores.other
     lin, ex = float(linear_total.mean()), float(change.mean())
-    scale = max(abs(lin), abs(ex))
-    gap = abs(lin - ex) / scale if scale > 0 else 0.0
+    per_prompt = change.to(linear_total)
+    scale = float(torch.maximum(linear_total.abs(), per_prompt.abs()).sum())
+    gap = float((linear_total - per_prompt).abs().sum()) / scale if scale > 0 else 0.0
     other = float(scores.other.mean())
     out = {
         "exact_change": ex,
@@ -256,8 +260,9 @@ def additivity_check(
     }
     if warn and gap > ADDITIVITY_WARN:
         warnings.warn(
-            f"The linear informative scores and 'other' add up to {lin:.4g}, but the weight change "
-            f"moves the reward by R(W') - R(W) = {ex:.4g} (gap {gap:.0%}): read them as a ranking "
+            f"The linear informative scores and 'other' miss each prompt's R(W') - R(W) by "
+            f"{gap:.0%} (summed over prompts; on average they add up to {lin:.4g} against "
+            f"{ex:.4g}): read them as a ranking "
             "of components, not as shares of the change (the update is large, or components "
             "interact). Whether the ranking holds is what compare(lin, causal_scores(..., "
             "top_k=...)) tells. See docs/scores.md §11.",

@@ -19,6 +19,7 @@ from typing import Any, Literal, cast
 
 import torch
 
+from extractive_lens.arguments import count, indices
 from extractive_lens.batch import PromptBatch
 from extractive_lens.rewards import Reward, resolve_reward
 from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
@@ -63,22 +64,14 @@ class ScoreOptions:
             raise ValueError(
                 f"ablation must be 'mean', 'zero' or 'resample', got {self.ablation!r}"
             )
-        if self.ablation == "resample" and not _positive_int(self.resample_k):
-            raise ValueError(
-                f"resample_k must be a positive number of prompts to average, got "
-                f"{self.resample_k!r}; use ablation='zero' for a zero ablation."
-            )
-        if self.batch_size is not None and not _positive_int(self.batch_size):
-            raise ValueError(
-                "batch_size must be a positive number of prompts per pass (or None for all at "
-                f"once), got {self.batch_size!r}"
-            )
+        if self.ablation == "resample":
+            set_(self, "resample_k", count("resample_k", self.resample_k, "prompts to average",
+                                           hint="; use ablation='zero' for a zero ablation."))  # fmt: skip
+        if self.batch_size is not None:
+            set_(self, "batch_size", count("batch_size", self.batch_size,
+                                           "prompts per pass (or None for all at once)"))  # fmt: skip
         if self.rows is not None:
-            if any(_not_index(r) for r in self.rows):
-                raise ValueError(
-                    f"rows takes prompt indices (whole numbers), got {list(self.rows)}."
-                )
-            set_(self, "rows", tuple(int(r) for r in self.rows))
+            set_(self, "rows", indices("rows", self.rows, "prompt"))
         if self.reference is not None and not isinstance(self.reference, PromptBatch):
             raise TypeError(
                 f"reference must be a PromptBatch (make_batch(model, pairs)), got "
@@ -121,11 +114,9 @@ class LinearOptions(ScoreOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         g = self.upstream_group
-        if g not in (None, "auto") and not _positive_int(g):
-            raise ValueError(
-                "upstream_group must be 'auto', None (all layer boundaries in one pass) or a "
-                f"positive number of boundaries per pass, got {g!r}"
-            )
+        if g not in (None, "auto"):
+            what = "boundaries per pass (or 'auto', None: all layer boundaries in one pass)"
+            object.__setattr__(self, "upstream_group", count("upstream_group", g, what))
 
 
 @dataclass(frozen=True)
@@ -152,17 +143,12 @@ class CausalOptions(ScoreOptions):
         super().__post_init__()
         if self.per not in ("token", "component"):
             raise ValueError(f"per must be 'token' or 'component', got {self.per!r}")
-        if not _positive_int(self.max_batch):
-            raise ValueError(
-                f"max_batch must be a positive number of interventions per pass, got {self.max_batch!r}"
-            )
-        if self.top_k is not None and not _positive_int(self.top_k):
-            raise ValueError(
-                "top_k must be a positive number of components per kind (or None for all), "
-                f"got {self.top_k!r}"
-            )
+        set_ = object.__setattr__
+        set_(self, "max_batch", count("max_batch", self.max_batch, "interventions per pass"))
+        if self.top_k is not None:
+            set_(self, "top_k", count("top_k", self.top_k, "components per kind (or None for all)"))
         if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(sorted({int(x) for x in self.layers})))
+            set_(self, "layers", tuple(sorted(set(indices("layers", self.layers, "layer")))))
 
 
 def prepare(fn: str, model: Any, diff: Any, batch: Any, options: ScoreOptions) -> torch.dtype:
@@ -189,19 +175,6 @@ def resolve_kinds(kinds: Any) -> tuple[ScoreKind, ...]:
     if bad or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {SCORE_KINDS}, got {kinds}")
     return tuple(k for k in SCORE_KINDS if k in kinds)
-
-
-def _positive_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-
-
-def _not_index(r: Any) -> bool:
-    """Whether ``r`` is not a whole number (``1.7``, ``True``, ``"1"``)."""
-    import numbers
-
-    return isinstance(r, bool) or not (
-        isinstance(r, numbers.Integral) or (isinstance(r, float) and r.is_integer())
-    )
 
 
 def check_arguments(
