@@ -10,13 +10,17 @@
 Δ is held in float64 for float32/float64 models and in float32 for 16-bit models, so that
 ``W + Δ`` rounds back to ``W'`` exactly. ``applied`` copies the original tensors and restores
 them on exit (never ``+= Δ`` then ``-= Δ``, which is not an exact round trip).
+
+One job, Δ as a value: its algebra, restriction to components, norms and applying it. Where Δ
+comes from (models, state dicts, checkpoints, adapters, files) is ``diff_sources/``; the file
+format is ``diff_sources/files.py``. The module is over 500 lines because each operation has a
+dense path and a low-rank one (a ``from_peft`` diff keeps its factors; ``backend/lowrank.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -30,18 +34,14 @@ from extractive_lens import backend as B
 from extractive_lens.arguments import in_range, indices
 from extractive_lens.backend import ScorableModel, lowrank
 from extractive_lens.backend.lowrank import LowRankDeltas
-from extractive_lens.diff_sources import checkpoints, models
+from extractive_lens.diff_sources import checkpoints, files, models
 from extractive_lens.diff_sources import delta_dtype_for as delta_dtype_for
+from extractive_lens.diff_sources.files import FORMAT_VERSION as FORMAT_VERSION
 from extractive_lens.interrupts import finish_stale, state_change
 from extractive_lens.types import Component, component_axis_labels, parse_components
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
-
-FORMAT_VERSION = 2
-LOW_RANK_VERSION = 2
-"""Files of a low-rank diff (``from_peft``) hold its factors and are version 2; others are 1."""
-_FORMAT = "extractive_lens.WeightDiff"
 
 
 @dataclass(frozen=True)
@@ -513,83 +513,17 @@ class WeightDiff:
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
         """Write Δ and its metadata to a ``.safetensors`` file (never pickle), atomically: an
-        interrupted save leaves the previous file whole."""
-        from safetensors.torch import save_file
-
-        from extractive_lens.files import replacing
-
-        path = Path(path)
-        if path.is_dir():
-            raise ValueError(
-                f"{path} is a directory; WeightDiff.save writes one .safetensors file."
-            )
-        tensors = None
-        version = 1
-        if isinstance(self.deltas, LowRankDeltas):  # the factors, not their product
-            tensors, layout = lowrank.to_file(self.deltas)
-            version = LOW_RANK_VERSION
-        meta = {
-            "format": _FORMAT,
-            "format_version": str(version),
-            "signature": json.dumps(dict(self.signature)),
-            "metadata": json.dumps(dict(self.metadata), default=str),
-        }
-        with replacing(path) as tmp:  # the old file stays whole until the new one is complete
-            if tensors is not None:
-                meta["low_rank"] = json.dumps(layout)
-            else:
-                tensors = {n: d.detach().cpu().contiguous() for n, d in self.deltas.items()}
-            save_file(tensors, str(tmp), metadata=meta)
-        return path
+        interrupted save leaves the previous file whole (the format: ``diff_sources/files.py``)."""
+        return files.write(self.deltas, self.signature, self.metadata, path)
 
     @classmethod
     def load(cls, path: str | Path, *, device: str | torch.device = "cpu") -> WeightDiff:
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} does not exist (or is not a file): pass a .safetensors file written by "
-                "WeightDiff.save() or `extractive-lens finetune --out`."
-            )
-        try:
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
-                meta = f.metadata() or {}
-                deltas: Mapping[str, Tensor] = (
-                    {k: f.get_tensor(k) for k in f.keys()} if meta.get("format") == _FORMAT else {}
-                )
-        except Exception as e:  # safetensors' own error type for a file that is not safetensors
-            raise ValueError(
-                f"{path} is not a safetensors file ({e}); pass a file written by WeightDiff.save()."
-            ) from None
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"{path} is not a WeightDiff file written by WeightDiff.save().")
-        version = meta.get("format_version")
-        if version is None or not version.isdigit() or int(version) > FORMAT_VERSION:
-            raise ValueError(
-                f"{path} has WeightDiff format version {version!r}; this extractive_lens reads versions "
-                f"up to {FORMAT_VERSION}. Upgrade extractive_lens or re-save the diff."
-            )
-        try:
-            signature = json.loads(meta["signature"])
-            metadata = json.loads(meta.get("metadata", "{}"))
-        except (KeyError, json.JSONDecodeError):
-            raise ValueError(
-                f"{path}: the architecture signature is missing or not JSON; the file is damaged."
-            ) from None
-        if not isinstance(signature, dict) or not isinstance(metadata, dict):
-            raise ValueError(
-                f"{path}: the signature and metadata must be JSON objects; the file is damaged."
-            )
-        if "low_rank" in meta:
-            try:
-                deltas = lowrank.from_file(deltas, json.loads(meta["low_rank"]))
-            except (ValueError, TypeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}: the low-rank factors are damaged ({e}).") from None
+        """A diff written by ``save`` (or ``extractive-lens finetune --out``), on ``device``."""
+        deltas, signature, metadata = files.read(path, device=device)
         try:
             return cls(deltas, signature, metadata)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise ValueError(f"{Path(path)}: {e}") from None
 
     def __repr__(self) -> str:
         n = sum(math.prod(self._shape_of(name)) for name in self.deltas)
