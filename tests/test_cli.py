@@ -454,3 +454,15 @@ def test_world_demo_reports_three_methods_and_integrated_follows_exact(tmp_path)
     page = (tmp_path / "demo.html").read_text()
     assert "integrated vs exact" in page and "linear vs exact" in page
     assert any("integrated vs exact" in line for line in lines)
+
+
+def test_score_estimate_prints_each_method_and_writes_nothing(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    args = ["score", "--base", str(checkpoints / "base"), "--finetuned", str(checkpoints / "ft"),
+            "--data", str(checkpoints / "pairs.jsonl"), "--out", str(out)]  # fmt: skip
+    res = runner.invoke(app, [*args, "--method", "all", "--steps", "2", "--estimate"])
+    assert res.exit_code == 0, res.output
+    for method in ("linear", "integrated", "causal"):
+        assert f"{method} on cpu" in res.output
+    assert res.output.count("Δ read") == 3
+    assert not out.exists()  # stopped before scoring

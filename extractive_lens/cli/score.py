@@ -91,6 +91,11 @@ def score(
     distributed: bool = typer.Option(
         False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."
     ),
+    estimate: bool = typer.Option(
+        False,
+        "--estimate",
+        help="Print each method's memory and Δ traffic (el.estimate) and stop before scoring.",
+    ),
 ) -> None:
     """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
     methods = {"both": ("linear", "causal"), "all": ("linear", "integrated", "causal")}.get(
@@ -154,6 +159,15 @@ def score(
             batch = make_batch(base_m, pairs)
         except ValueError as e:
             raise typer.BadParameter(f"{data}: {e}") from None
+        if estimate:
+            from extractive_lens import estimate as estimate_call
+
+            for m in methods:
+                extra = {} if m == "linear" else {"per": per, "layers": layer_list, "top_k": top_k}
+                if m == "integrated":
+                    extra["steps"] = n_steps
+                echo(str(estimate_call(base_m, delta, batch, m, **extra)))
+            return
         out.mkdir(parents=True, exist_ok=True)
         results = []
         lin = None
