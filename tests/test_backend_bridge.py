@@ -47,6 +47,11 @@ def _hf_config(arch: str):
         return transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64
         )
+    if arch == "qwen3":  # query/key norms, which TransformerLens's bridge does not name
+        return transformers.Qwen3Config(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=12, intermediate_size=48, max_position_embeddings=64,
+        )  # fmt: skip
     return transformers.LlamaConfig(  # grouped-query attention, rotary, RMS norms
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
@@ -56,7 +61,10 @@ def _hf_config(arch: str):
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def checkpoints(request, tmp_path_factory):
     """A base and a finetuned Hugging Face checkpoint (random weights, non-trivial norms)."""
-    arch = request.param
+    return _save_checkpoints(request.param, tmp_path_factory)
+
+
+def _save_checkpoints(arch, tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_hf_config(arch)).float().eval()
     paths = []
@@ -281,6 +289,23 @@ def test_linear_informative_total_is_the_derivative_along_delta(checkpoints):
     tol = 1e-7 if checkpoints[0] == "gpt2" else 1e-4  # Llama's RMSNorm runs in float32
     assert torch.allclose(per_prompt, fd, atol=tol), (per_prompt, fd)
     assert not torch.allclose(per_prompt - lin.other, fd, atol=tol)  # "other" matters
+
+
+def test_query_key_norms_are_part_of_a_bridges_delta(tmp_path_factory):
+    """Qwen3's q/k norms: in the bridge's Δ (applied, it gives the finetuned model), and scored
+    as the HookedTransformer (whose scores match the reference, test_model.py) scores them."""
+    checkpoints = _save_checkpoints("qwen3", tmp_path_factory)
+    bb, bf = _bridge_pair(checkpoints)
+    diff = el.WeightDiff.from_models(bb, bf)
+    assert diff.deltas["blocks.1.attn.k_norm.w"].abs().max() > 1e-3
+    tokens = torch.tensor([[1, 5, 9, 22, 7, 30]])
+    with torch.no_grad():
+        want = bf(tokens)
+        with diff.applied(bb):
+            got = bb(tokens)
+    assert (got - want).abs().max() < 1e-10 * want.abs().max()
+    if HOOKED:
+        _assert_same_scores(*_hf_pairs(checkpoints, torch.float32), ("paper",), 5e-6)
 
 
 def test_kv_prefix_path_equals_whole_sequences(checkpoints, monkeypatch):

@@ -68,8 +68,17 @@ def _gqa(model: Any) -> bool:
 def parameters(model: Any) -> dict[str, Tensor]:
     """The parameters by their TransformerLens names: views of the stored weights (zeros where
     the wrapped model has no such bias). Grouped-query key/value weights are ``_W_K``... with
-    one slice per key/value head, as ``HookedTransformer`` names them."""
+    one slice per key/value head, as ``HookedTransformer`` names them. Query/key norms (Qwen3,
+    Gemma 3), which TransformerLens's bridge does not name, are ``attn.q_norm.w`` /
+    ``attn.k_norm.w`` as in a ``HookedTransformer``: a change there is part of the Δ."""
     params = dict(model.tl_parameters())
+    for layer, block in enumerate(getattr(model, "blocks", ())):
+        for leaf in ("q_norm", "k_norm"):
+            norm = getattr(getattr(block, "attn", None), leaf, None)
+            w = getattr(getattr(norm, "original_component", None), "weight", None)
+            name = f"blocks.{layer}.attn.{leaf}.w"
+            if name not in params and isinstance(w, Tensor) and w.shape == (model.cfg.d_head,):
+                params[name] = w
     if _gqa(model):
         n_kv, d_head = model.cfg.n_key_value_heads, model.cfg.d_head
         for layer, block in enumerate(model.blocks):
