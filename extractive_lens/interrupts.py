@@ -10,6 +10,16 @@
 >>> state
 0
 
+What it guards. Scoring never writes a model's weights (``backend.shifted`` supplies
+``W + αΔ``), but these calls still change a model's state for a while, each through
+``state_change`` (the change and its restore shielded, the body interruptible): the weights
+(``WeightDiff.applied`` and ``finetune``, via ``weight_diff.weights_set``), TransformerLens's
+view flags (``backend.standard_flags``, ``ungrouped_kv``), ``cfg.dtype`` (``computing_in``),
+``requires_grad`` (``frozen_parameters``) and the per-context substitutes in the module
+registries (``compute.substituted``). ``guarded`` wraps every public call in one more net: one
+call per model at a time, and on exit the registries, hooks, modes, grad and forward-AD state
+as they were. ``refuse_attached_hooks``: scores are of the model, not of hooks left on it.
+
 A Python signal handler runs in the main thread between two bytecodes, so a plain ``finally``
 can be interrupted in the middle of a restore loop. ``Shield`` swaps in a handler that records the
 signal instead (SIGINT, SIGTERM, SIGALRM: those with a Python handler) and replays it through the
@@ -215,7 +225,7 @@ def guarded(model: Any) -> Iterator[None]:
     """Run a public call so that an interrupt anywhere leaves the model and torch as they were.
 
     Restored on exit, shielded: every module's parameter and buffer objects (``compute.substituted``
-    swaps them and is not interrupt-safe), grad mode, every module's training mode, every parameter's
+    swaps their registries, restoring them itself; this is the net), grad mode, every module's training mode, every parameter's
     ``requires_grad``, ``model.cfg.dtype``, the hooks on every module (any added inside are
     removed) and the forward-mode AD level. Scoring never writes weights (``backend.shifted``);
     the calls that do (``WeightDiff.applied``, ``finetune``) restore them in their own contexts,

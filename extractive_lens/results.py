@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,9 +131,9 @@ class ComponentScores:
             raise ValueError(f"per must be 'token' or 'component', got {self.per!r}")
         if self.per == "component" and self.position_labels != ("all",):
             raise ValueError("Whole-component scores have one position entry, labelled 'all'.")
-        if self.method not in ("linear", "integrated", "causal"):
+        if self.method not in typing.get_args(Method):  # the methods types.Method lists
             raise ValueError(
-                f"method must be 'linear', 'integrated' or 'causal', got {self.method!r}"
+                f"method must be one of {typing.get_args(Method)}, got {self.method!r}"
             )
         if self.prompt_totals.shape != self.prompt_values.shape[:4]:
             raise ValueError(
