@@ -129,11 +129,30 @@ def _script_json(text: str) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+def adapter_line(adapter: Any) -> str | None:
+    """``name: LoRA rank 16, alpha 32 (rsLoRA) on k_proj, q_proj`` for a result scored from a
+    LoRA adapter (its metadata's ``adapter``, or a ``from_peft`` diff's metadata); ``None``
+    for any other weight change."""
+    if not isinstance(adapter, dict):
+        return None
+    info = adapter.get("peft", adapter)
+    if not isinstance(info, dict) or "rank" not in info:
+        return None
+    name = adapter.get("name") or adapter.get("adapter") or "adapter"
+    targets = info.get("target_modules")
+    targets = ", ".join(targets) if isinstance(targets, list) else str(targets)
+    ranks = info.get("ranks") or [info["rank"]]
+    rank = "/".join(str(r) for r in ranks)
+    extra = " (rsLoRA)" if info.get("use_rslora") else ""
+    return f"{name}: LoRA rank {rank}, alpha {info.get('lora_alpha')}{extra} on {targets}"
+
+
 def _summary(results: Sequence[ComponentScores]) -> str:
     s = results[0]
     m = s.metadata
     facts = [
         ("model", m.get("model")),
+        ("weight change", adapter_line(m.get("adapter"))),
         ("prompts", s.n_prompts),
         ("score kinds", ", ".join(s.kinds)),
         ("reward", f"{m.get('reward')} (scores in {score_unit(s)})"),

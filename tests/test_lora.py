@@ -266,3 +266,44 @@ def test_scoring_with_an_adapter_never_writes_the_model(gpt2_pair):
         before = snapshot(base)
         call(base, diff, batch)
         assert_untouched(base, before)
+
+
+def test_cli_scores_an_adapter_and_names_it(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from extractive_lens.cli import app
+
+    hf = LM.base_checkpoint("llama", tmp_path / "base")
+    LM.train_adapter(hf, ADAPTERS["llama"], steps=1).save_pretrained(tmp_path / "adapter")
+    data = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"w{5 + i} w{20 + i} w{30 + i}", "answer": f" w{40 + i}"} for i in range(3)]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["score", "--base", str(tmp_path / "base"), "--data", str(data), "--out",
+            str(tmp_path / "out"), "--dtype", "float64", "--method", "linear"]  # fmt: skip
+    res = CliRunner().invoke(app, [*args, "--adapter", str(tmp_path / "adapter")])
+    assert res.exit_code == 0, res.output
+    assert "adapter adapter: LoRA rank 2/4, alpha 8 (rsLoRA) on down_proj" in res.output
+    saved = json.loads((tmp_path / "out" / "linear" / "scores.json").read_text())
+    assert saved["metadata"]["adapter"]["lora_alpha"] == 8
+    assert "LoRA rank 2/4, alpha 8 (rsLoRA)" in (tmp_path / "out" / "report.html").read_text()
+    res = CliRunner().invoke(app, [*args, "--adapter", str(tmp_path / "base")])
+    assert res.exit_code != 0 and "adapter_config.json" in res.output
+
+
+def test_howto_example_runs_and_prints_what_the_page_says(tmp_path, monkeypatch, capsys):
+    import re
+    import warnings
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "howto" / "lora.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    shown = re.search(r"```text\n(.*?)```", page, re.S).group(1).splitlines()
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, "docs/howto/lora.md", "exec"), {"__name__": "__howto__"})
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert printed[:2] == shown[:2]  # the diff's repr, rank and alpha
+    assert float(printed[-1]) < 1e-6  # float32 rounding of the merged checkpoint only

@@ -199,6 +199,8 @@ class Shift:
         for n in names:
             if n in factors:  # kept as factors: W + αΔ is formed from them (value)
                 low_rank[self.raw_names[n]] = factors[n].to(block_dev or self.device)
+                if traffic is not None:
+                    traffic.bytes += factors[n].nbytes()
                 continue
             d = self.diff.deltas[n]
             if traffic is not None:

@@ -26,6 +26,12 @@ def score(
     diff: Path = typer.Option(
         None, help="Or the weight change, as saved by `extractive-lens finetune`.", metavar="DIR"
     ),
+    adapter: Path = typer.Option(
+        None,
+        help="Or a LoRA adapter of --base: the directory peft's save_pretrained wrote "
+        "(scored as its low-rank factors).",
+        metavar="DIR",
+    ),
     data: Path = typer.Option(
         ...,
         help="Prompts and answers: .json, .jsonl or .csv with prompt, answer[, candidates].",
@@ -146,10 +152,18 @@ def score(
             pairs = load_pairs(data)
         except (ValueError, FileNotFoundError) as e:
             raise typer.BadParameter(str(e)) from None
-        if (finetuned is None) == (diff is None):
-            raise typer.BadParameter("give exactly one of --finetuned DIR or --diff FILE.")
+        if sum(x is not None for x in (finetuned, diff, adapter)) != 1:
+            raise typer.BadParameter(
+                "give exactly one of --finetuned DIR, --diff FILE or --adapter DIR."
+            )
         base_m = load_model(base, dtype, device, backend)
-        if diff is not None:
+        if adapter is not None:
+            try:
+                delta = WeightDiff.from_peft(base_m, adapter)
+            except (FileNotFoundError, NotImplementedError, ValueError) as e:
+                raise typer.BadParameter(f"--adapter {adapter}: {e}") from None
+            echo(f"adapter {describe_adapter(delta.metadata)}")
+        elif diff is not None:
             delta = WeightDiff.load(diff)
         else:
             ft_m = load_model(finetuned, dtype, device, backend)
@@ -223,6 +237,13 @@ def score(
         for r in results:
             print_top(r)
         echo(f"wrote {out}/ (report: {path})")
+
+
+def describe_adapter(metadata: Any) -> str:
+    """``name: LoRA rank 16, alpha 32 on q_proj, v_proj`` from a ``from_peft`` diff's metadata."""
+    from extractive_lens.report import adapter_line
+
+    return adapter_line(metadata) or "?"
 
 
 def comparisons(results: list[Any]) -> list[Any]:

@@ -92,6 +92,12 @@ def prompts_digest(batch: PromptBatch) -> str:
     return h.hexdigest()[:16]
 
 
+def _adapter(diff: Any) -> dict[str, Any] | None:
+    """A LoRA adapter's name and settings (``WeightDiff.from_peft``), else ``None``."""
+    peft = diff.metadata.get("peft")
+    return None if peft is None else {"name": diff.metadata.get("adapter"), **peft}
+
+
 def base_metadata(
     model: Any, diff: Any, options: ScoreOptions, batch: PromptBatch, cdt: torch.dtype,
     **extra: Any,
@@ -102,6 +108,7 @@ def base_metadata(
     meta.update(
         diff_norms=diff.norms().to_numpy().tolist(),
         diff_other_norm=diff.other_norm(),
+        adapter=_adapter(diff),
         versions={
             "torch": torch.__version__,
             "transformer_lens": info["transformer_lens"],
