@@ -13,6 +13,19 @@ import warnings
 
 import pytest
 
+TORCH_THREADS = 1
+"""Torch threads for the whole run (tests and doctests). The models are tiny: a second thread
+buys nothing, and on a loaded 2-core machine it made scoring 20-100x slower (threads spinning
+against each other and the other jobs). ``EL_TORCH_THREADS=N`` overrides it."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import os
+
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("EL_TORCH_THREADS", TORCH_THREADS)))
+
 
 @pytest.fixture(scope="session")
 def _doctest_objects():

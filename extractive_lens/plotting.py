@@ -162,7 +162,7 @@ def _position_axis(scores: ComponentScores) -> dict[str, Any]:
         tickmode="array",
         tickvals=list(scores.position_labels),
         ticktext=[_safe_token(t) for t in scores.position_ticks()],
-        tickangle=-40,
+        tickangle=TICK_ANGLE,
     )
 
 
@@ -219,12 +219,18 @@ def overview(scores: ComponentScores) -> go.Figure:
         for k in scores.kinds
         for p in parts
     ]
+    rows, panel_px = len(scores.kinds), 230
+    ticks_px = tick_label_px(scores)  # rotated labels under every row, then the next row's title
+    gap_px = ticks_px + TITLE_PX
+    margin = dict(t=110, b=ticks_px + 50)
+    height = rows * panel_px + (rows - 1) * gap_px + margin["t"] + margin["b"]
+    plot_px = height - margin["t"] - margin["b"]
     fig = make_subplots(
-        rows=len(scores.kinds),
+        rows=rows,
         cols=len(parts),
         subplot_titles=titles,
         horizontal_spacing=0.14,
-        vertical_spacing=0.2 if len(scores.kinds) > 1 else 0.1,
+        vertical_spacing=gap_px / plot_px if rows > 1 else 0.1,
     )
     unit = score_unit(scores)
     tokens = _column_tokens(scores)
@@ -259,9 +265,25 @@ def overview(scores: ComponentScores) -> go.Figure:
     fig.update_layout(
         title=f"{scores.method} scores, mean over {scores.n_prompts} prompts ({unit})",
         template="plotly_white",
-        height=330 * len(scores.kinds) + 140,
+        height=height,
+        margin=margin,
     )
     return mark_uncomputed(fig, *shown)
+
+
+TICK_ANGLE = -40
+TITLE_PX = 45
+"""Room for a subplot title (and the axis title of the row above) between two rows of panels."""
+
+
+def tick_label_px(scores: ComponentScores, font_px: float = 12.0) -> int:
+    """How far the rotated position labels reach below an axis, in pixels: the longest label's
+    width (about 0.6 of the font size per character) times sin of the tick angle, plus the
+    tick's own offset."""
+    import math
+
+    longest = max((len(t) for t in _position_axis(scores)["ticktext"]), default=0)
+    return int(longest * 0.6 * font_px * math.sin(math.radians(abs(TICK_ANGLE))) + 20)
 
 
 def side_by_side(

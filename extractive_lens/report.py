@@ -266,7 +266,7 @@ def _top_components(results: Sequence[ComponentScores]) -> str:
                 c = Component.parse(label)
                 hook = c.hook_name + ("" if c.head is None else f"[:, :, {c.head}]")
                 cells.append(
-                    f"<td><code>{html.escape(label)}</code> {value:+.3g}<br>"
+                    f"<td><code>{html.escape(label)}</code> {_signed(value)}<br>"
                     f"<small>{html.escape(hook)}</small></td>"
                 )
             missing = len(s.uncomputed(kind))
@@ -279,10 +279,27 @@ def _top_components(results: Sequence[ComponentScores]) -> str:
     return (
         "<h2>top components</h2><p class='caption'>The five largest whole-component scores of "
         f"each kind by magnitude, in {html.escape(unit)}, each with the TransformerLens "
-        "activation that holds the component's output (<code>Component.hook_name</code>).</p>"
+        "activation that holds the component's output (<code>Component.hook_name</code>)."
+        f"{_informative_note(results)}</p>"
         "<table class='el'><tr><th>method</th><th>kind</th><th colspan='5'>top 5</th></tr>"
         + "".join(rows)
         + "</table>"
+    )
+
+
+def _signed(x: float) -> str:
+    """A score in a table: three decimals and its sign (``+3.178`` beside ``+0.746``)."""
+    return f"{x:+.3f}" if x == 0 or abs(x) >= 1e-3 else f"{x:+.2e}"
+
+
+def _informative_note(results: Sequence[ComponentScores]) -> str:
+    """What integrated informative totals are, where a table shows them beside exact ones."""
+    if not any(r.method == "integrated" and "informative" in r.kinds for r in results):
+        return ""
+    return (
+        " <b>Integrated informative</b> totals are shares of R(W') − R(W) along the joint path "
+        "W + αΔ, not estimates of exact informative (one component changed alone): their "
+        "values differ from exact's by design, their ranking need not."
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -284,6 +285,10 @@ def test_report_says_what_integrated_informative_totals_mean(scored, tmp_path):
     assert "add up to the change and to the exact whole-component scores" not in how
     trust = text[text.index("what to trust") :]
     assert "n_signal" in trust and "ranking only" in trust
+    ig = dataclasses.replace(lin, method="integrated")  # the table's note names what its totals are
+    top = report([ig, ex], compare(ig, ex), path=tmp_path / "i.html").read_text()
+    top = top[top.index("<h2>top components</h2>") :]
+    assert "Integrated informative</b> totals are shares of R(W') − R(W)" in top[:2000]
 
 
 def test_tables_and_token_view_format_numbers_one_way():
@@ -293,3 +298,36 @@ def test_tables_and_token_view_format_numbers_one_way():
     assert _cell(-3.6e-10, 3.18) == "0" and _cell(3.178, 3.18) == "+3.2"
     assert _cell(0.36, 3.18) == "+0.4" and _cell(-0.04, 3.18) == "0"
     assert _cell(0.0123, 0.05) == "+0.012" and _cell(-0.049, 0.05) == "-0.049"
+
+
+def test_overview_rows_leave_room_for_rotated_tick_labels(scored):
+    """The rotated position labels under one row of panels end above the next row's subplot
+    title (they collided on a partial report): the gap between rows, in pixels, holds the
+    longest label's vertical extent plus a title line."""
+    import math
+
+    from extractive_lens.plotting import overview
+
+    lin, ex, (base, diff, batch) = scored
+    part = causal_scores(base, diff, batch, layers=[1], show_progress=False)
+    for s in (lin, part):
+        fig = overview(s)
+        margin = fig.layout.margin
+        plot_px = (
+            fig.layout.height
+            - (margin.t if margin.t is not None else 100)
+            - (margin.b if margin.b is not None else 80)
+        )
+        top, below = fig.layout.yaxis.domain, fig.layout[f"yaxis{1 + len(fig.data) // 3}"].domain
+        gap_px = (top[0] - below[1]) * plot_px
+        longest = max(len(t) for t in fig.layout.xaxis.ticktext)
+        labels_px = longest * 0.6 * 12 * math.sin(math.radians(40))
+        assert gap_px >= labels_px + 40, (gap_px, labels_px)
+
+
+def test_top_components_print_one_format_and_say_what_integrated_informative_is():
+    from extractive_lens.report import _informative_note, _signed
+
+    got = [_signed(x) for x in (3.178, 0.746, 1.1, -0.0005)]
+    assert got == ["+3.178", "+0.746", "+1.100", "-5.00e-04"]
+    assert _informative_note([]) == ""
