@@ -117,7 +117,7 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
         parts["Δ held on the device"] = (
             held + by_group.get(shift.EMBED, 0) + by_group.get(shift.UNEMBED, 0)
         )
-    block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
+    block = sum(p.numel() for n, p in params.items() if B.layer_of(n) == 0)  # one block's
     parts["one block's W + αΔ (forward, backward)"] = 2 * block * compute
     vocab_matrix = vocab * d_model * compute
     parts["embedding and unembedding W + αΔ"] = 2 * vocab_matrix
