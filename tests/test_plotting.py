@@ -300,18 +300,24 @@ def test_tables_and_token_view_format_numbers_one_way():
     assert _cell(0.0123, 0.05) == "+0.012" and _cell(-0.049, 0.05) == "-0.049"
 
 
-def test_overview_rows_leave_room_for_rotated_tick_labels(scored):
+def test_overview_rows_leave_room_for_rotated_tick_labels(scored, monkeypatch):
     """The rotated position labels under one row of panels end above the next row's subplot
     title (they collided on a partial report): the gap between rows, in pixels, holds the
-    longest label's vertical extent plus a title line."""
+    longest label's vertical extent plus a title line, for the fixture's labels and long ones."""
     import math
 
     from extractive_lens.plotting import overview
+    from extractive_lens.results import ComponentScores
 
     lin, ex, (base, diff, batch) = scored
     part = causal_scores(base, diff, batch, layers=[1], show_progress=False)
-    for s in (lin, part):
-        fig = overview(s)
+    figures = [overview(lin), overview(part)]
+    monkeypatch.setattr(  # a slot whose tokens are long words: "{name}[-1]: Constantinople, …"
+        ComponentScores, "position_ticks",
+        lambda self, examples=2: [f"{p}: Constantinople, Bartholomew, …" for p in self.position_labels],
+    )  # fmt: skip
+    figures += [overview(lin), overview(part)]
+    for fig in figures:
         margin = fig.layout.margin
         plot_px = (
             fig.layout.height
