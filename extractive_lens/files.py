@@ -52,23 +52,30 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
 def save_safetensors(
     tensors: Mapping[str, Tensor], path: str | Path, metadata: Mapping[str, str] | None = None
 ) -> None:
-    """Write ``tensors`` to ``path`` in the safetensors format, one tensor at a time (never the
-    whole file in memory). Unlike ``safetensors.torch.save_file`` it writes ``path`` itself, not
-    a temporary of its own renamed over it: inside ``replacing`` the temporary stays the one
-    ``replacing`` holds (locked, with the right mode), and a killed save leaves nothing else."""
+    """Write ``tensors`` to ``path`` in the safetensors format, one tensor at a time: a mapping
+    that forms each tensor when read (``LazyDeltas``, with a ``spec(name)`` giving its shape and
+    dtype) is never held whole. Unlike ``safetensors.torch.save_file`` it writes ``path``
+    itself, not a temporary of its own renamed over it: inside ``replacing`` the temporary stays
+    the one ``replacing`` holds (locked, with the right mode), and a killed save leaves nothing
+    else."""
     import json
 
     import torch
 
     from extractive_lens.backend.weight_files import DTYPES
 
-    names = {dt: name for name, dt in DTYPES.items()}
-    items = sorted(tensors.items())
+    codes = {dt: code for code, dt in DTYPES.items()}
+    names = sorted(tensors)
     header: dict[str, Any] = {}
     offset = 0
-    for name, t in items:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+    for name in names:
+        spec = getattr(tensors, "spec", None)
+        if spec is not None:
+            shape, dtype = spec(name)
+        else:
+            shape, dtype = tuple(tensors[name].shape), tensors[name].dtype
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": codes[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + n]}  # fmt: skip
         offset += n
     if metadata:
@@ -77,8 +84,13 @@ def save_safetensors(
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
-        for _, t in items:
-            flat = t.detach().cpu().contiguous().reshape(-1)
+        for name in names:
+            flat = tensors[name].detach().cpu().contiguous().reshape(-1)
+            want = header[name]
+            if codes[flat.dtype] != want["dtype"] or flat.numel() * flat.element_size() != (
+                want["data_offsets"][1] - want["data_offsets"][0]
+            ):
+                raise ValueError(f"{name}: its tensor does not match the shape and dtype given.")
             if flat.numel():
                 f.write(memoryview(flat.view(torch.uint8).numpy()))  # type: ignore[arg-type]
 

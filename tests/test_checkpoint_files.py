@@ -265,3 +265,22 @@ def test_a_damaged_safetensors_file_is_refused_by_name(pair, tmp_path, damage):
     with pytest.raises(ValueError, match="not a valid safetensors file") as e:
         el.WeightDiff.from_checkpoints(base, ft)
     assert str(f) in str(e.value)
+
+
+def test_a_diff_formed_on_demand_saves_one_tensor_at_a_time(pair, tmp_path, monkeypatch):
+    """``save`` of a from_checkpoints diff writes the header from each tensor's spec, then each
+    tensor once (never all of Δ at once), and loads back equal."""
+    from extractive_lens.backend.checkpoint import LazyDeltas
+
+    (_, p1), base = pair
+    diff = el.WeightDiff.from_checkpoints(base, p1)
+    formed = []
+    original = LazyDeltas.__getitem__
+    monkeypatch.setattr(
+        LazyDeltas, "__getitem__", lambda self, n: formed.append(n) or original(self, n)
+    )
+    diff.save(tmp_path / "d.safetensors")
+    assert sorted(formed) == sorted(diff.deltas)  # each formed once
+    monkeypatch.undo()
+    back = el.WeightDiff.load(tmp_path / "d.safetensors")
+    assert _equal(_all(diff), dict(back.deltas))

@@ -16,7 +16,7 @@ entry in ``BACKENDS`` (see CONTRIBUTING.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any, Protocol
@@ -51,6 +51,7 @@ __all__ = [
     "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
     "notes", "on_block", "on_final", "parallel", "param_role", "parameter_slices", "parameters",
     "raw_masks", "resolve_compute_dtype", "reusing", "run_blocks", "shifted", "signature",
+    "function_config", "config_differences",
     "unshifted", "slices_for_names", "standard_flags",
     "tl_view", "unembed", "weights_processed", "write_parameters",
 ]  # fmt: skip
@@ -94,6 +95,7 @@ class Backend(Protocol):
     def parameters(self, model: Any) -> dict[str, Tensor]: ...
     def parameter_slices(self, model: Any) -> list[ParamSlice]: ...
     def signature(self, model: Any) -> dict[str, Any]: ...
+    def function_config(self, model: Any) -> dict[str, Any]: ...
     def describe(self, model: Any) -> dict[str, Any]: ...
     def check_scorable(self, model: Any) -> None: ...
     def standard_flags(self, model: Any) -> AbstractContextManager[None]: ...
@@ -234,6 +236,22 @@ def parameter_slices(model: Any) -> list[ParamSlice]:
 def signature(model: Any) -> dict[str, Any]:
     """The configuration a base and a finetuned model must share."""
     return backend_for(model).signature(model)
+
+
+def function_config(model: Any) -> dict[str, Any]:
+    """Every configuration field that, besides the weights, decides the function the model
+    computes (rotary base, norm eps, soft caps, ...): a base and a finetuned model agree on all."""
+    return backend_for(model).function_config(model)
+
+
+def config_differences(base: Mapping[str, Any], finetuned: Mapping[str, Any]) -> str:
+    """``"field: base=… finetuned=…, …"`` for the fields both configs have and disagree on
+    (``""`` if none)."""
+    return ", ".join(
+        f"{k}: base={base[k]!r} finetuned={finetuned[k]!r}"
+        for k in sorted(set(base) & set(finetuned))
+        if base[k] != finetuned[k]
+    )
 
 
 def describe(model: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ NAME = "transformer_bridge"
 __all__ = [
     "NAME", "W_O", "attention", "check_scorable", "describe", "embed", "handles", "has_mlp",
     "kv_prefix", "mlp", "notes", "on_block", "on_final", "parallel", "parameter_slices",
-    "parameters", "raw_masks", "raw_tangents", "signature", "tl_view", "standard_flags", "unembed", "weights_processed",
+    "parameters", "raw_masks", "raw_tangents", "signature", "function_config", "tl_view", "standard_flags", "unembed", "weights_processed",
     "write_parameters",
 ]  # fmt: skip
 
@@ -253,6 +253,44 @@ def signature(model: Any) -> dict[str, Any]:
 def describe(model: Any) -> dict[str, Any]:
     """What a result records about the model it was computed on."""
     return hooked.describe(model, architecture(model), NAME)
+
+
+HF_INERT = frozenset({
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "return_dict",
+    "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "id2label",
+    "label2id", "problem_type", "initializer_range", "pad_token_id", "bos_token_id",
+    "eos_token_id", "sep_token_id", "decoder_start_token_id", "_commit_hash",
+    "_attn_implementation", "attn_implementation", "_attn_implementation_autoset",
+    "tokenizer_class", "task_specific_params", "finetuning_task", "prefix", "torchscript",
+    "use_return_dict",
+})  # fmt: skip
+"""Hugging Face config fields that do not change the function of given weights (dropout and
+the sequence-classification ``summary_*`` fields are left out by pattern too)."""
+
+
+def hf_function_config(hf_config: Any) -> dict[str, Any]:
+    """A Hugging Face config's fields that change the function (``rope_parameters`` /
+    ``rope_theta``, ``rms_norm_eps``, ``hidden_act``, soft caps, ...), as JSON values."""
+    import json
+
+    raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    keep = {
+        k: v for k, v in sorted(raw.items())
+        if k not in HF_INERT and "dropout" not in k and not k.endswith("_pdrop")
+        and not k.startswith("summary_")
+    }  # fmt: skip
+    return json.loads(json.dumps(keep, default=str))
+
+
+def function_config(model: Any) -> dict[str, Any]:
+    """``hooked.function_config`` for a bridge: its TransformerLens config, and (a bridge's
+    config leaves out the rotary base, for one) the Hugging Face config it was booted from."""
+    out = hooked.config_fields(model.cfg)
+    original = getattr(model, "original_model", None)
+    hf = getattr(original, "config", None)
+    if hf is not None:
+        out = {**hf_function_config(hf), **out}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

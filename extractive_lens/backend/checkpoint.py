@@ -176,13 +176,28 @@ class BridgeViews(Mapping[str, Tensor]):
     the base model's own."""
 
     def __init__(self, model: Any, path: str | Path) -> None:
-        from extractive_lens.backend import bridge
+        import transformers
 
+        from extractive_lens.backend import bridge
+        from extractive_lens.backend.loading import quiet_transformers
+
+        original = getattr(model, "original_model", None)
+        if original is None:
+            raise ValueError(
+                "WeightDiff.from_checkpoints with a TransformerBridge base needs a bridge booted "
+                "from a Hugging Face checkpoint (load_checkpoint(dir, backend='bridge')), whose "
+                "parameters are views of the Hugging Face tensors the files hold; this one was "
+                "built natively. Load the base from its folder, or pass the folder itself."
+            )
+        with quiet_transformers():
+            self.hf_config = transformers.AutoConfig.from_pretrained(
+                path, local_files_only=True, trust_remote_code=False
+            )
+        self.base_hf_config = original.config
         self.model, self.files = model, SafetensorsFiles(path)
         self.params = bridge.parameters(model)
-        original = getattr(model, "original_model", None)
         hf_names: dict[int, list[str]] = {}
-        if original is not None:
+        if original is not None:  # always, checked above
             for n, p in original.named_parameters(remove_duplicate=False):
                 n = n.replace("._original_component", "").replace("_original_component.", "")
                 hf_names.setdefault(p.untyped_storage().data_ptr(), []).append(n)
@@ -235,6 +250,12 @@ class LazyDeltas(Mapping[str, Tensor]):
         if not torch.isfinite(d).all():
             raise ValueError(f"{name}: Δ contains NaN or inf (check the finetuned weights).")
         return d if self.device is None else d.to(self.device)
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype ``self[name]`` will have, without reading it."""
+        shapes = getattr(self.base, "shapes", None)
+        shape = shapes[name] if shapes is not None else tuple(self.base[name].shape)
+        return tuple(shape), self.dtype
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

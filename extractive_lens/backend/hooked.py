@@ -86,6 +86,42 @@ SIGNATURE_KEYS = (
 )  # fmt: skip
 
 
+INERT_CONFIG = frozenset({
+    # naming, placement, seeding, initialisation: not the function of given weights
+    "model_name", "tokenizer_name", "device", "n_devices", "seed", "init_mode", "init_weights",
+    "initializer_range", "n_params", "trust_remote_code", "checkpoint_index",
+    "checkpoint_label_type", "checkpoint_value", "from_checkpoint", "train_seq_length",
+    # tokenization, padding and hook views: the same function, other inputs or hooks
+    "default_prepend_bos", "tokenizer_prepends_bos", "tokenizer_appends_eos",
+    "default_padding_side", "use_attn_result", "use_split_qkv_input", "use_hook_mlp_in",
+    "use_attn_in", "use_hook_tokens", "ungroup_grouped_query_attention", "attn_implementation",
+    "decoder_start_token_id",
+    # compared elsewhere: the dtype (a diff's own rule), processing (signature["processed"])
+    "dtype", "layer_norm_folding",
+})  # fmt: skip
+"""Configuration fields that do not change the function a model computes from its weights."""
+
+
+def function_config(model: Any) -> dict[str, Any]:
+    """What, besides the weights, decides the function the model computes: every config field
+    but ``INERT_CONFIG`` (rotary base and dimension, norm eps, soft caps, normalization,
+    positional embedding, activation, ...). A base and a finetuned model must agree on all."""
+    return config_fields(model.cfg)
+
+
+def config_fields(cfg: Any) -> dict[str, Any]:
+    """``function_config`` of a TransformerLens config (``HookedTransformerConfig`` or a
+    bridge's), as JSON values."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(cfg):
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    else:
+        fields = dict(vars(cfg))
+    keep = {k: v for k, v in sorted(fields.items()) if k not in INERT_CONFIG and k[0] != "_"}
+    return json.loads(json.dumps(keep, default=str))
+
+
 def architecture(model: Any) -> str | None:
     """The architecture the weights came from (``None`` for a model built from a config)."""
     return model.cfg.original_architecture

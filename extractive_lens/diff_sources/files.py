@@ -31,10 +31,10 @@ def write(
     path: str | Path,
 ) -> Path:
     """Write Δ, its signature and metadata to a ``.safetensors`` file (never pickle), atomically: an
-    interrupted save leaves the previous file whole."""
-    from safetensors.torch import save_file
-
-    from extractive_lens.files import replacing
+    interrupted save leaves the previous file whole (the next save removes the hidden temporary
+    it left); an overwritten file keeps its mode. Δ is written one tensor at a time (a diff
+    formed on demand is never held whole)."""
+    from extractive_lens.files import replacing, save_safetensors
 
     path = Path(path)
     if path.is_dir():
@@ -53,9 +53,7 @@ def write(
     with replacing(path) as tmp:  # the old file stays whole until the new one is complete
         if tensors is not None:
             meta["low_rank"] = json.dumps(layout)
-        else:
-            tensors = {n: d.detach().cpu().contiguous() for n, d in deltas.items()}
-        save_file(tensors, str(tmp), metadata=meta)
+        save_safetensors(deltas if tensors is None else tensors, tmp, metadata=meta)
     return path
 
 

@@ -29,6 +29,7 @@ def from_models(
             f"The base and finetuned models differ in architecture or loading ({detail}). "
             "Load both with the same config, dtype and weight processing."
         )
+    refuse_other_function(B.function_config(base), B.function_config(finetuned))
     ft = B.parameters(finetuned)
     base_params = B.parameters(base)
     missing = sorted(set(base_params) ^ set(ft))
@@ -42,6 +43,20 @@ def from_models(
         dtype=dtype,
         metadata={"base": base.cfg.model_name, "finetuned": finetuned.cfg.model_name},
     )
+
+
+def refuse_other_function(base: Mapping[str, Any], finetuned: Mapping[str, Any]) -> None:
+    """Refuse, naming the fields, a finetuned model whose configuration changes the function
+    its weights compute (``B.function_config``): Δ would be scored under the base's."""
+    detail = B.config_differences(base, finetuned)
+    if detail:
+        raise ValueError(
+            f"The base and finetuned models compute different functions of their weights "
+            f"({detail}): Δ would be scored under the base's configuration, not the finetuned "
+            "model's. A finetune that changed the configuration (a long-context finetune's "
+            "rope_theta, another norm eps) is more than a weight change; compare models that "
+            "share one configuration."
+        )
 
 
 def from_state_dicts(
