@@ -26,6 +26,8 @@ def hf_config(arch: str) -> Any:
         return transformers.LlamaConfig(**common, num_key_value_heads=2)
     if arch == "qwen2":  # q/k/v biases
         return transformers.Qwen2Config(**common, num_key_value_heads=2)
+    if arch == "qwen3":  # q/k norms, head_dim ≠ hidden / heads
+        return transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=16)
     if arch == "gemma2":  # embedding × √d_model, norms 1 + w, tied embeddings, GQA
         return transformers.Gemma2Config(
             **common, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,

@@ -3,7 +3,7 @@ every score from it equals the merged model's scores.
 
 Adapters are made here with ``peft`` (``get_peft_model``, a few Adam steps, ``save_pretrained``)
 on tiny random Hugging Face models: a Llama with grouped-query attention, a GPT-2 (fused
-``c_attn``, Conv1D weights, tied embeddings), a Qwen2 (q/k/v biases) and a Gemma 2 (embedding ×
+``c_attn``, Conv1D weights, tied embeddings), a Qwen2 (q/k/v biases), a Qwen3 (q/k norms) and a Gemma 2 (embedding ×
 √d_model, tied embeddings). The reference is ``merge_and_unload`` then ``from_models`` on the
 same base (``from_checkpoints``: TransformerLens's own weight conversion, in float64).
 """
@@ -32,6 +32,9 @@ ADAPTERS = {
     # every bias trained (also outside the adapted layer), one layer adapted
     "qwen2": dict(r=3, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"],
         bias="all", layers_to_transform=[1]),
+    # q/k norms saved whole, head_dim 16 (≠ 32 / 4)
+    "qwen3": dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        modules_to_save=["q_norm"]),
     # embedding × √d_model with tied embeddings, grouped-query attention
     "gemma2": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
         "gate_proj", "up_proj", "down_proj", "embed_tokens"]),

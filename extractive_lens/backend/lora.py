@@ -78,6 +78,12 @@ _LLAMA = Family(
              "model.norm": (Target("ln_final.w"),)},
     embed="model.embed_tokens",
 )  # fmt: skip
+_QWEN3 = Family(
+    _LLAMA.layer,
+    {**_LLAMA.modules, "self_attn.q_norm": (Target("attn.q_norm.w"),),
+     "self_attn.k_norm": (Target("attn.k_norm.w"),)},
+    _LLAMA.outside, _LLAMA.embed,
+)  # fmt: skip
 _GEMMA = Family(
     _LLAMA.layer, _LLAMA.modules, _LLAMA.outside, _LLAMA.embed, embed_scale=True, norm_offset=1.0
 )
@@ -99,7 +105,7 @@ _GPT2 = Family(
     conv1d=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
 )  # fmt: skip
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA,
+    "LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA, "Qwen3ForCausalLM": _QWEN3,
     "GemmaForCausalLM": _GEMMA, "Gemma2ForCausalLM": _GEMMA, "GPT2LMHeadModel": _GPT2,
 }  # fmt: skip
 """Architectures (``original_architecture``) whose adapters ``from_peft`` reads."""
