@@ -61,12 +61,20 @@ def score_and_compare(
         f"\nintegrated: {m['steps']} {m['rule']} nodes per path; completeness error "
         + ", ".join(f"{k} {v:.2%}" for k, v in m["completeness"].items())
     )
-    echo("\nwhat to trust (docs/scores.md §11-§12):")
-    for cmp in cmps:
-        for verdict in cmp.verdicts.values():
-            echo(f"  - {verdict}")
-    echo(f"  - {lin.additivity_note()}")
+    for line in what_to_trust(cmps, lin):
+        echo(line)
     return [lin, ig, ex], cmps
+
+
+def what_to_trust(comparisons: list[Any], linear: Any = None) -> list[str]:
+    """The lines that close a printed comparison (the demo's, ``extractive-lens score``'s):
+    each comparison's verdicts and the linear scores' additivity check."""
+    notes = [v for cmp in comparisons for v in cmp.verdicts.values()]
+    if linear is not None and linear.additivity_note():
+        notes.append(linear.additivity_note())
+    if not notes:
+        return []
+    return ["\nwhat to trust (docs/scores.md §11-§12):", *(f"  - {n}" for n in notes)]
 
 
 def run_demo(

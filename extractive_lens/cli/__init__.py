@@ -39,17 +39,7 @@ def version() -> None:
     )
 
 
-ONE_LINE_ERRORS = (
-    ValueError,
-    TypeError,
-    FileNotFoundError,
-    NotImplementedError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-    FileExistsError,
-    ImportError,
-)
+ONE_LINE_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, ImportError)
 
 
 def _click_errors(name: str) -> Any:
@@ -67,12 +57,19 @@ def _click_errors(name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The ``extractive-lens`` entry point: a bad input ends in one line on stderr and exit code 2
-    (a bug still shows its traceback)."""
+    """The ``extractive-lens`` entry point: a bad input, a full disk or a read-only folder ends in
+    one line on stderr and exit code 2, a Python warning in one ``warning:`` line (a bug still
+    shows its traceback)."""
     import sys
+    import warnings
+
+    def show_warning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        typer.echo(f"warning: {' '.join(str(message).split())}", err=True)
 
     try:
-        code = app(args=argv, standalone_mode=False)
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning  # not typer's source line under each warning
+            code = app(args=argv, standalone_mode=False)
         # non-standalone typer *returns* exit codes (Ctrl-C becomes 130) instead of raising them
         if isinstance(code, int) and code != 0:
             if code == 130:
@@ -89,7 +86,45 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, typer.Abort, *_click_errors("Abort")):
         typer.echo("interrupted", err=True)
         raise SystemExit(130) from None
-    except ONE_LINE_ERRORS as e:
-        typer.echo(f"error: {' '.join(str(e).split())}", err=True)
+    except Exception as e:
+        line = file_system_error(e)
+        if line is None and isinstance(e, ONE_LINE_ERRORS):
+            line = " ".join(str(e).split())
+        if line is None:
+            raise
+        typer.echo(f"error: {line}", err=True)
         raise SystemExit(2) from None
     sys.exit(0)
+
+
+def file_system_error(e: BaseException) -> str | None:
+    """One sentence for an error the operating system raised (a full disk, a read-only folder, a
+    denied permission), also when a library (safetensors) passes it on inside its own error;
+    ``None`` for anything else."""
+    import errno
+    import os
+    import re
+
+    if isinstance(e, OSError) and e.errno is not None and e.strerror:
+        code, name = e.errno, e.filename
+    else:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found is None:
+            return None
+        code, name = int(found.group(1)), None
+        if quoted := re.search(r'at path "([^"]+)"', str(e)):
+            name = quoted.group(1)
+    where = ""
+    if name is not None:
+        path = os.fsdecode(name)
+        base = os.path.basename(path)
+        # a temporary file beside the output (files.replacing, safetensors): name its folder
+        temporary = base.startswith(".") and (base.endswith(".tmp") or base.startswith(".tmp"))
+        where = f" in {os.path.dirname(path) or '.'}" if temporary else f": {path}"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device{where}; free some space, or write elsewhere (--out)."
+    if code == errno.EROFS:
+        return f"read-only file system{where}; write elsewhere (--out)."
+    if code in (errno.EACCES, errno.EPERM):
+        return f"permission denied{where}; check the permissions, or use another path."
+    return f"{os.strerror(code)}{where}."

@@ -3,7 +3,9 @@ the name a user types (``world``, a checkpoint directory or a hub name)."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,17 @@ def check_dtype_device(dtype: str, device: str) -> None:
         raise typer.BadParameter(
             f"--device {device}: no CUDA GPU is available here; use --device cpu."
         )
+
+
+def checkpoint_dir(name_or_dir: str) -> Path | None:
+    """The local directory ``load_model`` reads for ``name_or_dir`` (``None``: a bundled world or
+    a hub name)."""
+    from extractive_lens.world.model import WORLDS
+
+    if name_or_dir == "world" or name_or_dir.removeprefix("world-") in WORLDS:
+        return None
+    path = Path(name_or_dir).expanduser()
+    return path if path.is_dir() else None
 
 
 def load_model(
@@ -61,7 +74,10 @@ def load_model(
         )
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
-        return load_checkpoint(path, dtype=dt, device=device, backend=backend)
+        try:
+            return load_checkpoint(path, dtype=dt, device=device, backend=backend)
+        except json.JSONDecodeError as e:  # a bare decoder message names no file: find it
+            raise ValueError(_damaged_json(path, e)) from None
     if name_or_dir.startswith((".", "/", "~")) or (
         path.parent != Path(".") and path.parent.is_dir()
     ):
@@ -90,11 +106,24 @@ def load_batch(model: Any, data: Path) -> Any:
         raise typer.BadParameter(str(e)) from None
 
 
+def _damaged_json(folder: Path, error: json.JSONDecodeError) -> str:
+    """Which JSON file of a checkpoint folder does not parse, in one sentence."""
+    for file in sorted(folder.glob("*.json")):
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+            return (
+                f"{file} is not valid JSON ({e}): the checkpoint in {folder} is damaged; "
+                "restore the file or save the checkpoint again."
+            )
+    return f"{folder}: a JSON file of the checkpoint is not valid JSON ({error})."
+
+
 def check_out_dir(out: Path) -> None:
     """``--out DIR`` must be (or become) a directory: said before any work is done."""
     if out.exists() and not out.is_dir():
         raise typer.BadParameter(f"--out {out} is a file; give a directory to write into.")
-    _check_parent(out)
+    _check_writable(out, out)  # the folder itself is written into, when it exists
 
 
 def check_out_file(out: Path) -> None:
@@ -103,11 +132,12 @@ def check_out_file(out: Path) -> None:
         raise typer.BadParameter(
             f"--out {out} is a directory; give a file name, e.g. {out}/diff.safetensors."
         )
-    _check_parent(out)
+    _check_writable(out, out.absolute().parent)
 
 
-def _check_parent(out: Path) -> None:
-    parent = out.absolute().parent
+def _check_writable(out: Path, folder: Path) -> None:
+    """The nearest existing folder at or above ``folder`` is one we may write into."""
+    parent = folder.absolute()
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
@@ -122,3 +152,29 @@ def int_list(text: str, option: str) -> list[int]:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise typer.BadParameter(f"{option} takes integers like '0,3', got {text!r}") from None
+
+
+def refuse_overwriting(outputs: Iterable[Path], inputs: Iterable[tuple[str, Path | None]]) -> None:
+    """No file a command writes may be one it reads: said before any work is done.
+
+    ``inputs``: ``(option, path)`` pairs, the path a file the command reads or a directory whose
+    files it reads (a checkpoint). Symlinks are followed on both sides, so ``--out`` naming a
+    link to the data (or the data through a linked folder) is the data.
+    """
+    read: dict[Path, str] = {}
+    for option, path in inputs:
+        if path is None or not path.exists():
+            continue
+        if path.is_dir():
+            for f in path.iterdir():
+                if f.is_file():
+                    read.setdefault(f.resolve(), f"{f} (a file of {option} {path})")
+        else:
+            read.setdefault(path.resolve(), f"{path} ({option})")
+    for out in outputs:
+        given = read.get(out.resolve())
+        if given is not None:
+            raise typer.BadParameter(
+                f"--out {out} would overwrite {given}, an input of this command; "
+                "choose another --out."
+            )

@@ -8,7 +8,14 @@ from pathlib import Path
 import typer
 
 from extractive_lens.cli.app import app, echo
-from extractive_lens.cli.arguments import check_out_file, int_list, load_batch, load_model
+from extractive_lens.cli.arguments import (
+    check_out_file,
+    checkpoint_dir,
+    int_list,
+    load_batch,
+    load_model,
+    refuse_overwriting,
+)
 
 
 @app.command()
@@ -57,6 +64,7 @@ def finetune(
     from extractive_lens import finetune as run_finetune
 
     check_out_file(out)
+    refuse_overwriting([out], [("--data", data), ("--model", checkpoint_dir(model))])
     m = load_model(model, dtype, device, backend)
     batch = load_batch(m, data)
     if lr is None:
@@ -78,10 +86,25 @@ def finetune(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     delta = run_finetune(m, batch, cfg)
+    for line in loss_lines(delta.metadata.get("losses", [])):
+        echo(line)
     delta.save(out)
     echo(
         f"finetuned {model} on {len(batch)} examples (lr {lr:g}); saved Δ (‖Δ‖ = {delta.norm():.4g}) to {out}"
     )
+
+
+def loss_lines(losses: list[float], most: int = 20) -> list[str]:
+    """The mean training loss of each epoch, one line each (every k-th epoch and the last when
+    there are more than ``most``)."""
+    if not losses:
+        return []
+    every = -(-len(losses) // most)
+    shown = sorted({*range(0, len(losses), every), len(losses) - 1})
+    head = "training loss (nats per answer, mean over the epoch)"
+    lines = [f"{head}{f', shown every {every} epochs' if every > 1 else ''}:"]
+    width = len(str(len(losses)))
+    return lines + [f"  epoch {e + 1:>{width}}  {losses[e]:.4f}" for e in shown]
 
 
 @app.command()
@@ -92,7 +115,9 @@ def rank(
     data: Path = typer.Option(
         ..., help="Prompts, answers and candidates (.json, .jsonl, .csv).", metavar="FILE"
     ),
-    diff: Path = typer.Option(None, help="A saved weight change to apply first.", metavar="DIR"),
+    diff: Path = typer.Option(
+        None, help="A saved weight change to apply first (a .safetensors file).", metavar="FILE"
+    ),
     dtype: str = typer.Option(
         "float32", help="Model dtype (float32, bfloat16, float64).", metavar="DTYPE"
     ),

@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 
 from extractive_lens.cli.app import app, echo
-from extractive_lens.cli.score import comparisons
+from extractive_lens.cli.arguments import check_out_file, refuse_overwriting
+from extractive_lens.cli.score import SAVED, comparisons
 
 
 @app.command()
@@ -27,13 +28,14 @@ def report(
     from extractive_lens.plotting import report as write_report
 
     if (scores_dir / "scores.json").is_file():
-        results = [ComponentScores.load(scores_dir)]
+        saved = [scores_dir]
     else:
-        results = [
-            ComponentScores.load(scores_dir / m)
-            for m in ("linear", "integrated", "causal")
-            if (scores_dir / m).is_dir()
-        ]
+        saved = [scores_dir / m for m in ("linear", "integrated", "causal")]
+        saved = [d for d in saved if d.is_dir()]
+    path = out or scores_dir / "report.html"
+    check_out_file(path)
+    refuse_overwriting([path], [("the saved scores", d / f) for d in saved for f in SAVED])
+    results = [ComponentScores.load(d) for d in saved]
     if not results:
         raise typer.BadParameter(
             f"{scores_dir} holds no saved scores (scores.json, or linear/, integrated/ and "
@@ -51,5 +53,5 @@ def report(
         cmps = comparisons(results)
     except ValueError as e:
         echo(f"not comparing the methods' scores: {e}")
-    path = write_report(results, cmps or None, path=out or scores_dir / "report.html", title=title)
+    path = write_report(results, cmps or None, path=path, title=title)
     echo(f"wrote {path}")

@@ -10,7 +10,13 @@ from typing import Any
 import typer
 
 from extractive_lens.cli.app import app, echo
-from extractive_lens.cli.arguments import check_out_dir, int_list, load_model
+from extractive_lens.cli.arguments import (
+    check_out_dir,
+    checkpoint_dir,
+    int_list,
+    load_model,
+    refuse_overwriting,
+)
 
 
 @app.command()
@@ -24,7 +30,7 @@ def score(
         None, help="Finetuned model: a local Hugging Face checkpoint directory.", metavar="MODEL"
     ),
     diff: Path = typer.Option(
-        None, help="Or the weight change, as saved by `extractive-lens finetune`.", metavar="DIR"
+        None, help="Or the weight change, as saved by `extractive-lens finetune`.", metavar="FILE"
     ),
     adapter: Path = typer.Option(
         None,
@@ -124,7 +130,17 @@ def score(
             "exact and integrated scores exist only in the paper convention: use --method "
             "linear with --convention authors_code."
         )
+    if sum(x is not None for x in (finetuned, diff, adapter)) != 1:
+        raise typer.BadParameter(
+            "give exactly one of --finetuned DIR, --diff FILE or --adapter DIR."
+        )
     check_out_dir(out)
+    refuse_overwriting(
+        output_files(out, methods),
+        [("--data", data), ("--diff", diff), ("--adapter", adapter),
+         ("--base", checkpoint_dir(base)),
+         ("--finetuned", checkpoint_dir(finetuned) if finetuned else None)],
+    )  # fmt: skip
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
     layer_list = int_list(layers, "--layers") if layers else None
     common: dict[str, Any] = dict(
@@ -152,10 +168,6 @@ def score(
             pairs = load_pairs(data)
         except (ValueError, FileNotFoundError) as e:
             raise typer.BadParameter(str(e)) from None
-        if sum(x is not None for x in (finetuned, diff, adapter)) != 1:
-            raise typer.BadParameter(
-                "give exactly one of --finetuned DIR, --diff FILE or --adapter DIR."
-            )
         base_m = load_model(base, dtype, device, backend)
         if adapter is not None:
             try:
@@ -230,13 +242,15 @@ def score(
             r.save(out / r.method)
         cmps = comparisons(results)
         for c in cmps:
-            a, b = c.methods
-            name = "comparison.csv" if c.methods == ("linear", "causal") else f"{a}_vs_{b}.csv"
-            write_text_atomic(out / name, c.summary.to_csv(index=False))
+            write_text_atomic(out / comparison_file(c.methods), c.summary.to_csv(index=False))
         path = report(results, cmps or None, path=out / "report.html")
         for r in results:
             print_top(r)
-        echo(f"wrote {out}/ (report: {path})")
+        from extractive_lens.demo import what_to_trust
+
+        for line in what_to_trust(cmps, lin):
+            echo(line)
+        echo(f"\nwrote {out}/ (report: {path})")
 
 
 def describe_adapter(metadata: Any) -> str:
@@ -252,10 +266,28 @@ def comparisons(results: list[Any]) -> list[Any]:
     from extractive_lens import compare
 
     by = {r.method: r for r in results}
-    ref = by.get("causal") or by.get("integrated")
-    if ref is None:
-        return []
-    return [compare(r, ref) for r in results if r is not ref and r.method != "causal"]
+    return [compare(by[a], by[b]) for a, b in compared(tuple(by))]
+
+
+def compared(methods: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The ``(approximation, reference)`` pairs ``comparisons`` makes of these methods."""
+    ref = "causal" if "causal" in methods else "integrated" if "integrated" in methods else None
+    return [(m, ref) for m in methods if ref is not None and m not in (ref, "causal")]
+
+
+def comparison_file(methods: tuple[str, str]) -> str:
+    """The CSV a comparison is saved in: ``comparison.csv`` for linear vs exact."""
+    a, b = methods
+    return "comparison.csv" if methods == ("linear", "causal") else f"{a}_vs_{b}.csv"
+
+
+SAVED = ("scores.json", "scores.safetensors")  # what ComponentScores.save writes in its folder
+
+
+def output_files(out: Path, methods: tuple[str, ...]) -> list[Path]:
+    """Every file ``score --out out`` writes for these methods."""
+    saved = [out / m / f for m in methods for f in SAVED]
+    return [*saved, *(out / comparison_file(c) for c in compared(methods)), out / "report.html"]
 
 
 def print_top(scores: Any, k: int = 5) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from extractive_lens.cli.app import app, echo
+from extractive_lens.cli.arguments import check_out_dir, check_out_file
 
 
 @app.command()
@@ -25,6 +26,7 @@ def demo(
     score every head and MLP on the implications (linear and exact), compare and write a report."""
     from extractive_lens.demo import run_demo, run_world_demo
 
+    check_out_file(out)
     (run_demo if random_model else run_world_demo)(out=out, seed=seed, echo=echo)
 
 
@@ -49,14 +51,13 @@ def data(
 
     if name not in DATASETS:
         raise typer.BadParameter(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}.")
+    from extractive_lens.files import write_text_atomic
     from extractive_lens.world import data as world_data
 
     version = world_version(world)
+    check_out_dir(out)
     w = world_data.build_world() if version is None else world_data.build_world(version=version)
     ds = (world_data.first_hop if name == "first-hop" else world_data.second_hop)(w)
-    if out.exists() and not out.is_dir():
-        raise typer.BadParameter(f"--out {out} is a file; give a directory.")
-    out.mkdir(parents=True, exist_ok=True)
     for file, pairs, cands in (
         ("facts.jsonl", ds.facts, ds.fact_candidates),
         ("implications.jsonl", ds.implications, ds.implication_candidates),
@@ -66,7 +67,7 @@ def data(
              "template": p.template, "slots": dict(p.slots or {})}
             for p in pairs
         ]  # fmt: skip
-        (out / file).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        write_text_atomic(out / file, "".join(json.dumps(r) + "\n" for r in rows))
     echo(f"wrote {out / 'facts.jsonl'} and {out / 'implications.jsonl'} ({len(ds)} pairs each)")
 
 
@@ -133,6 +134,7 @@ def experiment(
             f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}."
         )
     version = world_version(world)
+    check_out_dir(out)
     t0 = time.perf_counter()
     run = run_experiment(name, parse_seeds(seeds), out, quick=quick, version=version)
     echo(run.markdown())
