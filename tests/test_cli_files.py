@@ -58,51 +58,20 @@ def _snapshot(root):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["report", "S", "--out", "S/linear/scores.json"],
-        ["report", "S", "--out", "S/causal/scores.safetensors"],
-        ["report", "S/linear", "--out", "S/linear/scores.safetensors"],
-        ["report", "S", "--out", "LINKDIR/linear/scores.json"],  # through a linked folder
-        ["finetune", "--model", "world", "--data", "DATA", "--out", "DATA"],
-        ["finetune", "--model", "world", "--data", "LINK", "--out", "DATA"],  # a link to it
-        ["finetune", "--model", "world", "--data", "DATA", "--out", "LINK"],
-        [
-            "score",
-            "--base",
-            "world",
-            "--diff",
-            "S/linear/scores.safetensors",
-            "--data",
-            "DATA",
-            "--out",
-            "S",
-        ],
-        [
-            "score",
-            "--base",
-            "world",
-            "--diff",
-            "D",
-            "--data",
-            "S/comparison.csv",
-            "--method",
-            "both",
-            "--out",
-            "S",
-        ],
-        [
-            "score",
-            "--base",
-            "world",
-            "--finetuned",
-            "S/causal",
-            "--data",
-            "DATA",
-            "--method",
-            "causal",
-            "--out",
-            "S",
-        ],
-    ],  # fmt: skip
+        line.split()
+        for line in (
+            "report S --out S/linear/scores.json",
+            "report S --out S/causal/TENSORS",
+            "report S/linear --out S/linear/TENSORS",
+            "report S --out LINKDIR/linear/scores.json",  # through a linked folder
+            "finetune --model world --data DATA --out DATA",
+            "finetune --model world --data LINK --out DATA",  # the data through a link
+            "finetune --model world --data DATA --out LINK",
+            "score --base world --diff S/linear/TENSORS --data DATA --out S",
+            "score --base world --diff D --data S/comparison.csv --method both --out S",
+            "score --base world --finetuned S/causal --data DATA --method causal --out S",
+        )
+    ],
     ids=lambda argv: " ".join(argv),
 )
 def test_an_output_never_replaces_an_input(saved, capsys, no_work, argv):
@@ -114,6 +83,9 @@ def test_an_output_never_replaces_an_input(saved, capsys, no_work, argv):
     args = []
     for a in argv:
         key, _, rest = a.partition("/")
+        if rest.endswith("TENSORS"):  # the tensor file the save's manifest names
+            (tensors,) = (names[key] / rest).parent.glob("scores*.safetensors")
+            rest = rest.replace("TENSORS", tensors.name)
         args.append(f"{names[key]}/{rest}" if rest else names.get(key, a))
     before = _snapshot(saved)
     code, err = _run(args, capsys)
@@ -180,10 +152,12 @@ def test_read_only_folder_is_one_sentence(saved, capsys, monkeypatch):
     monkeypatch.undo()
     ro.chmod(0o755)
 
-    def read_only(*args, dir=None, **kwargs):
-        raise OSError(errno.EROFS, "Read-only file system", os.path.join(dir, ".x.tmp"))
+    def read_only(path):  # creating the temporary beside the output fails
+        raise OSError(
+            errno.EROFS, "Read-only file system", str(path.parent / f".{path.name}.1.tmp")
+        )
 
-    monkeypatch.setattr(files.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(files, "_new_temporary", read_only)
     code, err = _run(["data", "first-hop", "--out", ro / "x"], capsys)
     assert code == 2 and err == [
         f"error: read-only file system in {ro / 'x'}; write elsewhere (--out)."
@@ -238,17 +212,26 @@ def test_full_disk_while_saving_a_diff(tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == [data]
 
 
-def test_warnings_are_one_clean_line(tmp_path, capsys):
+def test_warnings_are_one_clean_line(tmp_path):
     """A Python warning reaches the user as ``warning: <message>`` on one line, without the
-    source file and line it was raised from."""
+    source file and line it was raised from (run as a user runs it: pytest records warnings)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     data = tmp_path / "w.jsonl"
     rows = [{"prompt": "Jackson Stewart lives in ", "answer": "Oslo", "candidates": [" Oslo", " Paris"]},
             {"prompt": "Jackson Stewart lives in", "answer": " Paris", "candidates": [" Oslo", " Paris"]}]  # fmt: skip
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(SystemExit) as done:
-        main(["rank", "--model", "world", "--data", str(data)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert done.value.code == 0
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "extractive_lens.cli", "rank", "--model", "world", "--data", str(data)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 0 and "mean rank" in done.stdout, done.stderr
     assert len(err) == 1 and err[0].startswith("warning: 1 prompts end with a space"), err
     assert ".py" not in err[0] and "Warning:" not in err[0]
 

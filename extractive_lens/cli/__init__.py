@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     import sys
     import warnings
 
-    def show_warning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-        typer.echo(f"warning: {' '.join(str(message).split())}", err=True)
+    def one_line(message: Any, *args: Any, **kwargs: Any) -> str:
+        return f"warning: {' '.join(str(message).split())}\n"
 
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = show_warning  # not typer's source line under each warning
+            warnings.formatwarning = one_line  # not the file and source line it was raised at
             code = app(args=argv, standalone_mode=False)
         # non-standalone typer *returns* exit codes (Ctrl-C becomes 130) instead of raising them
         if isinstance(code, int) and code != 0:

@@ -3,6 +3,7 @@ the name a user types (``world``, a checkpoint directory or a hub name)."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from collections.abc import Iterable
@@ -157,9 +158,11 @@ def int_list(text: str, option: str) -> list[int]:
 def refuse_overwriting(outputs: Iterable[Path], inputs: Iterable[tuple[str, Path | None]]) -> None:
     """No file a command writes may be one it reads: said before any work is done.
 
-    ``inputs``: ``(option, path)`` pairs, the path a file the command reads or a directory whose
-    files it reads (a checkpoint). Symlinks are followed on both sides, so ``--out`` naming a
-    link to the data (or the data through a linked folder) is the data.
+    ``outputs``: the files written; a name may be a pattern (``scores.*.safetensors``: the files
+    a save writes or removes). ``inputs``: ``(option, path)`` pairs, the path a file the command
+    reads or a directory whose files it reads (a checkpoint). Symlinks are followed on both
+    sides, so ``--out`` naming a link to the data (or the data through a linked folder) is the
+    data.
     """
     read: dict[Path, str] = {}
     for option, path in inputs:
@@ -172,9 +175,10 @@ def refuse_overwriting(outputs: Iterable[Path], inputs: Iterable[tuple[str, Path
         else:
             read.setdefault(path.resolve(), f"{path} ({option})")
     for out in outputs:
-        given = read.get(out.resolve())
-        if given is not None:
-            raise typer.BadParameter(
-                f"--out {out} would overwrite {given}, an input of this command; "
-                "choose another --out."
-            )
+        folder, target = out.parent.resolve(), out.resolve()
+        for file, given in read.items():
+            if file == target or (file.parent == folder and fnmatch.fnmatch(file.name, out.name)):
+                raise typer.BadParameter(
+                    f"--out {out} would overwrite {given}, an input of this command; "
+                    "choose another --out."
+                )

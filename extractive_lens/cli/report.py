@@ -34,7 +34,8 @@ def report(
         saved = [d for d in saved if d.is_dir()]
     path = out or scores_dir / "report.html"
     check_out_file(path)
-    refuse_overwriting([path], [("the saved scores", d / f) for d in saved for f in SAVED])
+    scores_files = [f for d in saved for pattern in SAVED for f in d.glob(pattern)]
+    refuse_overwriting([path], [("the saved scores", f) for f in scores_files])
     results = [ComponentScores.load(d) for d in saved]
     if not results:
         raise typer.BadParameter(

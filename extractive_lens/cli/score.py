@@ -281,7 +281,8 @@ def comparison_file(methods: tuple[str, str]) -> str:
     return "comparison.csv" if methods == ("linear", "causal") else f"{a}_vs_{b}.csv"
 
 
-SAVED = ("scores.json", "scores.safetensors")  # what ComponentScores.save writes in its folder
+# what ComponentScores.save writes (or removes as an older save's) in its folder
+SAVED = ("scores.json", "scores.safetensors", "scores.*.safetensors")
 
 
 def output_files(out: Path, methods: tuple[str, ...]) -> list[Path]:
@@ -297,3 +298,7 @@ def print_top(scores: Any, k: int = 5) -> None:
         missing = len(scores.uncomputed(kind))
         note = f"  ({missing} components not computed)" if missing else ""
         echo(f"  {kind:<12} {items or '-'}{note}")
+    if "informative" in scores.kinds:  # what the method's informative totals are (issue 43)
+        from extractive_lens.comparison import INFORMATIVE_TOTALS
+
+        echo(f"  ({INFORMATIVE_TOTALS[scores.method]})")
