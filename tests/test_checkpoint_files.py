@@ -234,6 +234,10 @@ def test_a_damaged_index_is_refused_by_name(pair, tmp_path, index, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match) as e:
         el.WeightDiff.from_checkpoints(base, ft)
     assert weight_files.INDEX in str(e.value) or "gone.safetensors" in str(e.value)
+    if match == "is not valid JSON":  # load_checkpoint too (a bare JSON error before)
+        with pytest.raises(ValueError, match=match) as e:
+            load_checkpoint(ft)
+        assert str(ft / weight_files.INDEX) in str(e.value)
 
 
 @pytest.mark.parametrize(

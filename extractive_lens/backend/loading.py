@@ -258,9 +258,17 @@ def refuse_incomplete_weights(path: str | Path) -> None:
     or mis-shaped tensors: a config asking for more layers than the weights hold, a truncated
     shard set), naming them: ``transformers`` would fill the gaps with fresh random values,
     different on every load, so a base and a finetuned model would differ by noise. Checked on
-    the meta device (no weights are read into memory)."""
+    the meta device (no weights are read into memory). First, a sharded checkpoint's index
+    that is not JSON, lacks its ``weight_map`` or names files outside the folder."""
     import transformers
 
+    from extractive_lens.backend.weight_files import weight_files
+
+    if Path(path).is_dir():
+        try:
+            weight_files(path)  # reads and checks the index, where transformers would read one
+        except FileNotFoundError:
+            pass  # no safetensors weights (a .bin checkpoint): transformers says what it lacks
     with quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
