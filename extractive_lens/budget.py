@@ -10,8 +10,10 @@ Two parts, each said plainly in the printed estimate:
 - **Δ traffic** is *counted*, not modelled: the same call runs on a narrow copy of the model
   (the same depth, heads, key/value heads, MLP and norm types, a batch of the same prompts'
   count and length, widths of 8) in the large-model regime (Δ held ``KEEP_LAYERS`` layers at a
-  time), and every layer load is scaled by the real diff's bytes for that layer
-  (``shift.counting``). Which layers a method reads, and how often, does not depend on widths.
+  time), making every choice by size as the real model would (``runs.sized_as``: gradients one
+  layer at a time, the upstream group), and every layer load is scaled by the real diff's bytes
+  for that layer (``shift.counting``). Which layers a method reads, and how often, then does
+  not depend on widths.
 - **Memory** above the weights is a formula over the shapes (listed in ``Estimate.parts``):
   the Δ layers held on the device, one piece's ``W + αΔ`` in the compute dtype (twice: forward
   and the backward's re-formed copy), the embedding's and unembedding's ``W + αΔ``, the logits
@@ -151,6 +153,7 @@ def _counted_loads(
     from extractive_lens import backend as B
     from extractive_lens.backend import shift
     from extractive_lens.model import tiny_model
+    from extractive_lens.scoring import runs
     from extractive_lens.scoring.causal import causal_scores
     from extractive_lens.scoring.integrated import integrated_scores
     from extractive_lens.scoring.linear import linear_scores
@@ -182,7 +185,7 @@ def _counted_loads(
     try:
         shift.REUSE_BYTES = 0  # the large-model regime: Δ held a few layers at a time
         shift.Shift._load = counted  # type: ignore[method-assign,assignment]
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), runs.sized_as(model):  # the real model's paths
             warnings.simplefilter("ignore")
             lin = None
             if method != "linear" and options.get("top_k") is not None:

@@ -94,3 +94,29 @@ def test_estimate_refuses_an_unknown_method(setting):
     model, diff, batch = setting
     with pytest.raises(ValueError, match="linear, causal, integrated"):
         el.estimate(model, diff, batch, "exact")
+
+
+def test_estimate_takes_the_real_models_size_choices(monkeypatch):
+    """A wide model on which gradients go one layer at a time and upstream one boundary at a
+    time, while its narrow copy would take the whole graph and the staircase: the estimate must
+    count the real model's traffic, not the copy's."""
+    from extractive_lens.budget import _narrow_config
+    from extractive_lens.scoring import linear
+
+    cfg = dict(CFG, d_model=64, n_heads=2, d_head=32, d_mlp=256)
+    model = el.tiny_model(cfg, seed=1)
+    narrow = el.tiny_model(_narrow_config(model), seed=0)
+    g = torch.Generator().manual_seed(4)
+    deltas = {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in B.parameters(model).items()}
+    diff = el.WeightDiff(deltas, B.signature(model))
+    batch = el.make_batch(model, [([1, 2, 3, 4], [5]), ([2, 3, 4, 6], [7])], candidates=[5, 7])
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", 200_000)
+    monkeypatch.setattr(linear, "UPSTREAM_AUTO_BYTES", 100_000)
+    assert runs.layerwise(model, batch) and not runs.layerwise(narrow, batch)
+    assert linear._auto_group(model, batch) == 1 and linear._auto_group(narrow, batch) is None
+    e = el.estimate(model, diff, batch, "linear")
+    monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+    with shift.counting() as moved:
+        el.linear_scores(model, diff, batch, show_progress=False)
+    assert e.layerwise
+    assert e.delta_read_bytes == moved.bytes and e.layer_loads == moved.loads

@@ -34,7 +34,7 @@ from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunk
 from extractive_lens.scoring.kinds import KINDS
 from extractive_lens.scoring.kinds.upstream import upstream_gradients
 from extractive_lens.scoring.options import LinearOptions, check_arguments, prepare
-from extractive_lens.scoring.runs import Run, forward_run, head_grad, wide
+from extractive_lens.scoring.runs import Run, forward_run, head_grad, sizing, wide
 from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
 
@@ -289,7 +289,7 @@ UPSTREAM_AUTO_BYTES = 256 * 2**20
 
 def _auto_group(model: Any, chunk: PromptBatch) -> int | None:
     """All boundaries in one staircase pass if its activations stay small, else one at a time."""
-    cfg = model.cfg
+    cfg = sizing(model).cfg
     per_layer = len(chunk) * chunk.n_pos * (cfg.d_model * 4 + (cfg.d_mlp or 0) * 2) * 4  # bytes
     staircase = per_layer * cfg.n_layers * cfg.n_layers  # ~2L entries, ~L/2 layers each
     return None if staircase <= UPSTREAM_AUTO_BYTES else 1

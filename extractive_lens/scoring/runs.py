@@ -7,6 +7,8 @@ Notation follows docs/scores.md §4–5. A head's output ``y_h = z_h W_O[h]``; i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,11 +103,33 @@ and the compute-dtype weight copies its matmuls save), gradients are taken one l
 (``layerwise``)."""
 
 
+_SIZED_AS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "extractive_lens_sized_as", default=None
+)
+
+
+@contextlib.contextmanager
+def sized_as(model: Any) -> Iterator[None]:
+    """Inside the block, the choices made by size (``layerwise``, the upstream group) are made
+    as for ``model``: ``estimate`` runs a narrow copy that must take the real model's paths."""
+    token = _SIZED_AS.set(model)
+    try:
+        yield
+    finally:
+        _SIZED_AS.reset(token)
+
+
+def sizing(model: Any) -> Any:
+    """The model whose sizes the size-based choices read (``sized_as``; else ``model``)."""
+    return _SIZED_AS.get() or model
+
+
 def layerwise(model: Any, batch: PromptBatch | int, n_pos: int | None = None) -> bool:
     """Whether gradients through ``model`` on ``batch`` are taken one layer at a time: a forward
     pass without a graph that keeps only the stream at each layer boundary, then per layer (last
     first) the layer re-run with a graph and one vector-Jacobian product. The working set is one
     layer's activations instead of every layer's, for a second forward pass's time."""
+    model = sizing(model)
     cfg = model.cfg
     rows = batch if isinstance(batch, int) else len(batch)
     pos = n_pos if n_pos is not None else batch.n_pos  # type: ignore[union-attr]
