@@ -12,21 +12,21 @@ Every figure is an ordinary plotly figure: restyle it with ``fig.update_layout(.
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
 from extractive_lens import report as html_report
 from extractive_lens.style import COLORSCALE, REWARD_UNITS, UNCOMPUTED, score_unit  # noqa: F401
 from extractive_lens.types import ScoreKind
+from extractive_lens.views import ComparisonView, ScoresView
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
 
     import plotly.graph_objects as go
 
-    from extractive_lens.comparison import ScoreComparison
-    from extractive_lens.results import ComponentScores
 
 Part = Literal["mlp", "attn", "heads", "all_heads"]
 POSITION_AXIS = "token position (role: tokens)"
@@ -55,7 +55,7 @@ def _layer_labels(n: int) -> list[str]:
 
 
 def panel(
-    scores: ComponentScores, kind: ScoreKind, part: Part = "mlp", position: str | None = None
+    scores: ScoresView, kind: ScoreKind, part: Part = "mlp", position: str | None = None
 ) -> tuple[np.ndarray, list[str], list[str]]:
     """The matrix a heat map shows, with its x and y labels.
 
@@ -156,7 +156,7 @@ def _heatmap_trace(
     )
 
 
-def _position_axis(scores: ComponentScores) -> dict[str, Any]:
+def _position_axis(scores: ScoresView) -> dict[str, Any]:
     """x-axis settings for position columns: role labels as categories, ticks with their tokens."""
     return dict(
         tickmode="array",
@@ -166,13 +166,13 @@ def _position_axis(scores: ComponentScores) -> dict[str, Any]:
     )
 
 
-def _column_tokens(scores: ComponentScores) -> list[str]:
+def _column_tokens(scores: ScoresView) -> list[str]:
     found = scores.position_tokens()
     return [", ".join(found[p][:3]) + (", …" if len(found[p]) > 3 else "") for p in found]
 
 
 def heatmap(
-    scores: ComponentScores, kind: ScoreKind, part: Part = "mlp", position: str | None = None
+    scores: ScoresView, kind: ScoreKind, part: Part = "mlp", position: str | None = None
 ) -> go.Figure:
     """One heat map: x = token positions (role and its tokens) or heads, y = layer (layer 0 at
     the bottom), diverging colours centred at 0 (blue helps the answer, red hurts it), hover with
@@ -208,7 +208,7 @@ def heatmap(
     return mark_uncomputed(fig, z)
 
 
-def overview(scores: ComponentScores) -> go.Figure:
+def overview(scores: ScoresView) -> go.Figure:
     """The paper's grid: rows = score kinds, columns = MLP / attention (heads summed); layer ×
     token position, one colour scale per panel."""
     from plotly.subplots import make_subplots
@@ -276,7 +276,7 @@ TITLE_PX = 45
 """Room for a subplot title (and the axis title of the row above) between two rows of panels."""
 
 
-def tick_label_px(scores: ComponentScores, font_px: float = 12.0) -> int:
+def tick_label_px(scores: ScoresView, font_px: float = 12.0) -> int:
     """How far the rotated position labels reach below an axis, in pixels: the longest label's
     width (about 0.6 of the font size per character) times sin of the tick angle, plus the
     tick's own offset."""
@@ -287,7 +287,7 @@ def tick_label_px(scores: ComponentScores, font_px: float = 12.0) -> int:
 
 
 def side_by_side(
-    results: dict[str, ComponentScores], kind: ScoreKind = "informative", part: Part = "mlp"
+    results: dict[str, ScoresView], kind: ScoreKind = "informative", part: Part = "mlp"
 ) -> go.Figure:
     """Heat maps of several results side by side on one colour scale, e.g. the paper's Fig. 5:
     ``side_by_side({"first hop": lin1, "second hop": lin2})``. Each panel keeps its own token
@@ -328,7 +328,7 @@ def side_by_side(
     return mark_uncomputed(fig, *(z for z, _, _ in panels.values()))
 
 
-def comparison_plot(comparison: ScoreComparison) -> go.Figure:
+def comparison_plot(comparison: ComparisonView) -> go.Figure:
     """The judged scores (x: linear or integrated) against the reference (y: usually exact) per
     kind, with y = x and Pearson r in each title."""
     xname, yname = ("exact" if m == "causal" else m for m in comparison.methods)
@@ -397,7 +397,7 @@ def comparison_plot(comparison: ScoreComparison) -> go.Figure:
     return fig
 
 
-def token_view(scores: ComponentScores, kind: ScoreKind, component: str, prompt: int = 0) -> Any:
+def token_view(scores: ScoresView, kind: ScoreKind, component: str, prompt: int = 0) -> Any:
     """A prompt's tokens coloured by one component's per-token score (circuitsvis).
 
     ``component``: ``"L3H2"``, ``"L3MLP"`` or ``"L3ATTN"`` (heads summed). Returns circuitsvis's
@@ -460,7 +460,7 @@ def _safe_token(t: str) -> str:
     return t.replace("<", "\u2039").replace(">", "\u203a")
 
 
-def heads_by_position(scores: ComponentScores, kind: ScoreKind) -> go.Figure:
+def heads_by_position(scores: ScoresView, kind: ScoreKind) -> go.Figure:
     """Layer × head heat map with a slider over token roles (one colour scale for all positions)."""
     import plotly.graph_objects as go
 
@@ -571,8 +571,8 @@ def table_heatmap(
 
 
 def report(
-    scores: ComponentScores | list[ComponentScores],
-    comparison: ScoreComparison | list[ScoreComparison] | None = None,
+    scores: ScoresView | Sequence[ScoresView],
+    comparison: ComparisonView | list[ComparisonView] | None = None,
     path: str | Path = "report.html",
     *,
     title: str = "extractive_lens report",
@@ -590,7 +590,9 @@ def report(
     uncompressed (for browsers without ``DecompressionStream``: before Chrome 80 / Firefox 113 /
     Safari 16.4). The page makes no network requests; token strings are escaped.
     """
-    results = scores if isinstance(scores, list) else [scores]
+    results: list[ScoresView] = (
+        list(scores) if isinstance(scores, (list, tuple)) else [cast("ScoresView", scores)]
+    )
     if not results:
         raise ValueError("report() needs at least one ComponentScores.")
     if plotlyjs not in ("compressed", "inline"):

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from extractive_lens.files import write_text_atomic
 from extractive_lens.style import UNCOMPUTED, score_rgba, score_unit
 from extractive_lens.types import Component, ScoreKind, jsonable
+from extractive_lens.views import ScoresView
 
 if TYPE_CHECKING:  # pragma: no cover
     import plotly.graph_objects as go
-
-    from extractive_lens.results import ComponentScores
 
 PlotlyJS = Literal["compressed", "inline"]
 
@@ -147,7 +146,7 @@ def adapter_line(adapter: Any) -> str | None:
     return f"{name}: LoRA rank {rank}, alpha {info.get('lora_alpha')}{extra} on {targets}"
 
 
-def _summary(results: Sequence[ComponentScores]) -> str:
+def _summary(results: Sequence[ScoresView]) -> str:
     s = results[0]
     m = s.metadata
     facts = [
@@ -179,7 +178,7 @@ def _summary(results: Sequence[ComponentScores]) -> str:
     return f"<p class='summary'>{text}{example}</p>"
 
 
-def _how_to_read(results: Sequence[ComponentScores]) -> str:
+def _how_to_read(results: Sequence[ScoresView]) -> str:
     s = results[0]
     unit = score_unit(s)
     kinds = [k for k in KIND_MEANING if any(k in r.kinds for r in results)]
@@ -216,7 +215,7 @@ def _how_to_read(results: Sequence[ComponentScores]) -> str:
     )
 
 
-def _what_to_trust(results: Sequence[ComponentScores], comparison: Any) -> str:
+def _what_to_trust(results: Sequence[ScoresView], comparison: Any) -> str:
     out = ["<h2>what to trust</h2>"]
     comparisons = comparison if isinstance(comparison, (list, tuple)) else [comparison]
     for comparison in [c for c in comparisons if c is not None]:
@@ -257,7 +256,7 @@ def _what_to_trust(results: Sequence[ComponentScores], comparison: Any) -> str:
     return "".join(out)
 
 
-def _top_components(results: Sequence[ComponentScores]) -> str:
+def _top_components(results: Sequence[ScoresView]) -> str:
     rows = []
     for s in results:
         for kind in s.kinds:
@@ -292,7 +291,7 @@ def _signed(x: float) -> str:
     return f"{x:+.3f}" if x == 0 or abs(x) >= 1e-3 else f"{x:+.2e}"
 
 
-def _informative_note(results: Sequence[ComponentScores]) -> str:
+def _informative_note(results: Sequence[ScoresView]) -> str:
     """What integrated informative totals are, where a table shows them beside exact ones."""
     if not any(r.method == "integrated" and "informative" in r.kinds for r in results):
         return ""
@@ -303,7 +302,7 @@ def _informative_note(results: Sequence[ComponentScores]) -> str:
     )
 
 
-def _token_section(results: Sequence[ComponentScores], views: list[tuple[str, Any]] | None) -> str:
+def _token_section(results: Sequence[ScoresView], views: list[tuple[str, Any]] | None) -> str:
     if views is not None:  # circuitsvis views, each in its own sandboxed frame
         parts = []
         for name, view in views:
@@ -333,7 +332,7 @@ def _token_section(results: Sequence[ComponentScores], views: list[tuple[str, An
     )
 
 
-def token_table(rows: Sequence[tuple[ComponentScores, ScoreKind, str]], prompt: int = 0) -> str:
+def token_table(rows: Sequence[tuple[ScoresView, ScoreKind, str]], prompt: int = 0) -> str:
     """An HTML table of per-token scores on one prompt: one row per ``(scores, kind, component)``
     (``component`` like ``"L3H2"`` or ``"L3MLP"``), one column per token, cells coloured by the
     score (blue helps the answer, red hurts it; one scale per row)."""
@@ -362,7 +361,7 @@ def token_table(rows: Sequence[tuple[ComponentScores, ScoreKind, str]], prompt: 
     return f"<table class='el tokens'><tr><th></th>{head}</tr>{''.join(body)}</table>"
 
 
-def _metadata(results: Sequence[ComponentScores]) -> str:
+def _metadata(results: Sequence[ScoresView]) -> str:
     flat = [_flatten(jsonable(s.metadata)) for s in results]
     keys = list(dict.fromkeys(k for f in flat for k in f))
     rows = [(k, *(f.get(k, "") for f in flat)) for k in keys]
