@@ -57,13 +57,13 @@ def load(
 ) -> Any:
     """The GGUF file at ``path`` as the backend's model (``loading.CheckpointFormat.load``): read
     and dequantized by ``read_gguf``, then converted like a Hugging Face directory."""
-    from extractive_lens.backend.loading import _boot_bridge, hooked_from_hf
+    from extractive_lens.backend.converting import boot_bridge, hooked_from_hf
 
     file = gguf_file(path)
     assert file is not None
     hf_model, tokenizer = read_gguf(file, dtype=dtype, tokenizer=tokenizer)
     if backend == "bridge":
-        return _boot_bridge(file.stem, tokenizer=tokenizer, dtype=dtype, device=device,
+        return boot_bridge(file.stem, tokenizer=tokenizer, dtype=dtype, device=device,
                             hf_model=hf_model)  # fmt: skip
     return hooked_from_hf(hf_model.config, lambda: hf_model, name=file.stem, tokenizer=tokenizer,
                           dtype=dtype, device=device)  # fmt: skip

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from extractive_lens.backend.building import record_processing
+from extractive_lens.backend.converting import hooked_from_hf
 from extractive_lens.backend.hooked import notes
 from extractive_lens.backend.installed import (
     quiet_transformer_lens,
     quiet_transformers,
     resolve_backend,
 )
-from extractive_lens.backend.loading import hooked_from_hf
 from extractive_lens.backend.tokenizer import BOS_NOTE, named_tokenizer, tokenizer_prepends_bos
 
 

@@ -9,9 +9,9 @@ entry of ``FORMATS`` that accepts it. A Hugging Face directory (``config.json`` 
 the one built in. Another format (GGUF files, PEFT adapter directories) is one module with a
 ``CheckpointFormat`` and one line in ``FORMATS``; its ``load`` turns the path into a model of
 the backend asked for. A format that yields a ``transformers`` model converts it with
-``hooked_from_hf`` (the families in ``families.py``: the same conversion as a directory), or
-gives it to ``TransformerBridge.boot_transformers(name, hf_model=...)`` for a bridge, and runs
-the same refusals on what it reads.
+``converting.py`` (``hooked_from_hf``: the families in ``families.py``, the same conversion as
+a directory; ``boot_bridge``: ``TransformerBridge.boot_transformers(name, hf_model=...)``), and
+runs the same refusals on what it reads.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from extractive_lens.backend.building import record_processing
-from extractive_lens.backend.families import family_of, hf_config_to_tl
-from extractive_lens.backend.hooked import notes
+from extractive_lens.backend.converting import (  # noqa: F401  (NO_PROCESSING, hooked_from_hf re-exported)
+    NO_PROCESSING,
+    boot_bridge,
+    hooked_from_hf,
+)
 from extractive_lens.backend.installed import (  # noqa: F401  (has_hooked, version re-exported)
     has_hooked,
     hooked_tl,
@@ -35,19 +38,9 @@ from extractive_lens.backend.installed import (  # noqa: F401  (has_hooked, vers
     resolve_backend,
     version,
 )
-from extractive_lens.backend.tokenizer import BOS_NOTE, named_tokenizer, tokenizer_prepends_bos
 
 if TYPE_CHECKING:  # pragma: no cover
-    from transformer_lens import HookedTransformer
-
-NO_PROCESSING = dict(
-    fold_ln=False,
-    center_writing_weights=False,
-    center_unembed=False,
-    fold_value_biases=False,
-    refactor_factored_attn_matrices=False,
-)
-"""``load_and_process_state_dict``'s switches, all off: weights exactly as trained."""
+    pass
 
 
 def load_pretrained(
@@ -74,7 +67,10 @@ def load_pretrained(
     if backend == "bridge":
         if process_weights:
             raise ValueError("backend='bridge' loads unprocessed weights only.")
-        return _boot_bridge(name, tokenizer=None, **kwargs)
+        if Path(name).is_dir():
+            refuse_remote_code(name)
+            refuse_incomplete_weights(name)
+        return boot_bridge(name, tokenizer=None, **kwargs)
     tl = hooked_tl("load_pretrained(backend='hooked')")
     with quiet_transformer_lens():
         if process_weights:
@@ -153,7 +149,7 @@ def _load_hf_directory(
                 path, local_files_only=True, trust_remote_code=False
             )
     if backend == "bridge":
-        return _boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer)
+        return boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer)
 
     def hf_model() -> Any:
         with quiet_transformers():
@@ -181,40 +177,6 @@ FORMATS: list[CheckpointFormat] = [
     ),
 ]
 """The checkpoint formats ``load_checkpoint`` knows, tried in order (module docstring)."""
-
-
-def hooked_from_hf(
-    hf_config: Any,
-    hf_model: Callable[[], Any],
-    *,
-    name: str,
-    tokenizer: Any,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-) -> HookedTransformer:
-    """An unprocessed ``HookedTransformer`` from a ``transformers`` model: its config converted
-    by its family (``families.py``), its weights by TransformerLens's conversion function.
-    ``hf_model()`` builds the ``transformers`` model in ``dtype``; it is called only once the
-    config converted, so an unsupported architecture is refused before any weight is read."""
-    tl = hooked_tl("load_checkpoint(backend='hooked')")
-    cfg = hf_config_to_tl(hf_config, dtype=dtype, device=str(device))
-    cfg.model_name = name
-    tokenizer = named_tokenizer(tokenizer)
-    if tokenizer is not None:  # before TransformerLens gives a BOS-less tokenizer its EOS as BOS
-        cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
-    source = hf_model()
-    state_dict = family_of(hf_config).weights(source, cfg)
-    with quiet_transformer_lens():
-        model = tl.HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
-        model.load_and_process_state_dict(
-            {k: v.to(dtype) for k, v in state_dict.items()}, **NO_PROCESSING
-        )
-    model.to(device, print_details=False)
-    record_processing(model, processed=False)
-    notes(model)[BOS_NOTE] = "tokenizer"
-    del source
-    model.eval()
-    return model
 
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "generation_config.json",
@@ -295,35 +257,3 @@ def refuse_incomplete_weights(path: str | Path) -> None:
             "with random values. Check that every shard is there and that config.json "
             "(e.g. its number of layers) describes these weights."
         )
-
-
-def _boot_bridge(
-    path: Path | str,
-    *,
-    tokenizer: Any,
-    dtype: torch.dtype = torch.float32,
-    device: Any = None,
-    hf_model: Any = None,
-) -> Any:
-    """``TransformerBridge.boot_transformers`` on a local directory (or on ``hf_model``, already
-    loaded), quietly, with a tokenizer of its own (the bridge changes the tokenizer it is given)."""
-    import copy
-
-    from transformer_lens.model_bridge import TransformerBridge
-
-    if hf_model is None and Path(path).is_dir():
-        refuse_remote_code(path)
-        refuse_incomplete_weights(path)
-    tokenizer = named_tokenizer(tokenizer)
-    with quiet_transformer_lens(), quiet_transformers():
-        model = TransformerBridge.boot_transformers(
-            str(path), tokenizer=None if tokenizer is None else copy.deepcopy(tokenizer),
-            dtype=dtype, device=device, trust_remote_code=False, hf_model=hf_model,
-        )  # fmt: skip
-    model.cfg.model_name = Path(path).name
-    if tokenizer is not None:
-        model.cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
-    record_processing(model, processed=False)
-    notes(model)[BOS_NOTE] = "tokenizer"
-    model.eval()
-    return model
