@@ -179,7 +179,7 @@ class BridgeViews(Mapping[str, Tensor]):
         import transformers
 
         from extractive_lens.backend import bridge
-        from extractive_lens.backend.loading import quiet_transformers
+        from extractive_lens.backend.installed import quiet_transformers
 
         original = getattr(model, "original_model", None)
         if original is None:
