@@ -59,12 +59,22 @@ def _hf_config(arch: str):
         )
     if arch == "olmo":
         return transformers.OlmoConfig(**common)
+    if arch == "llama3":  # Llama 3's rotary scaling (NTK by parts), short original context
+        return transformers.LlamaConfig(
+            **common, num_key_value_heads=2, rope_parameters=_rope("llama3")
+        )
     if arch == "qwen3":  # q/k norms; heads wider than d_model / n_heads, as in Qwen3-0.6B
         return transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=12)
     raise KeyError(arch)
 
 
-ARCHS = ["gpt2", "pythia", "llama", "mistral", "qwen2", "gemma2", "olmo", "qwen3"]
+ARCHS = ["gpt2", "pythia", "llama", "llama3", "mistral", "qwen2", "gemma2", "olmo", "qwen3"]
+
+
+def _rope(kind: str) -> dict:
+    extra = {"llama3": dict(low_freq_factor=1.0, high_freq_factor=4.0)}.get(kind, {})
+    return dict(rope_type=kind, rope_theta=10000.0, factor=8.0, original_max_position_embeddings=16,
+                **extra)  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -151,6 +161,26 @@ def test_a_family_refuses_what_its_conversion_would_compute_wrongly(tmp_path, op
     with torch.no_grad():
         err = (M.load_checkpoint(tmp_path)(tokens) - hf(tokens).logits).abs().max()
     assert err > 1e-3
+
+
+@needs_hooked
+@pytest.mark.parametrize("kind", ["yarn", "linear"])
+def test_rotary_scalings_without_a_conversion_are_refused(tmp_path, kind, monkeypatch):
+    from extractive_lens.backend import families
+
+    cfg = _hf_config("llama")
+    cfg.rope_parameters = _rope(kind)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"rope_type '{kind}'.*backend='bridge'"):
+        M.load_checkpoint(tmp_path)
+    # Why: converted as plain rotary embeddings, the positions are rotated wrongly.
+    monkeypatch.setattr(families, "rope_scaling", lambda hf: None)
+    tokens = torch.tensor([[1, 5, 9, 22, 7, 30, 11, 4]])
+    with torch.no_grad():
+        err = (M.load_checkpoint(tmp_path)(tokens) - hf(tokens).logits).abs().max()
+    assert err > 1e-4
 
 
 def _assert_partition(model):

@@ -9,7 +9,9 @@ An entry is one decorated function (CONTRIBUTING.md, "Add a model family")::
         return _common(hf, eps=hf.rms_norm_eps, normalization_type="RMS", ...)
 
 ``refuses=`` names a function of the Hugging Face config that returns why the conversion would
-compute something else for it (a sentence saying what to do instead), or ``None``.
+compute something else for it (a sentence saying what to do instead), or ``None``. Every family
+also refuses a rotary scaling (``rope_type``) that its builder does not convert: Llama 3's
+(``_llama3_rope``) is converted, others (``yarn``, ``linear``...) are refused.
 
 >>> sorted(ARCHITECTURES)[:2]
 ['GPT2LMHeadModel', 'GPTNeoXForCausalLM']
@@ -91,6 +93,13 @@ def hf_config_to_tl(
     if reason:
         raise ValueError(f"{fam.architecture}: {reason}")
     cfg_dict = fam.config(hf_config)
+    scaling = rope_scaling(hf_config)
+    if scaling is not None and not (scaling == "llama3" and cfg_dict.get("use_NTK_by_parts_rope")):
+        raise ValueError(
+            f"{fam.architecture}: rope_type {scaling!r} (a rotary scaling the HookedTransformer "
+            "conversion does not implement; positions would be rotated wrongly): load it with "
+            "load_checkpoint(dir, backend='bridge')."
+        )
     cfg_dict.update(
         original_architecture=fam.architecture,
         dtype=dtype,
@@ -130,6 +139,44 @@ def _common(hf: Any, **extra: Any) -> dict[str, Any]:
         cfg["n_key_value_heads"] = n_kv
     cfg.update(extra)
     return cfg
+
+
+def rope_scaling(hf: Any) -> str | None:
+    """The rotary scaling a Hugging Face config asks for (``"llama3"``, ``"yarn"``...), or
+    ``None`` for plain rotary embeddings. Every family refuses a scaling its config builder does
+    not convert (``hf_config_to_tl``)."""
+    found: list[dict[str, Any]] = []
+    for attr in ("rope_parameters", "rope_scaling"):  # transformers 5, 4
+        value = getattr(hf, attr, None)
+        if isinstance(value, dict):  # per attention type (Gemma 3) or one for all
+            nested = [v for v in value.values() if isinstance(v, dict)]
+            found += nested or [value]
+    kinds = {str(p.get("rope_type") or p.get("type") or "default") for p in found} - {"default"}
+    return sorted(kinds)[0] if kinds else None
+
+
+def _rope_parameters(hf: Any) -> dict[str, Any]:
+    for attr in ("rope_parameters", "rope_scaling"):
+        value = getattr(hf, attr, None)
+        if isinstance(value, dict) and value.get("rope_type", value.get("type")) == "llama3":
+            return value
+    return {}
+
+
+def _llama3_rope(hf: Any) -> dict[str, Any]:
+    """TransformerLens's NTK-by-parts fields for Llama 3's rotary scaling (``{}`` without it)."""
+    params = _rope_parameters(hf)
+    if not params:
+        return {}
+    return dict(
+        use_NTK_by_parts_rope=True,
+        NTK_original_ctx_len=params.get(
+            "original_max_position_embeddings", hf.max_position_embeddings
+        ),
+        NTK_by_parts_low_freq_factor=params.get("low_freq_factor", 1.0),
+        NTK_by_parts_high_freq_factor=params.get("high_freq_factor", 4.0),
+        NTK_by_parts_factor=params.get("factor", 1.0),
+    )
 
 
 def _rope_theta(hf: Any) -> float:
@@ -188,8 +235,9 @@ def _neox(hf: Any) -> dict[str, Any]:
 @family("LlamaForCausalLM", "convert_llama_weights")
 def _llama(hf: Any) -> dict[str, Any]:
     return _common(
-        hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True
-    )
+        hf, eps=hf.rms_norm_eps, normalization_type="RMS", final_rms=True, gated_mlp=True,
+        **_llama3_rope(hf),
+    )  # fmt: skip
 
 
 @family("MistralForCausalLM", "convert_mistral_weights")
