@@ -14,6 +14,9 @@ Roles (docs/scores.md §6) let prompts of different lengths be aggregated positi
 - plain pairs are aligned by common prefix / differing centre (right-aligned, ``mid[-1]``) /
   common suffix;
 - ``roles=`` gives explicit labels, one per prompt token.
+
+One job, prompts into a batch that knows each position's role; over 500 lines because the role
+rules (templates, alignment) and the checks that warn about tokenization are most of it.
 """
 
 from __future__ import annotations

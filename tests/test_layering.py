@@ -101,3 +101,21 @@ def test_the_check_covers_the_package_but_not_the_backend():
     files = {p.relative_to(PACKAGE).as_posix() for p in outside_backend()}
     assert {"types.py", "weight_diff.py", "scoring/linear.py", "diff_sources/models.py"} <= files
     assert not any(f.startswith("backend/") for f in files) and "model.py" not in files
+
+
+LONG = 500  # lines; STYLE.md: modules around 100-400 lines, split before ~600
+
+
+def test_a_long_module_says_why_it_is_one_job():
+    """No module over 500 lines unless its docstring says why it is one job ("over 500 lines
+    because ...")."""
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > LONG:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "over 500 lines because" not in " ".join(doc.split()):
+                unexplained.append(f"{path.relative_to(PACKAGE.parent)} ({text.count(chr(10))})")
+    assert unexplained == [], "split these, or say in the docstring why each is one job: " + (
+        ", ".join(unexplained)
+    )

@@ -21,6 +21,10 @@ TransformerLens parameter names all the same:
   runs whole sequences instead.
 
 ``check_scorable`` checks, once per model, that the pieces reproduce the bridge's own logits.
+
+One job, the ``Backend`` protocol for ``TransformerBridge``; over 500 lines because every
+function of the protocol is here (``hooked.py`` has the same set), each mapping a
+TransformerLens name or piece onto the Hugging Face model the bridge wraps.
 """
 
 from __future__ import annotations
