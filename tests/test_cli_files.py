@@ -272,3 +272,28 @@ def test_a_shard_index_that_is_not_json_is_named(sharded, capsys):
         index.write_text(good)
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"error: {index} is not valid JSON") and "damaged" in err[0], err
+
+
+@pytest.mark.parametrize(
+    "steps,said",
+    [("99999999999999999999", "at most 4096 nodes"), ("300", "pass --force-steps"),
+     ("0", "positive whole number")],
+)  # fmt: skip
+def test_absurd_steps_are_refused_before_any_work(saved, capsys, no_work, steps, said):
+    """`--steps` goes through the library's one checker (its bound included) before a model is
+    loaded: one line, in the CLI's words where it names an option."""
+    args = ["score", "--base", "world", "--diff", saved / "d.safetensors", "--data",
+            saved / "facts.jsonl", "--method", "all", "--out", saved / "out"]  # fmt: skip
+    code, err = _run([*args, "--steps", steps], capsys)
+    assert code == 2 and len(err) == 1 and said in err[0], err
+    assert "force=True" not in err[0]
+    with pytest.raises(AssertionError, match="a model was loaded"):  # past the checks
+        main([str(a) for a in [*args, "--steps", "300", "--force-steps"]])
+    code, err = _run([*args, "--layers", "0", "--kinds", "informativ"], capsys)
+    assert code == 2 and len(err) == 1 and "informativ" in err[0], err
+
+
+def test_a_seed_torch_cannot_take_is_a_usage_error(saved, capsys, no_work):
+    for argv in (["finetune", "--model", "world", "--data", saved / "facts.jsonl"], ["demo"]):
+        code, err = _run([*argv, "--seed", "99999999999999999999", "--out", saved / "x"], capsys)
+        assert code == 2 and len(err) == 1 and "--seed" in err[0], err

@@ -13,6 +13,13 @@ from typing import Any
 import typer
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+SEED_MAX = 2**63 - 1  # torch's generators take a 64-bit seed
+
+
+def check_seed(seed: int) -> None:
+    """``--seed`` is one torch's generators take."""
+    if not 0 <= seed <= SEED_MAX:
+        raise typer.BadParameter(f"--seed takes a whole number from 0 to 2**63 - 1, got {seed}.")
 
 
 def check_dtype_device(dtype: str, device: str) -> None:

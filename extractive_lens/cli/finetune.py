@@ -10,6 +10,7 @@ import typer
 from extractive_lens.cli.app import app, echo
 from extractive_lens.cli.arguments import (
     check_out_file,
+    check_seed,
     checkpoint_dir,
     int_list,
     load_batch,
@@ -63,6 +64,7 @@ def finetune(
     from extractive_lens import FinetuneConfig
     from extractive_lens import finetune as run_finetune
 
+    check_seed(seed)
     check_out_file(out)
     refuse_overwriting([out], [("--data", data), ("--model", checkpoint_dir(model))])
     m = load_model(model, dtype, device, backend)

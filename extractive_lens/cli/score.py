@@ -103,6 +103,11 @@ def score(
     distributed: bool = typer.Option(
         False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."
     ),
+    force_steps: bool = typer.Option(
+        False,
+        "--force-steps",
+        help="Integrated scores: take --steps past 256 (the cost grows with the steps).",
+    ),
     estimate: bool = typer.Option(
         False,
         "--estimate",
@@ -150,6 +155,9 @@ def score(
         kinds=kind_list,
         ablation=ablation,
     )
+    exact: dict[str, Any] = dict(per=per, layers=layer_list, top_k=top_k,
+                                 ablation=ablation or "mean")  # fmt: skip
+    check_options(methods, common, exact, steps=n_steps, force=force_steps, convention=convention)
     from extractive_lens import WeightDiff, make_batch
     from extractive_lens.datasets import load_pairs
     from extractive_lens.distributed import distributed_scores, process_group
@@ -209,12 +217,10 @@ def score(
                     base_m,
                     delta,
                     batch,
-                    per=per,
                     steps=n_steps,
-                    layers=layer_list,
-                    top_k=top_k,
+                    force=force_steps,
                     linear=lin if top_k else None,
-                    **{**common, "ablation": ablation or "mean"},
+                    **{**common, **exact},
                 )  # fmt: skip
             )
         if "causal" in methods:
@@ -223,11 +229,8 @@ def score(
                 base_m,
                 delta,
                 batch,
-                per=per,
-                top_k=top_k,
-                layers=layer_list,
                 linear=lin if top_k else None,
-                **{**common, "ablation": ablation or "mean"},
+                **{**common, **exact},
             )
             results.append(ex)
         if rank != 0:
@@ -258,6 +261,27 @@ def describe_adapter(metadata: Any) -> str:
     from extractive_lens.report import adapter_line
 
     return adapter_line(metadata) or "?"
+
+
+def check_options(
+    methods: tuple[str, ...], common: dict[str, Any], exact: dict[str, Any], **options: Any
+) -> None:
+    """Each method's options checked by the library's own checks (counts, indices, kinds,
+    steps and their bound) before any model is loaded."""
+    from extractive_lens.scoring.integrated import IntegratedOptions
+    from extractive_lens.scoring.options import CausalOptions, LinearOptions
+
+    steps, force, convention = options["steps"], options["force"], options["convention"]
+    made = {
+        "linear": lambda: LinearOptions(convention=convention, **common),
+        "causal": lambda: CausalOptions(**{**common, **exact}),
+        "integrated": lambda: IntegratedOptions(steps=steps, force=force, **{**common, **exact}),
+    }
+    for m in methods:
+        try:
+            made[m]()
+        except (ValueError, TypeError) as e:
+            raise typer.BadParameter(str(e).replace("force=True", "--force-steps")) from None
 
 
 def comparisons(results: list[Any]) -> list[Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from extractive_lens.cli.app import app, echo
-from extractive_lens.cli.arguments import check_out_dir, check_out_file
+from extractive_lens.cli.arguments import check_out_dir, check_out_file, check_seed
 
 
 @app.command()
@@ -26,6 +26,7 @@ def demo(
     score every head and MLP on the implications (linear and exact), compare and write a report."""
     from extractive_lens.demo import run_demo, run_world_demo
 
+    check_seed(seed)
     check_out_file(out)
     (run_demo if random_model else run_world_demo)(out=out, seed=seed, echo=echo)
 
