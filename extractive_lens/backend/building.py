@@ -12,7 +12,12 @@ import torch
 from torch import Tensor
 
 from extractive_lens.backend.hooked import notes
-from extractive_lens.backend.installed import hooked_tl, quiet_transformer_lens, quiet_transformers
+from extractive_lens.backend.installed import (
+    bridge_class,
+    hooked_tl,
+    quiet_transformer_lens,
+    quiet_transformers,
+)
 from extractive_lens.backend.tokenizer import BOS_NOTE, named_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,8 +64,9 @@ def native_bridge(
     ``HookedTransformer``, so it works on TransformerLens 4 too."""
     import copy
 
-    from transformer_lens.config import TransformerBridgeConfig
-    from transformer_lens.model_bridge import TransformerBridge
+    TransformerBridge = bridge_class()
+    with quiet_transformer_lens(), quiet_transformers():
+        from transformer_lens.config import TransformerBridgeConfig
 
     cfg = dict(cfg, dtype=dtype, device=device, init_weights=False, architecture=None)
     cfg.update(original_architecture=None)

@@ -17,7 +17,12 @@ import torch
 from extractive_lens.backend.building import record_processing
 from extractive_lens.backend.families import family_of, hf_config_to_tl
 from extractive_lens.backend.hooked import notes
-from extractive_lens.backend.installed import hooked_tl, quiet_transformer_lens, quiet_transformers
+from extractive_lens.backend.installed import (
+    bridge_class,
+    hooked_tl,
+    quiet_transformer_lens,
+    quiet_transformers,
+)
 from extractive_lens.backend.tokenizer import BOS_NOTE, named_tokenizer, tokenizer_prepends_bos
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,7 +86,7 @@ def boot_bridge(
     the caller's, before this reads it."""
     import copy
 
-    from transformer_lens.model_bridge import TransformerBridge
+    TransformerBridge = bridge_class()
 
     tokenizer = named_tokenizer(tokenizer)
     with quiet_transformer_lens(), quiet_transformers():

@@ -21,6 +21,7 @@ from extractive_lens.backend.building import record_processing
 from extractive_lens.backend.converting import hooked_from_hf
 from extractive_lens.backend.hooked import notes
 from extractive_lens.backend.installed import (
+    bridge_class,
     quiet_transformer_lens,
     quiet_transformers,
     resolve_backend,
@@ -56,7 +57,7 @@ def from_hf(
         return hooked_from_hf(
             model.config, lambda: model, name=name, tokenizer=tokenizer, dtype=dtype, device=device
         )
-    from transformer_lens.model_bridge import TransformerBridge
+    TransformerBridge = bridge_class()
 
     if dtype != first.dtype or torch.device(device) != first.device:
         model.to(device=device, dtype=dtype)

@@ -70,6 +70,14 @@ def import_transformer_lens() -> Any:
     return transformer_lens
 
 
+def bridge_class() -> Any:
+    """TransformerLens's ``TransformerBridge`` class, imported quietly: importing it sets Hugging
+    Face's logging to errors only (TransformerLens 4), which must not outlive our own call."""
+    with quiet_transformer_lens(), quiet_transformers():
+        from transformer_lens.model_bridge import TransformerBridge
+    return TransformerBridge
+
+
 def hooked_tl(what: str) -> Any:
     """TransformerLens, for building a ``HookedTransformer``; on TransformerLens 4 (which removed
     it) an error that says what to pass or install instead."""
