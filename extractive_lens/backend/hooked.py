@@ -114,10 +114,9 @@ def config_fields(cfg: Any) -> dict[str, Any]:
     bridge's), as JSON values."""
     import dataclasses
 
+    fields = dict(vars(cfg))  # a bridge's config sets more than its dataclass fields
     if dataclasses.is_dataclass(cfg):
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    else:
-        fields = dict(vars(cfg))
+        fields.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     keep = {k: v for k, v in sorted(fields.items()) if k not in INERT_CONFIG and k[0] != "_"}
     return json.loads(json.dumps(keep, default=str))
 
