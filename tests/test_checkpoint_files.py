@@ -271,6 +271,10 @@ def test_a_damaged_safetensors_file_is_refused_by_name(pair, tmp_path, damage):
     with pytest.raises(ValueError, match="not a valid safetensors file") as e:
         el.WeightDiff.from_checkpoints(base, ft)
     assert str(f) in str(e.value)
+    if damage == "garbage":  # load_checkpoint too (a raw SafetensorError before)
+        with pytest.raises(ValueError, match="not a valid safetensors file") as e:
+            load_checkpoint(ft)
+        assert str(f) in str(e.value)
 
 
 def test_a_diff_formed_on_demand_saves_one_tensor_at_a_time(pair, tmp_path, monkeypatch):

@@ -221,16 +221,20 @@ def refuse_incomplete_weights(path: str | Path) -> None:
     shard set), naming them: ``transformers`` would fill the gaps with fresh random values,
     different on every load, so a base and a finetuned model would differ by noise. Checked on
     the meta device (no weights are read into memory). First, a sharded checkpoint's index
-    that is not JSON, lacks its ``weight_map`` or names files outside the folder."""
+    that is not JSON, lacks its ``weight_map`` or names files outside the folder, and weight
+    files whose headers are damaged, each named."""
     import transformers
 
-    from extractive_lens.backend.weight_files import weight_files
+    from extractive_lens.backend.weight_files import SafetensorsFile, weight_files
 
     if Path(path).is_dir():
         try:
-            weight_files(path)  # reads and checks the index, where transformers would read one
+            files = weight_files(path)  # reads and checks the index, where there is one
         except FileNotFoundError:
-            pass  # no safetensors weights (a .bin checkpoint): transformers says what it lacks
+            files = []  # no safetensors weights (a .bin checkpoint): transformers says so
+        for f in files:  # each header parsed and checked: a damaged file named
+            if f.is_file():
+                SafetensorsFile(f).close()
     with quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
