@@ -23,7 +23,9 @@ cells = [
     ),
     code(
         "import json\nfrom pathlib import Path\n\nimport pandas as pd\nimport plotly.graph_objects as go\n\n"
-        "import extractive_lens as el\n\nel.plotting.notebook_renderer()\n"
+        "import torch\n\nimport extractive_lens as el\n\n"
+        "torch.set_num_threads(1)  # the figures only; the runs were one thread too\n"
+        "el.plotting.notebook_renderer()\n"
         "here = Path.cwd()\nroot = next(p for p in [here, *here.parents] if (p / 'docs/real_model').is_dir())\n"
         "runs = sorted((root / 'docs/real_model').glob('*/results.json'))\n"
         "R = {'times': {}, 'freezing': {'rows': []}}\n"
