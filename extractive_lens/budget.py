@@ -143,9 +143,10 @@ def _nbytes(t: Any) -> int:
 
 
 def _counted_loads(
-    model: Any, diff: Any, batch: Any, method: str, options: dict[str, Any]
+    model: Any, diff: Any, batch: Any, method: str, options: dict[str, Any], sized: Any = None
 ) -> dict[Any, int]:
-    """Layer loads by group of the same call on a narrow copy (module docstring)."""
+    """Layer loads by group of the same call on a narrow copy (module docstring); ``sized``: the
+    model whose sizes the choices follow (default ``model``)."""
     import warnings
     from collections import Counter
 
@@ -185,7 +186,7 @@ def _counted_loads(
     try:
         shift.REUSE_BYTES = 0  # the large-model regime: Δ held a few layers at a time
         shift.Shift._load = counted  # type: ignore[method-assign,assignment]
-        with warnings.catch_warnings(), runs.sized_as(model):  # the real model's paths
+        with warnings.catch_warnings(), runs.sized_as(sized or model):  # the real model's paths
             warnings.simplefilter("ignore")
             lin = None
             if method != "linear" and options.get("top_k") is not None:
