@@ -183,7 +183,12 @@ def from_peft(base: Any, adapter: str | Path | Any, *, device: str | torch.devic
 def _read(adapter: Any) -> tuple[Any, dict[str, Tensor], str]:
     """The adapter's LoRA config, its saved tensors (keys as in ``adapter_model.safetensors``)
     and a name for reports."""
-    import peft
+    try:
+        import peft
+    except ImportError:
+        raise ImportError(
+            'Reading a LoRA adapter needs the peft package: pip install "extractive-lens[lora]".'
+        ) from None
 
     if isinstance(adapter, (str, Path)):
         path = Path(adapter)
