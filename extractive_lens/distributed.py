@@ -14,6 +14,7 @@ is just the single-process call.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -123,7 +124,7 @@ def distributed_scores(
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn(model, diff, batch, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
-    _same_inputs_everywhere(method, diff, batch, rank, world)
+    _same_inputs_everywhere(inputs_digest(method, model, diff, batch, kwargs), rank, world)
     top_k = kwargs.get("top_k") is not None  # chosen over all the layers: not per layer shard
     if shard == "auto":
         shard = "prompts" if (method == "linear" or top_k or len(batch) >= 2 * world) else "layers"
@@ -214,42 +215,134 @@ def distributed_scores(
     return result
 
 
-def inputs_digest(method: str, diff: Any, batch: PromptBatch) -> dict[str, str]:
-    """Fingerprints of what a rank is about to score: the diff (names, shapes and each tensor's
-    sum and sum of squares, one read of Δ) and the batch (token ids, answers, roles)."""
-    import hashlib
+def inputs_digest(
+    method: str, model: Any, diff: Any, batch: PromptBatch, options: dict[str, Any] | None = None
+) -> dict[str, tuple[str, str]]:
+    """What a rank is about to score, as ``{what: (digest, shown)}``: the method, the base
+    model's weights, Δ and the batch (each a hash of its bytes: two rows swapped are another Δ)
+    and every option as the score function resolves it (``kinds``, ``steps``, ``ablation`` ...;
+    not ``rows`` and ``show_progress``). ``shown`` is what an error prints.
 
-    h = hashlib.sha1()
-    for name in sorted(diff.deltas):
-        d = diff.deltas[name].detach().double()
-        h.update(f"{name}{tuple(d.shape)}{float(d.sum())!r}{float((d * d).sum())!r}".encode())
-    b = hashlib.sha1(prompts_digest(batch).encode())
+    Reads every base weight and every tensor of Δ once (the factors of a low-rank Δ)."""
+    out = {
+        "method": (method, repr(method)),
+        "base model": (_tensors_digest(model.named_parameters()), "another base model"),
+        "diff": (_diff_digest(diff), "another diff"),
+        "batch": (_batch_digest(batch), "another batch"),
+    }
+    for name, value in _resolved_options(method, options or {}).items():
+        out[f"option {name}"] = (_describe(value), f"{name}={_short(value)}")
+    return out
+
+
+def _tensors_digest(named: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(named, key=lambda item: item[0]):
+        t = t.detach()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _diff_digest(diff: Any) -> str:
+    deltas = diff.deltas
+    factors = getattr(deltas, "factors", None)
+    if factors is None:
+        return _tensors_digest((n, deltas[n]) for n in deltas)
+    parts = [(f"{n}::left", f.left) for n, f in factors.items()]  # a low-rank Δ: its factors
+    parts += [(f"{n}::right", f.right) for n, f in factors.items()]
+    parts += [(f"{n}::layout {f.layout} {f.n_heads}", torch.zeros(0)) for n, f in factors.items()]
+    parts += [(f"{n}::dense", d) for n, d in deltas.dense.items()]
+    return _tensors_digest(parts)
+
+
+def _batch_digest(batch: PromptBatch) -> str:
+    b = hashlib.blake2b(prompts_digest(batch).encode(), digest_size=16)
     b.update(repr(batch.answer_targets.tolist()).encode() + repr(batch.roles).encode())
-    return {"method": method, "diff": h.hexdigest()[:16], "batch": b.hexdigest()[:16]}
+    return b.hexdigest()
 
 
-def _same_inputs_everywhere(
-    method: str, diff: Any, batch: PromptBatch, rank: int, world: int
-) -> None:
-    """Every rank must score the same diff and batch (each computes its shard of one result):
-    gather their fingerprints and refuse, on every rank, if any differs from rank 0's."""
+def _resolved_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Every option of ``method``'s options class, defaults filled in and values resolved (so
+    ``steps=4`` given on one rank and left out on another agree), or ``options`` as given where
+    they do not build (the score call says what is wrong with them)."""
+    import dataclasses
+
+    from extractive_lens.scoring.integrated import IntegratedOptions
+    from extractive_lens.scoring.options import CausalOptions, LinearOptions
+
+    cls = {"linear": LinearOptions, "causal": CausalOptions, "integrated": IntegratedOptions}
+    try:
+        built = cls[method](**options)
+    except Exception:  # noqa: BLE001 - refused again, with its message, by the score call
+        return dict(sorted(options.items()))
+    skip = {"rows", "show_progress", "reward_fn"}  # reward_name says which reward
+    return {f.name: getattr(built, f.name) for f in dataclasses.fields(built) if f.name not in skip}
+
+
+def _describe(value: Any) -> str:
+    """A digest of an option's value: tensors, batches and results by content."""
+    from extractive_lens.results import ComponentScores
+
+    if isinstance(value, PromptBatch):
+        return "batch " + _batch_digest(value)
+    if isinstance(value, ComponentScores):
+        named = [("values", value.values), ("totals", value.totals)]
+        if value.prompt_totals is not None:
+            named.append(("prompt_totals", value.prompt_totals))
+        return f"scores {value.method} {value.kinds} " + _tensors_digest(named)
+    if isinstance(value, torch.Tensor):
+        return "tensor " + _tensors_digest([("t", value)])
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    if callable(value) and not isinstance(value, type):
+        return f"callable {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    return repr(value)
+
+
+def _short(value: Any) -> str:
+    text = (
+        value.method + " scores"
+        if hasattr(value, "kinds") and hasattr(value, "method")
+        else (repr(value))
+    )
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _same_inputs_everywhere(mine: dict[str, tuple[str, str]], rank: int, world: int) -> None:
+    """Every rank must score the same base model, diff, batch and options (each computes its
+    shard of one result): gather their digests and refuse, on every rank, if any differs from
+    rank 0's, saying what differs."""
     import torch.distributed as dist
 
-    mine = inputs_digest(method, diff, batch)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
-    differ = [
-        f"rank {r} has another {what}"
-        for r, theirs in enumerate(every)
-        for what in ("method", "diff", "batch")
-        if theirs[what] != every[0][what]
-    ]
+    differ = []
+    for r, theirs in enumerate(every[1:], start=1):
+        for what in sorted(set(theirs) | set(every[0])):
+            a, b = every[0].get(what), theirs.get(what)
+            if a is not None and b is not None and a[0] == b[0]:
+                continue
+            if what.startswith("option "):
+                differ.append(
+                    f"rank {r} has {b[1] if b else 'no ' + what[7:]} where rank 0 has "
+                    f"{a[1] if a else 'none'}"
+                )
+            elif what == "method":
+                differ.append(
+                    f"rank {r} runs {b[1] if b else '?'} where rank 0 runs {a[1] if a else '?'}"
+                )
+            else:
+                differ.append(
+                    f"rank {r} has {what if what.startswith('another') else 'another ' + what}"
+                )
     if differ:
         raise ValueError(
             "distributed_scores: the processes are not scoring the same inputs ("
-            + "; ".join(differ[:4])
-            + " than rank 0), so their shards would merge into a wrong result. Load the same "
-            "diff and data files on every rank."
+            + "; ".join(differ[:6])
+            + (f"; and {len(differ) - 6} more" if len(differ) > 6 else "")
+            + "), so their shards would merge into a wrong result. Load the same model, diff "
+            "and data files on every rank and pass the same options."
         )
 
 

@@ -66,3 +66,57 @@ def run_mismatched(rank: int, world: int, port: int, out: str, what: str) -> Non
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+DISAGREEMENTS = ("steps", "ablation", "base", "swapped rows", "kinds", "agree")
+
+
+def run_disagreeing(rank: int, world: int, port: int, out: str) -> None:
+    """#42: the ranks differ in one thing besides Δ and the batch (``DISAGREEMENTS``: the
+    integrated steps, the ablation, another base of the same architecture, Δ with two rows of
+    one tensor swapped, the kinds; ``agree``: nothing). Every case runs in one process group;
+    each rank writes what it got to ``out/{case}.rank{rank}``."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    from extractive_lens import WeightDiff, make_batch
+    from extractive_lens.distributed import distributed_scores, process_group
+    from tests.conftest import make_pair
+
+    with process_group("cpu", timeout_s=120):
+        base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
+        diff = WeightDiff.from_models(base, ft)
+        batch = make_batch(
+            base, [([1, 2, 3], [4]), ([1, 5, 6], [7]), ([2, 5, 9], [8]), ([3, 4, 5], [6])]
+        )
+        other_base, _ = make_pair("ln_gelu", torch.float64, seed=1)
+        swapped = dict(diff.deltas)
+        w = swapped["blocks.1.mlp.W_in"].clone()
+        w[[0, 1]] = w[[1, 0]]  # the same sum and sum of squares: the old fingerprint's blind spot
+        swapped["blocks.1.mlp.W_in"] = w
+        two = rank == 1
+        cases = {
+            "steps": lambda: distributed_scores("integrated", base, diff, batch,
+                                                kinds=("downstream",), steps=3 if two else 2),
+            "ablation": lambda: distributed_scores("linear", base, diff, batch, kinds=("upstream",),
+                                                   ablation="zero" if two else "mean"),
+            "base": lambda: distributed_scores("linear", other_base if two else base, diff, batch),
+            "swapped rows": lambda: distributed_scores(
+                "linear", base, WeightDiff(swapped, diff.signature) if two else diff, batch),
+            "kinds": lambda: distributed_scores(
+                "linear", base, diff, batch, **({"kinds": ("informative",)} if two else {})),
+            # the defaults given explicitly on one rank only: the same options
+            "agree": lambda: distributed_scores("linear", base, diff, batch, kinds=("upstream",),
+                                                **({"ablation": "mean", "seed": 3} if two else {})),
+        }  # fmt: skip
+        for case in DISAGREEMENTS:
+            try:
+                cases[case]()
+                message = "no error"
+            except Exception as e:  # noqa: BLE001 - written for the test to read
+                message = f"{type(e).__name__}: {e}"
+            with open(f"{out}/{case}.rank{rank}", "w") as f:
+                f.write(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

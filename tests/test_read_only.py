@@ -167,16 +167,27 @@ def test_another_threads_forward_sees_the_base_weights_during_scoring(pair64, ca
     """#42: while one thread scores, a plain ``model(tokens)`` in another thread runs on the
     base weights, every time (W + αΔ is substituted for the scoring thread only), and the
     scores are those computed alone (the other thread's forwards trigger no capture)."""
+    base, ft = pair64
+    _forwards_during_scoring(base, ft, THREAD_CALLS[call])
+
+
+def test_another_threads_forward_of_a_16_bit_model_during_scoring():
+    """A bf16 model scored in float32: ``cfg.dtype`` reads float32 for the scoring thread only
+    (set on the config, another thread's forward failed on mixed dtypes)."""
+    base, ft = make_pair("ln_gelu", torch.bfloat16)
+    _forwards_during_scoring(base, ft, lambda m, d, b: causal_scores(m, d, b, per="component"))
+
+
+def _forwards_during_scoring(base, ft, score):
     import threading
 
-    base, ft = pair64
     diff = WeightDiff.from_models(base, ft)
     batch = small_batch(base)
     tokens = batch.tokens
     with torch.no_grad():
         want = base(tokens)
     with _quiet():
-        alone = THREAD_CALLS[call](base, diff, batch)
+        alone = score(base, diff, batch)
     done = threading.Event()
     seen: list[torch.Tensor] = []
     errors: list[BaseException] = []
@@ -193,7 +204,7 @@ def test_another_threads_forward_sees_the_base_weights_during_scoring(pair64, ca
     other.start()
     try:
         with _quiet():
-            got = THREAD_CALLS[call](base, diff, batch)
+            got = score(base, diff, batch)
     finally:
         done.set()
         other.join(timeout=60)
@@ -202,3 +213,4 @@ def test_another_threads_forward_sees_the_base_weights_during_scoring(pair64, ca
     changed = sum(not torch.equal(s, want) for s in seen)
     assert changed == 0, f"{changed} of {len(seen)} forwards saw other weights"
     torch.testing.assert_close(got.prompt_values, alone.prompt_values, rtol=0, atol=1e-12)
+    assert all(s.dtype == want.dtype for s in seen)

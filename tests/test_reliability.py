@@ -67,7 +67,38 @@ def test_ranks_scoring_different_inputs_are_refused(tmp_path, what):
     for rank in (0, 1):
         err = (tmp_path / f"rank{rank}.err").read_text()
         assert "not scoring the same inputs" in err and f"rank 1 has another {what}" in err, err
-        assert "Load the same diff and data files on every rank" in err
+        assert "Load the same model, diff and data files on every rank" in err
+
+
+def test_ranks_that_differ_in_anything_but_delta_and_batch_are_refused(tmp_path):
+    """#42: ranks differing in the steps, the ablation, the base model (same architecture), a Δ
+    with two rows swapped (same sum and sum of squares) or the kinds all refuse, saying what
+    differs (the kinds: no tensor-size error); options left at their defaults on one rank and
+    given explicitly on the other agree."""
+    import torch.multiprocessing as mp
+
+    from tests import dist_worker
+    from tests.test_distributed import _port
+
+    mp.spawn(dist_worker.run_disagreeing, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    says = {
+        "steps": "rank 1 has steps=3 where rank 0 has steps=2",
+        "ablation": "rank 1 has ablation='zero' where rank 0 has ablation='mean'",
+        "base": "rank 1 has another base model",
+        "swapped rows": "rank 1 has another diff",
+        "kinds": "rank 1 has kinds=('informative',) where rank 0 has kinds=('informative', "
+        "'upstream', 'downstream')",
+    }
+    for case in dist_worker.DISAGREEMENTS:
+        for rank in (0, 1):
+            got = (tmp_path / f"{case}.rank{rank}").read_text()
+            if case == "agree":
+                assert got == "no error", got
+                continue
+            assert got.startswith("ValueError: distributed_scores: the processes are not scoring")
+            assert says[case] in got, (case, got)
+            others = [w for c, w in says.items() if c != case]
+            assert not any(w in got for w in others), (case, got)  # only what differs
 
 
 # ------------------------------------------------------------------ saves that cannot mislead

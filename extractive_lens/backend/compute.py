@@ -68,25 +68,70 @@ def computing_in(model: Any, dtype: torch.dtype) -> Iterator[None]:
     runs (one layer at a time), and under autograd the upcast weights are not kept for the
     backward pass (they are upcast again from the stored tensors when needed). ``model.cfg.dtype``
     reads ``dtype`` inside the block, because TransformerLens's norms and attention round their
-    outputs to it; it is restored on exit.
+    outputs to it, for this thread (context) only: another thread running the model meanwhile
+    reads the stored dtype (#42: it crashed on mixed dtypes when the field itself was set).
     """
     if dtype == model.cfg.dtype and _COMPUTE_DTYPE.get() in (None, dtype):
         yield
         return
     from extractive_lens.interrupts import state_change
 
-    old, previous = model.cfg.dtype, _COMPUTE_DTYPE.get()
+    cfg = model.cfg
+    old, previous, previous_cfg = cfg.dtype, _COMPUTE_DTYPE.get(), _CFG_DTYPES.get()
+    viewed: list[type] = []  # the class cfg had, where this block gave it the per-context view
 
     def change() -> None:
         _COMPUTE_DTYPE.set(dtype)
-        model.cfg.dtype = dtype
+        if "dtype" not in vars(cfg):  # not a plain field: set it (seen by every thread)
+            cfg.dtype = dtype
+            return
+        if not getattr(type(cfg), "_extractive_lens_view", False):
+            viewed.append(type(cfg))
+            cfg.__class__ = _dtype_view(type(cfg))
+        _CFG_DTYPES.set({**previous_cfg, id(cfg): dtype})
 
     def restore() -> None:  # set, not reset: a late run may be in another context
-        model.cfg.dtype = old
+        _CFG_DTYPES.set(previous_cfg)
+        if viewed:
+            cfg.__class__ = viewed.pop()
+        if "dtype" not in vars(cfg):
+            cfg.dtype = old
         _COMPUTE_DTYPE.set(previous)
 
     with state_change(change, restore):
         yield
+
+
+_CFG_DTYPES: contextvars.ContextVar[dict[int, torch.dtype]] = contextvars.ContextVar(
+    "extractive_lens_cfg_dtypes",
+    default={},  # noqa: B039 - never mutated, only replaced
+)
+"""Per model config (by ``id``, only while its ``computing_in`` block runs), the dtype its
+``dtype`` field reads in this context."""
+
+_VIEWS: dict[type, type] = {}
+
+
+def _dtype_view(cls: type) -> type:
+    """``cls`` with ``dtype`` read through ``_CFG_DTYPES`` (the stored field elsewhere): the
+    class a config has while ``computing_in`` runs. Same name and module, so a pickle of the
+    config names the original class."""
+    view = _VIEWS.get(cls)
+    if view is None:
+
+        def get(self: Any) -> Any:
+            d = _CFG_DTYPES.get().get(id(self))
+            return self.__dict__["dtype"] if d is None else d
+
+        def put(self: Any, value: Any) -> None:
+            self.__dict__["dtype"] = value
+
+        view = type(cls.__name__, (cls,), {
+            "dtype": property(get, put), "_extractive_lens_view": True,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        })  # fmt: skip
+        _VIEWS[cls] = view
+    return view
 
 
 def upcast_call(
