@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from extractive_lens.backend import bridge, compute, hooked
+from extractive_lens.backend import bridge, compute, hooked, vocab
 from extractive_lens.backend.blocks import LayerRun, run_blocks
 from extractive_lens.backend.compute import (
     computing_in,
@@ -208,7 +208,7 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
     parameter names; see ``compute.jvp``)."""
     dtype = compute.compute_dtype() or model.cfg.dtype
     raw = backend_for(model).raw_tangents(model, tangents, dtype)
-    return compute.jvp(model, fn, args, raw)
+    return compute.jvp(model, fn, args, raw, deferred=lambda p: vocab.by_part(model, p))
 
 
 def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:

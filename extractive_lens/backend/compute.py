@@ -345,13 +345,30 @@ def frozen_parameters(model: Any) -> Iterator[None]:
         yield
 
 
-def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:
+_DEFERRED: contextvars.ContextVar[dict[int, Tensor]] = contextvars.ContextVar(
+    "extractive_lens_deferred_tangents",
+    default={},  # noqa: B039 - never mutated, only replaced
+)
+
+
+def deferred_tangent(p: Tensor) -> Tensor | None:
+    """Inside ``jvp``, the tangent of the stored tensor ``p`` where ``jvp`` left it to the piece
+    that reads ``p`` a part at a time (``deferred``); ``None`` otherwise."""
+    return _DEFERRED.get().get(id(p))
+
+
+def jvp(
+    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor],
+    deferred: Any = None,
+) -> tuple[Any, Any]:  # fmt: skip
     """Forward-mode derivative of ``fn(model, *args)`` along a weight direction.
 
     ``tangents`` maps the model's own parameter names (as ``named_parameters(remove_duplicate=
     False)`` lists them; a backend's ``raw_tangents`` builds it from TransformerLens names) to
     directions; parameters not named are held fixed. ``fn`` may return a tensor, a tuple or a
-    dict of tensors; the result is ``(primal, tangent)`` with the same structure.
+    dict of tensors; the result is ``(primal, tangent)`` with the same structure. A parameter
+    for which ``deferred(p)`` is true gets no dual of its own: the piece that reads it a part at
+    a time takes its tangent from ``deferred_tangent`` (backend/vocab.py).
     """
     import torch.autograd.forward_ad as fwAD
 
@@ -364,14 +381,22 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
     dtype = _COMPUTE_DTYPE.get()
     with fwAD.dual_level():
         duals = {}
+        later = dict(_DEFERRED.get())
         for name, t in tangents.items():
+            if deferred is not None and deferred(params[name]):
+                later[id(params[name])] = t
+                continue
             p = params[name].detach()
             dt = dtype or p.dtype  # in a compute dtype, the weights and Δ are upcast, not Δ rounded
             s = shift.active(params[name])
             primal = p.to(dt) if s is None else s.value(params[name], dt)
             duals["model." + name] = fwAD.make_dual(primal, t.to(device=p.device, dtype=dt))
-        with substituted(model, duals):
-            result = fn(model, *args)
+        token = _DEFERRED.set(later)
+        try:
+            with substituted(model, duals):
+                result = fn(model, *args)
+        finally:
+            _DEFERRED.reset(token)
         return _unpack(result)
 
 

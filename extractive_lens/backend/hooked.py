@@ -24,7 +24,14 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from extractive_lens.backend.compute import this_thread_only, upcast_call
+from extractive_lens.backend import shift, vocab
+from extractive_lens.backend.compute import (
+    compute_dtype,
+    deferred_tangent,
+    substituted,
+    this_thread_only,
+    upcast_call,
+)
 from extractive_lens.backend.names import ParamSlice, slices_for_names
 
 NAME = "hooked_transformer"
@@ -279,13 +286,24 @@ def on_final(model: Any, x: Tensor) -> Tensor:
 def embed(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
     """The residual stream entering layer 0 (token embedding plus absolute positions)."""
 
+    by_part = vocab.by_part(model, model.embed.W_E)
+
     def run(m: Any, tokens: Tensor) -> Tensor:
-        x = m.hook_embed(m.embed(tokens))
+        if by_part:  # only the batch's rows of W_E + αΔ, the tokens renumbered into them
+            used, inverse = torch.unique(tokens, return_inverse=True)
+            dtype = compute_dtype() or m.embed.W_E.dtype
+            p = m.embed.W_E
+            W_E = vocab.rows(p, used, dtype, shift.active(p), deferred_tangent(p))
+            with substituted(m, {"model.embed.W_E": W_E}):
+                x = m.hook_embed(m.embed(inverse))
+        else:
+            x = m.hook_embed(m.embed(tokens))
         if m.cfg.positional_embedding_type == "standard":
             x = x + m.hook_pos_embed(m.pos_embed(tokens))
         return x
 
-    return _piece(model, ("embed.", "pos_embed."), run, tokens)
+    parts = ("embed.ln.", "pos_embed.") if by_part else ("embed.", "pos_embed.")
+    return _piece(model, parts, run, tokens)
 
 
 def attention(
@@ -349,12 +367,20 @@ def unembed(
 ) -> Float[Tensor, "batch pos d_vocab"]:
     """Final norm, unembedding and logit soft-capping."""
 
+    by_part = vocab.by_part(model, model.unembed.W_U)
+
     def run(m: Any, x: Tensor) -> Tensor:
         if m.cfg.normalization_type is not None:
             x = m.ln_final(x)
+        if by_part:  # COLUMNS of W_U + αΔ at a time, never the whole matrix (backend/vocab.py)
+            u = m.unembed
+            p = u.W_U
+            x = vocab.logits(p, u.hook_in(x), x.dtype, shift.active(p), deferred_tangent(p))
+            return u.hook_out(x + u.b_U)
         return _unembed(m.unembed, x)
 
-    logits = _piece(model, ("ln_final.", "unembed."), run, on_final(model, resid))
+    parts = ("ln_final.", "unembed.b_U") if by_part else ("ln_final.", "unembed.")
+    logits = _piece(model, parts, run, on_final(model, resid))
     cap = model.cfg.output_logits_soft_cap
     if cap is not None and cap > 0:
         logits = cap * torch.tanh(logits / cap)
@@ -366,6 +392,11 @@ def _unembed(u: Any, x: Tensor) -> Tensor:
     the unembedding is 2 GiB in float32 at Llama 3's vocabulary, twice over under forward-mode
     differentiation; ``x @ W_U`` reads the same matrix in place."""
     return u.hook_out(u.hook_in(x) @ u.W_U + u.b_U)
+
+
+def vocab_matrices(model: Any) -> tuple[Tensor, ...]:
+    """The vocabulary matrices ``backend/vocab.py`` may read a part at a time."""
+    return (model.embed.W_E, model.unembed.W_U)
 
 
 def W_O(model: Any, layer: int) -> Float[Tensor, "head d_head d_model"]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from extractive_lens.backend import vocab
 from extractive_lens.backend.lowrank import LowRank, low_rank_factors
 from extractive_lens.backend.names import layer_of
 
@@ -121,6 +122,13 @@ class Shift:
         self._loaded: OrderedDict[Group, dict[int, Offset]] = OrderedDict()
         self._values: dict[Group, dict[tuple[int, torch.dtype], Tensor]] = {}
         self.small = sum(p.numel() for p in model.parameters()) * 4 <= REUSE_BYTES
+        # vocabulary matrices read a part at a time (backend/vocab.py): their Δ is not loaded
+        # with their group but read per part (``part``) from where the diff holds it
+        by_id = {i: n for n, i in self.raw_names.items()}
+        self.by_part: dict[int, str] = {
+            id(p): by_id[id(p)] for p in vocab.matrices(model) if id(p) in by_id
+        }
+        self._whole: dict[int, Offset | None] = {}
         self._pending: dict[Group, tuple[Any, dict[int, Offset]]] = {}
 
     def covers(self, p: Tensor) -> bool:
@@ -131,6 +139,33 @@ class Shift:
         if id(p) not in self.group:
             return None
         return self._layer(self.group[id(p)]).get(id(p))
+
+    def part(self, p: Tensor, dim: int, index: Tensor | slice) -> Offset | None:
+        """Δ of the vocabulary matrix ``p`` (``vocab.matrices``) restricted to ``index`` along
+        ``dim``, on ``p``'s device (``None`` where Δ is zero); only that part is moved."""
+        if id(p) not in self.by_part:  # not read by part: restrict the loaded Δ
+            d = self.offset(p)
+        else:
+            if id(p) not in self._whole:
+                name = self.by_part[id(p)]
+                factors = low_rank_factors(self.diff.deltas, self.backend)
+                found = factors.get(name, self.diff.deltas.get(name))
+                self._whole[id(p)] = found
+            d = self._whole[id(p)]
+        if d is None:
+            return None
+        traffic = _TRAFFIC.get()
+        if isinstance(d, LowRank):
+            d = vocab.restricted(d, dim, index).to(p.device)
+            if traffic is not None:
+                traffic.bytes += d.nbytes()
+            return d
+        if isinstance(index, Tensor):
+            index = index.to(d.device)
+        d = (d[index] if dim == 0 else d[:, index]).to(p.device)
+        if traffic is not None:
+            traffic.bytes += _nbytes(d)
+        return d
 
     def value(self, p: Tensor, dtype: torch.dtype) -> Tensor:
         """``p + alpha·Δ`` in ``dtype`` (``p`` upcast first: no rounding to the stored dtype)."""
@@ -183,7 +218,8 @@ class Shift:
         return None
 
     def _load(self, g: Group, non_blocking: bool = False) -> dict[int, Offset]:
-        names = self.names_by_group.get(g, [])
+        parted = set(self.by_part.values())
+        names = [n for n in self.names_by_group.get(g, []) if n not in parted]
         if not names:
             return {}
         traffic = _TRAFFIC.get()

@@ -1,0 +1,138 @@
+"""The embedding and the unembedding read a part of the vocabulary at a time (#41).
+
+At Llama 3's vocabulary (128256 × 4096) the embedding's and the unembedding's ``W + αΔ`` are
+2 GiB each in float32. For a vocabulary matrix larger than ``SLICE_BYTES`` (in float32) a
+backend that names its vocabulary matrices (``vocab_matrices``) never forms it whole:
+
+- the embedding gathers the rows of the batch's tokens, ``W_E[tokens] + α·Δ_E[tokens]``
+  (``rows``), upcast only there;
+- the unembedding computes ``x @ (W_U[:, s] + α·Δ_U[:, s])`` for ``COLUMNS`` columns ``s`` at a
+  time (``logits``), each slice formed and dropped, in the backward pass too (``_Logits``).
+
+Δ of these matrices is read a part at a time as well (``shift.Shift.part``), and under
+forward-mode differentiation (``compute.jvp``) their tangent is taken per part: the rows or
+columns of Δ. The parts add ``W`` and ``αΔ`` element by element as ``Shift.value`` does, so
+the numbers are those of the whole matrix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from extractive_lens.backend.lowrank import LowRank
+
+SLICE_BYTES = 2**28
+"""A vocabulary matrix larger than this in float32 (256 MiB; GPT-2's 50257 × 768 is 154 MB,
+Llama 3's 128256 × 4096 is 2 GiB) is read a part at a time."""
+
+COLUMNS = 16384
+"""Columns of the unembedding per slice (256 MiB in float32 at ``d_model`` 4096)."""
+
+
+def matrices(model: Any) -> tuple[Tensor, ...]:
+    """The vocabulary matrices of ``model`` that its backend reads a part at a time."""
+    from extractive_lens import backend as B
+
+    found = getattr(B.backend_for(model), "vocab_matrices", None)
+    if found is None:
+        return ()
+    return tuple(p for p in found(model) if p.numel() * 4 > SLICE_BYTES)
+
+
+def by_part(model: Any, p: Tensor) -> bool:
+    """Whether the stored tensor ``p`` is read a part at a time."""
+    return any(p is q for q in matrices(model))
+
+
+def rows(p: Tensor, index: Tensor, dtype: torch.dtype, s: Any, t: Tensor | None) -> Tensor:
+    """``(W + α·Δ)[index]`` for the stored ``[d_vocab, d_model]`` matrix ``p``, in ``dtype``,
+    under the shift ``s`` (``shift.active(p)``; ``None``: W), with the tangent ``t[index]``
+    where ``t`` is given (``compute.deferred_tangent(p)``: inside ``compute.jvp``)."""
+    out = _part(p, s, dtype, 0, index)
+    if t is not None:
+        import torch.autograd.forward_ad as fwAD
+
+        out = fwAD.make_dual(out, t[index.to(t.device)].to(device=out.device, dtype=dtype))
+    return out
+
+
+def logits(p: Tensor, x: Tensor, dtype: torch.dtype, s: Any, t: Tensor | None) -> Tensor:
+    """``x @ (W + α·Δ)`` for the stored ``[d_model, d_vocab]`` matrix ``p``, ``COLUMNS``
+    columns at a time (``s``, ``t``: as for ``rows``; the tangent is ``x @ t``, per slice)."""
+    import torch.autograd.forward_ad as fwAD
+
+    n = int(p.shape[1])
+    if torch.is_grad_enabled() and x.requires_grad and t is None:
+        return _Logits.apply(x, p, s, dtype)
+    parts = []
+    for a in range(0, n, COLUMNS):
+        cols = slice(a, min(a + COLUMNS, n))
+        w = _part(p, s, dtype, 1, cols)
+        if t is not None:
+            w = fwAD.make_dual(w, t[:, cols].to(device=w.device, dtype=dtype))
+        parts.append(x @ w)
+    return torch.cat(parts, -1)
+
+
+class _Logits(torch.autograd.Function):
+    """``x @ (W + α·Δ)`` by slices of columns; the backward pass forms each slice again
+    (``dx = Σ_s g[..., s] @ (W + αΔ)[:, s]ᵀ``) and saves no weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, p: Tensor, s: Any, dtype: torch.dtype) -> Tensor:
+        n = int(p.shape[1])
+        out = x.new_empty((*x.shape[:-1], n), dtype=dtype)
+        for a in range(0, n, COLUMNS):
+            cols = slice(a, min(a + COLUMNS, n))
+            torch.matmul(x, _part(p, s, dtype, 1, cols), out=out[..., cols])
+        ctx.p, ctx.s, ctx.dtype, ctx.version = p, s, dtype, p._version
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None, None]:
+        p, s, dtype = ctx.p, ctx.s, ctx.dtype
+        if p._version != ctx.version:
+            raise RuntimeError(
+                "A weight changed between the forward and backward pass of a scoring run."
+            )
+        n = int(p.shape[1])
+        dx = None
+        for a in range(0, n, COLUMNS):
+            cols = slice(a, min(a + COLUMNS, n))
+            part = g[..., cols] @ _part(p, s, dtype, 1, cols).T
+            dx = part if dx is None else dx.add_(part)
+        return dx, None, None, None
+
+
+def _part(p: Tensor, s: Any, dtype: torch.dtype, dim: int, index: Tensor | slice) -> Tensor:
+    """``(p + α·Δ)`` restricted to ``index`` along ``dim``, in ``dtype`` (``s``: the shift in
+    force, or ``None``)."""
+    take = (lambda t: t[index]) if dim == 0 else (lambda t: t[:, index])
+    w = take(p.detach())
+    d = None if s is None else s.part(p, dim, index)
+    if d is None:
+        return w.to(dtype)
+    wide = torch.promote_types(torch.promote_types(p.dtype, d.dtype), dtype)
+    if isinstance(d, LowRank):
+        return d.added_to(w, s.alpha, wide).to(dtype)
+    # as Shift.value: αΔ in Δ's dtype, widened, then W added (the same rounding, element-wise)
+    out = (d if s.alpha == 1.0 else s.alpha * d).to(device=w.device, dtype=wide, copy=True)
+    return out.add_(w).to(dtype)
+
+
+def restricted(d: Any, dim: int, index: Tensor | slice) -> Any:
+    """The low-rank change ``d`` (``lowrank.LowRank``, plain or transposed) restricted to
+    ``index`` along ``dim``: the factors restricted, the product never formed."""
+    from dataclasses import replace
+
+    if d.layout not in ("plain", "transposed"):
+        raise ValueError(f"a vocabulary matrix's low-rank change has layout {d.layout!r}")
+    if isinstance(index, Tensor):
+        index = index.to(d.left.device)
+    on_left = (dim == 0) == (d.layout == "plain")
+    if on_left:
+        return replace(d, left=d.left[index])
+    return replace(d, right=d.right[:, index])
