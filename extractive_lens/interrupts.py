@@ -245,7 +245,6 @@ def guarded(model: Any) -> Iterator[None]:
 
 
 _LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
-_LOCKS_LOCK = threading.Lock()
 
 
 def one_call_per_model(fn: Any) -> Any:
@@ -269,12 +268,12 @@ def one_call_per_model(fn: Any) -> Any:
 def _model_lock(model: Any) -> threading.RLock:
     """The model's re-entrant lock: scoring and finetuning change a model's weights, modes and
     hooks while they run, so two threads calling into one model take turns (a call inside a
-    call, as ``causal_scores(top_k=...)`` makes, re-enters)."""
-    with _LOCKS_LOCK:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-        return lock
+    call, as ``causal_scores(top_k=...)`` makes, re-enters).
+
+    Found without a lock of its own: ``dict.setdefault`` is atomic, so two threads asking at
+    once get the same lock, and an interrupt anywhere here leaves nothing held (a plain lock
+    taken by ``with`` can stay held when the interrupt lands just after it is acquired)."""
+    return _LOCKS.setdefault(model, threading.RLock())
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -322,3 +322,53 @@ def test_an_interrupt_inside_the_snapshot_leaves_nothing_to_undo(setting, monkey
     assert_unchanged(base, before, "interrupted in the snapshot")
     again = linear_scores(base, diff, batch, show_progress=False)
     assert torch.equal(again.prompt_values, reference.prompt_values)
+
+
+def test_an_interrupt_while_finding_a_models_lock_leaves_no_lock_held(setting):
+    """Found by the every-line test hanging: an interrupt landing on the line that released a
+    plain lock around the lookup of the model's lock left that lock held, and every later public
+    call on any model waited for ever. Each line of the lookup is interrupted in turn; a second
+    thread must then still get the lock."""
+    import threading
+
+    from extractive_lens import interrupts
+
+    base = setting[0]
+    code = interrupts._model_lock.__code__
+
+    def tracing(at):
+        seen = [0]
+
+        def local(frame, event, arg):
+            if event == "line":
+                seen[0] += 1
+                if seen[0] == at:
+                    raise KeyboardInterrupt(f"injected at line {at} of _model_lock")
+            return local
+
+        def tracer(frame, event, arg):
+            return local if frame.f_code is code else None
+
+        return tracer, seen
+
+    tracer, seen = tracing(0)
+    sys.settrace(tracer)
+    try:
+        interrupts._model_lock(base)
+    finally:
+        sys.settrace(None)
+    assert seen[0] >= 1
+    for at in range(1, seen[0] + 1):
+        tracer, _ = tracing(at)
+        sys.settrace(tracer)
+        try:
+            interrupts._model_lock(base)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        found = []
+        t = threading.Thread(target=lambda: found.append(interrupts._model_lock(base)), daemon=True)
+        t.start()
+        t.join(timeout=10)
+        assert found, f"interrupted at line {at} of the lookup, a lock was left held"
