@@ -28,7 +28,7 @@ test-tl4:
 	@test -x $(TL4)/bin/python || $(PYTHON) -m venv $(TL4)
 	$(TL4)/bin/python -m pip install -q --upgrade pip
 	$(TL4)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(TL4)/bin/python -m pip install -q -e ".[lora]" "transformer-lens==4.3.0" "gguf>=0.10" pytest
+	$(TL4)/bin/python -m pip install -q -e ".[lora]" "transformer-lens==4.3.0" "gguf>=0.10" sentencepiece pytest
 	$(TL4)/bin/python -m pytest -q -m "not slow" tests -p no:cacheprovider
 
 # A fresh environment installed the way the README says (torch, then `pip install .`: no dev

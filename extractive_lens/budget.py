@@ -147,11 +147,11 @@ def _counted_loads(
 ) -> dict[Any, int]:
     """Layer loads by group of the same call on a narrow copy (module docstring); ``sized``: the
     model whose sizes the choices follow (default ``model``)."""
+    import copy
     import warnings
     from collections import Counter
 
     from extractive_lens import WeightDiff, make_batch
-    from extractive_lens import backend as B
     from extractive_lens.backend import shift
     from extractive_lens.model import tiny_model
     from extractive_lens.scoring import runs
@@ -161,13 +161,20 @@ def _counted_loads(
 
     narrow = tiny_model(_narrow_config(model), seed=0)  # which layers are read: not backend-bound
     g = torch.Generator().manual_seed(0)
+    moved = copy.deepcopy(
+        narrow
+    )  # the copy's stored weights moved (a bridge's unstored zeros stay)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    full = WeightDiff.from_models(narrow, moved)
+    # Δ on the copy's weight matrices the real diff changes: the loads are by layer, and each is
+    # scaled by the real diff's bytes for that layer below (biases and norms left out: a native
+    # TransformerLens 4 bridge shows zeros for some biases and refuses a change there)
     names = set(diff.deltas)
-    small = {
-        n: 1e-3 * torch.randn(p.shape, generator=g, dtype=p.dtype)
-        for n, p in B.parameters(narrow).items()
-        if n in names
-    }
-    proxy = WeightDiff(small, B.signature(narrow))
+    proxy = WeightDiff(
+        {n: d for n, d in full.deltas.items() if n in names and d.ndim >= 2}, full.signature
+    )
     n_vocab = narrow.cfg.d_vocab
     pairs = [
         ([1 + (i + j) % (n_vocab - 2) for j in range(batch.n_pos - 1)], [1 + i % (n_vocab - 2)])

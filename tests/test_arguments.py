@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
@@ -118,7 +119,14 @@ def test_auto_steps_warn_the_errors_they_stopped_at(env, monkeypatch):
 
 def test_top_k_refuses_linear_scores_of_another_diff_on_the_same_prompts(env):
     base, ft, diff, batch = env
-    other = WeightDiff.from_models(base, make_pair("ln_gelu", torch.float64, seed=5, n_layers=3)[1])
+    moved = copy.deepcopy(base)  # another change of the same base (stored weights only)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(
+                1e-2
+                * torch.randn(p.shape, generator=torch.Generator().manual_seed(5), dtype=p.dtype)
+            )
+    other = WeightDiff.from_models(base, moved)
     lin_other = linear_scores(base, other, batch, kinds=("downstream",))
     assert (
         lin_other.metadata["prompts_digest"]

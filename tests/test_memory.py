@@ -20,13 +20,27 @@ CFG = dict(
 )  # fmt: skip
 
 
+def _random_diff(model, seed: int):
+    """Δ of a copy of ``model`` whose stored weights moved by 1e-3 (a bridge's TransformerLens
+    view shows zeros for biases the wrapped model lacks: those stay unchanged)."""
+    import copy
+
+    ft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ft.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    full = el.WeightDiff.from_models(model, ft)
+    # weight matrices only: a native TransformerLens 4 bridge built by tiny_model shows a zero
+    # MLP bias it does not store, and its large-model path refuses a change there
+    return el.WeightDiff({n: d for n, d in full.deltas.items() if d.ndim >= 2}, full.signature)
+
+
 @pytest.fixture(scope="module")
 def setting():
     torch.set_num_threads(1)
     model = el.tiny_model(CFG, seed=0)
-    g = torch.Generator().manual_seed(3)
-    deltas = {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in B.parameters(model).items()}
-    diff = el.WeightDiff(deltas, B.signature(model))
+    diff = _random_diff(model, 3)
     batch = el.make_batch(model, [([1, 2, 3, 4], [5]), ([2, 3, 4, 6], [7])], candidates=[5, 7])
     return model, diff, batch
 
@@ -106,9 +120,7 @@ def test_estimate_takes_the_real_models_size_choices(monkeypatch):
     cfg = dict(CFG, d_model=64, n_heads=2, d_head=32, d_mlp=256)
     model = el.tiny_model(cfg, seed=1)
     narrow = el.tiny_model(_narrow_config(model), seed=0)
-    g = torch.Generator().manual_seed(4)
-    deltas = {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in B.parameters(model).items()}
-    diff = el.WeightDiff(deltas, B.signature(model))
+    diff = _random_diff(model, 4)
     batch = el.make_batch(model, [([1, 2, 3, 4], [5]), ([2, 3, 4, 6], [7])], candidates=[5, 7])
     monkeypatch.setattr(runs, "LAYERWISE_BYTES", 200_000)
     monkeypatch.setattr(linear, "UPSTREAM_AUTO_BYTES", 100_000)
