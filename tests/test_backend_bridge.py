@@ -227,6 +227,28 @@ def test_load_checkpoint_as_bridge_is_quiet_and_matches_hf(checkpoints, capfd):
     assert type(bb).__name__ == "TransformerBridge" and B.kv_prefix(bb)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_checkpoint_without_tokenizer_loads_as_a_bridge(arch, tmp_path):
+    """A checkpoint saved without tokenizer files loads as a bridge with no tokenizer (as a
+    HookedTransformer does; TransformerLens 4's boot_transformers looked for one and failed), its
+    logits the checkpoint's; token prompts score, text prompts say the tokenizer is missing."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_hf_config(arch)).eval()
+    hf.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("tokenizer*"))
+    bb = load_checkpoint(tmp_path, dtype=torch.float32, backend="bridge")
+    assert bb.tokenizer is None
+    tokens = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(bb(tokens), hf(tokens).logits, atol=1e-5)
+    batch = el.make_batch(bb, [([1, 5, 6], [7]), ([1, 8, 9, 10], [11])])
+    scores = el.linear_scores(bb, el.WeightDiff.zeros_like(bb), batch, kinds="informative",
+                              show_progress=False)  # fmt: skip
+    assert scores["informative"].abs().max() == 0
+    with pytest.raises(ValueError, match="no tokenizer"):
+        el.make_batch(bb, [("w5 w6", " w7")])
+
+
 def test_exact_downstream_equals_literal_patching_through_bridge_hooks(checkpoints):
     """Exact downstream per token (MLPs and heads: the base component on the finetuned run's
     input, patched into the base run), against one patched forward per cell using the bridge's

@@ -295,11 +295,6 @@ def test_cli_scores_an_adapter_and_names_it(tmp_path):
     assert res.exit_code != 0 and "adapter_config.json" in res.output
 
 
-@pytest.mark.skipif(
-    not __import__("tests.conftest", fromlist=["_has_hooked"])._has_hooked(),
-    reason="TransformerLens 4: load_checkpoint of a folder without tokenizer files fails in "
-    "TransformerBridge.boot_transformers (known, not yet handled); the page's example saves none",
-)
 def test_howto_example_runs_and_prints_what_the_page_says(tmp_path, monkeypatch, capsys):
     import re
     import warnings

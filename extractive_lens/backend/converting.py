@@ -79,21 +79,35 @@ def boot_bridge(
     dtype: torch.dtype = torch.float32,
     device: Any = None,
     hf_model: Any = None,
+    find_tokenizer: bool = True,
 ) -> Any:
     """``TransformerBridge.boot_transformers`` on a local directory (or on ``hf_model``, already
     loaded), quietly, with a tokenizer of its own (the bridge changes the tokenizer it is given).
     A directory's refusals (``loading.refuse_remote_code``, ``refuse_incomplete_weights``) are
-    the caller's, before this reads it."""
+    the caller's, before this reads it.
+
+    ``tokenizer=None``: with ``find_tokenizer`` the bridge loads the one ``path`` names (a Hub
+    model's); without, the model has none (``model.tokenizer is None``, as a
+    ``HookedTransformer`` loaded without one): a checkpoint saved without tokenizer files loads,
+    and only what needs a tokenizer (text prompts) says it is missing. TransformerLens 4's
+    ``boot_transformers`` always builds one, so it boots with a one-word placeholder that is
+    dropped at once."""
     import copy
 
     TransformerBridge = bridge_class()
 
     tokenizer = named_tokenizer(tokenizer)
+    given = tokenizer if tokenizer is not None or find_tokenizer else _placeholder_tokenizer()
     with quiet_transformer_lens(), quiet_transformers():
         model = TransformerBridge.boot_transformers(
-            str(path), tokenizer=None if tokenizer is None else copy.deepcopy(tokenizer),
+            str(path), tokenizer=None if given is None else copy.deepcopy(given),
             dtype=dtype, device=device, trust_remote_code=False, hf_model=hf_model,
         )  # fmt: skip
+    if tokenizer is None and not find_tokenizer:
+        model.tokenizer = None
+        driver = getattr(model, "_driver", None)
+        if driver is not None and hasattr(driver, "tokenizer"):
+            driver.tokenizer = None
     model.cfg.model_name = Path(path).name
     if tokenizer is not None:
         model.cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
@@ -101,3 +115,13 @@ def boot_bridge(
     notes(model)[BOS_NOTE] = "tokenizer"
     model.eval()
     return model
+
+
+def _placeholder_tokenizer() -> Any:
+    """A one-word tokenizer (``<unk>``) to boot a bridge for a checkpoint that has none
+    (``boot_bridge(find_tokenizer=False)``); dropped once the bridge is built."""
+    import tokenizers
+    import transformers
+
+    word = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=word, unk_token="<unk>")

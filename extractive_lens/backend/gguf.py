@@ -64,7 +64,7 @@ def load(
     hf_model, tokenizer = read_gguf(file, dtype=dtype, tokenizer=tokenizer)
     if backend == "bridge":
         return boot_bridge(file.stem, tokenizer=tokenizer, dtype=dtype, device=device,
-                            hf_model=hf_model)  # fmt: skip
+                            hf_model=hf_model, find_tokenizer=False)  # fmt: skip
     return hooked_from_hf(hf_model.config, lambda: hf_model, name=file.stem, tokenizer=tokenizer,
                           dtype=dtype, device=device)  # fmt: skip
 

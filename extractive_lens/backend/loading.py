@@ -149,7 +149,8 @@ def _load_hf_directory(
                 path, local_files_only=True, trust_remote_code=False
             )
     if backend == "bridge":
-        return boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer)
+        return boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer,
+                           find_tokenizer=False)  # fmt: skip
 
     def hf_model() -> Any:
         with quiet_transformers():
