@@ -48,7 +48,7 @@ __all__ = [
     "BACKENDS", "Backend", "LayerRun", "ParamRole", "ParamSlice", "ScorableModel", "W_O",
     "attention", "attn_out_names", "backend_for", "check_scorable", "check_unprocessed",
     "computing_in", "describe", "embed", "expected_shape", "frozen_parameters", "has_mlp",
-    "hook_name", "jvp", "kv_prefix", "layer_of", "mlp",
+    "hook_name", "jvp", "jvp_raw", "kv_prefix", "layer_of", "mlp",
     "notes", "on_block", "on_final", "parallel", "param_role", "parameter_slices", "parameters",
     "raw_masks", "resolve_compute_dtype", "reusing", "run_blocks", "shifted", "signature",
     "function_config", "config_differences",
@@ -209,6 +209,14 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
     dtype = compute.compute_dtype() or model.cfg.dtype
     raw = backend_for(model).raw_tangents(model, tangents, dtype)
     return compute.jvp(model, fn, args, raw, deferred=lambda p: vocab.by_part(model, p))
+
+
+def jvp_raw(
+    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]
+) -> tuple[Any, Any]:
+    """``jvp`` along ``tangents`` already in the model's own parameter names (as
+    ``shift.tangents`` gives them)."""
+    return compute.jvp(model, fn, args, tangents, deferred=lambda p: vocab.by_part(model, p))
 
 
 def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +66,7 @@ class Traffic:
     def __init__(self) -> None:
         self.bytes = 0
         self.loads = 0
+        self.by_group: Counter[Group] = Counter()  # layer loads by group (a block, EMBED, UNEMBED)
 
     def __repr__(self) -> str:
         return f"Traffic({self.bytes / 2**20:.1f} MiB in {self.loads} layer loads)"
@@ -94,10 +95,24 @@ def counting() -> Iterator[Traffic]:
         _TRAFFIC.reset(token)
 
 
+class Store:
+    """Δ where the pieces run, one layer at a time: the layers loaded (at most ``KEEP_LAYERS``
+    for a large model), those being prefetched and the vocabulary matrices' whole Δ. Shared by
+    every shift of one model and diff inside ``reusing()`` (whatever its alpha), so that passes
+    run layer by layer side by side (the integrated method's nodes, linear's finetuned rows)
+    read each layer's Δ once."""
+
+    def __init__(self) -> None:
+        self.loaded: OrderedDict[Group, dict[int, Offset]] = OrderedDict()
+        self.pending: dict[Group, tuple[Any, dict[int, Offset]]] = {}
+        self.whole: dict[int, Offset | None] = {}
+        self.last: Group | None = None  # the group read last (a backward sweep prefetches down)
+
+
 class Shift:
     """``W + alpha·Δ`` for one model: which stored tensor gets which offset, one layer at a time."""
 
-    def __init__(self, model: Any, diff: Any, alpha: float) -> None:
+    def __init__(self, model: Any, diff: Any, alpha: float, store: Store | None = None) -> None:
         from extractive_lens import backend as B
 
         self.model, self.diff, self.alpha = model, diff, float(alpha)
@@ -119,7 +134,8 @@ class Shift:
         self.names_by_group: dict[Group, list[str]] = {}
         for name in diff.deltas:
             self.names_by_group.setdefault(_group_of(name), []).append(name)
-        self._loaded: OrderedDict[Group, dict[int, Offset]] = OrderedDict()
+        store = store or Store()
+        self._loaded = store.loaded
         self._values: dict[Group, dict[tuple[int, torch.dtype], Tensor]] = {}
         self.small = sum(p.numel() for p in model.parameters()) * 4 <= REUSE_BYTES
         # vocabulary matrices read a part at a time (backend/vocab.py): their Δ is not loaded
@@ -128,8 +144,9 @@ class Shift:
         self.by_part: dict[int, str] = {
             id(p): by_id[id(p)] for p in vocab.matrices(model) if id(p) in by_id
         }
-        self._whole: dict[int, Offset | None] = {}
-        self._pending: dict[Group, tuple[Any, dict[int, Offset]]] = {}
+        self._whole = store.whole
+        self._pending = store.pending
+        self.store = store
 
     def covers(self, p: Tensor) -> bool:
         return id(p) in self.group
@@ -197,20 +214,36 @@ class Shift:
         if found is None:
             found = self._wait(g) if g in self._pending else self._load(g)
             self._loaded[g] = found
-            if self.small:
-                self._values[g] = {}
             while not self.small and len(self._loaded) > KEEP_LAYERS:
                 gone, _ = self._loaded.popitem(last=False)
                 self._values.pop(gone, None)
-            after = self._next(g)
+            after = self._next(g, backwards=isinstance(g, int) and isinstance(
+                self.store.last, int) and g < self.store.last)  # fmt: skip
             if after is not None:
                 self._prefetch(after)
         else:
             self._loaded.move_to_end(g)
+        self.store.last = g
+        if self.small and g not in self._values:
+            self._values[g] = {}
         return found
 
-    def _next(self, g: Group) -> Group | None:
-        """The group that runs after ``g`` (the one to prefetch)."""
+    def tangents(self, g: Group) -> dict[str, Tensor]:
+        """The group's Δ as a direction for ``compute.jvp`` (the model's own parameter names),
+        from what is loaded: a forward-mode pass while the layer runs reads no Δ of its own."""
+        names: dict[int, str] = {}
+        for name, i in self.raw_names.items():
+            names.setdefault(i, name)
+        out = {}
+        for i, d in self._layer(g).items():
+            out[names[i]] = d.dense() if isinstance(d, LowRank) else d
+        return out
+
+    def _next(self, g: Group, backwards: bool = False) -> Group | None:
+        """The group that runs after ``g`` (the one to prefetch): the layer before it in a
+        backward sweep (``g`` came after a later layer)."""
+        if backwards:
+            return g - 1 if isinstance(g, int) and g > 0 else None
         if g == EMBED:
             return 0
         if isinstance(g, int):
@@ -225,6 +258,7 @@ class Shift:
         traffic = _TRAFFIC.get()
         if traffic is not None:
             traffic.loads += 1
+            traffic.by_group[g] += 1
         values: dict[str, Tensor] = {}
         low_rank: dict[int, Offset] = {}
         block_dev = None
@@ -313,7 +347,7 @@ def shifted(model: Any, diff: Any, alpha: float = 1.0, *, keep: bool = True) -> 
     key = (id(model), id(diff), float(alpha))
     s = None if reuse is None else reuse.get(key)
     if s is None or s.model is not model or s.diff is not diff:
-        s = Shift(model, diff, alpha)
+        s = Shift(model, diff, alpha, store_of(model, diff))
         if reuse is not None:
             reuse[key] = s
     with _shifts((*_SHIFTS.get(), s)):
@@ -325,17 +359,44 @@ _REUSE: contextvars.ContextVar[dict[tuple[int, int, float], Shift] | None] = con
 )
 
 
+_STORES: contextvars.ContextVar[dict[tuple[int, int], tuple[Any, Any, Store]] | None] = (
+    contextvars.ContextVar("extractive_lens_shift_stores", default=None)
+)
+
+
+def store_of(model: Any, diff: Any) -> Store:
+    """The Δ store of ``model`` and ``diff``: inside ``reusing()`` one for every shift of them
+    (any alpha, ``keep`` or not), else a new one."""
+    stores = _STORES.get()
+    if stores is None:
+        return Store()
+    found = stores.get((id(model), id(diff)))
+    if found is None or found[0] is not model or found[1] is not diff:
+        found = (model, diff, Store())
+        stores[(id(model), id(diff))] = found
+    return found[2]
+
+
+def tangents(model: Any, diff: Any, g: Group) -> dict[str, Tensor]:
+    """Δ of group ``g`` as a forward-mode direction (``Shift.tangents``), read through the
+    store of ``model`` and ``diff``: counted, and not read again while that layer is loaded."""
+    return Shift(model, diff, 1.0, store_of(model, diff)).tangents(g)
+
+
 @contextlib.contextmanager
 def reusing() -> Iterator[None]:
     """Inside the block, ``shifted`` with the same model, diff and alpha gives the same shift
-    (its Δ and, for small models, its ``W + αΔ`` formed once): one scoring call's passes share
-    them; nothing is kept after the block."""
-    previous = _REUSE.get()
+    (its Δ and, for small models, its ``W + αΔ`` formed once), and every shift of one model and
+    diff shares the Δ loaded (``Store``): one scoring call's passes share them; nothing is kept
+    after the block."""
+    previous, stores = _REUSE.get(), _STORES.get()
     try:
         _REUSE.set({} if previous is None else previous)
+        _STORES.set({} if stores is None else stores)
         yield
     finally:
         _REUSE.set(previous)
+        _STORES.set(stores)
 
 
 @contextlib.contextmanager

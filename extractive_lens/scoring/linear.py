@@ -11,6 +11,9 @@ one forward+backward of the base model (``ŷ``), one forward-mode pass per layer
 and for upstream one resumed finetuned pass: the base residual stream enters at every layer
 boundary as extra rows of a growing batch ("staircase"), so ``ŷ'`` for all ``2·n_layers``
 boundaries comes from one forward and one backward (``upstream_group`` bounds its memory).
+Where gradients go one layer at a time (large models) the finetuned run, the staircase and
+informative's forward-mode pass are one sweep over the layers (``upstream.sweep``): each
+layer's Δ is read once forward and once backward, whatever the depth.
 Each kind's own computation is in ``scoring/kinds/``.
 """
 
@@ -32,9 +35,10 @@ from extractive_lens.rewards import Reward
 from extractive_lens.scoring.ablation import AblationTable, table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
 from extractive_lens.scoring.kinds import KINDS
-from extractive_lens.scoring.kinds.upstream import upstream_gradients
+from extractive_lens.scoring.kinds.informative import layer_linear
+from extractive_lens.scoring.kinds.upstream import sweep, upstream_gradients
 from extractive_lens.scoring.options import LinearOptions, check_arguments, prepare
-from extractive_lens.scoring.runs import Run, forward_run, head_grad, sizing, wide
+from extractive_lens.scoring.runs import Run, forward_run, head_grad, layerwise, sizing, wide
 from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
 
@@ -77,7 +81,11 @@ def linear_scores(
             in one pass (fastest for small models; activation memory grows to about
             ``n_layers`` times one forward's). ``1``: one boundary per pass (activation memory
             at most one forward's; same FLOPs, more passes). ``"auto"`` (default): all in one
-            pass when that stays under ``UPSTREAM_AUTO_BYTES``, else 1.
+            pass when that stays under ``UPSTREAM_AUTO_BYTES``, else 1. Where gradients go one
+            layer at a time (``runs.layerwise``) it is the boundaries per layer-major sweep
+            (``upstream.sweep``, which keeps each boundary's stream at every later layer);
+            ``"auto"``: as many as keep that under ``upstream.SWEEP_BYTES`` (2 GiB). Each
+            further sweep reads Δ of the layers after its first boundary again.
         compute_dtype: the dtype every activation, gradient and score is computed in. Default:
             float32 for bf16/fp16 models (weights stay stored as they are; each layer is upcast
             while it runs), the model's dtype otherwise. Recorded in ``metadata``.
@@ -140,6 +148,8 @@ class LinearChunk:
     other: Tensor | None = None  # [batch] the "other" parameters' informative share
     scores: Tensor | None = None  # [kind batch layer component pos]
     change: Tensor | None = None  # [batch] R(W') - R(W) (informative only)
+    # the blocks' informative scores and b_O's "other", where the finetuned sweep computed them
+    informative_blocks: tuple[Tensor, Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,7 +186,7 @@ def _scores(
         base = first if i == 0 else base_run(chunk)
         g_z = [head_grad(wide(g), W) for g, W in zip(base.g_attn, base.W_O)]
         c = LinearChunk(model, diff, deltas, chunk, base, plan[i][1], options, table, g_z)
-        _finetuned_passes(c, needs)
+        _finetuned_passes(c, needs, options.score_kinds)
         values = torch.stack([KINDS[k].linear(c) for k in kinds])
         mask = chunk.position_mask.to(values.device)
         c.scores = values * mask[None, :, None, None, :]
@@ -191,10 +201,35 @@ def _scores(
     return out
 
 
-def _finetuned_passes(c: LinearChunk, needs: set[str]) -> None:
-    """The finetuned run and the resumed ``ŷ'`` pass, under one application of Δ."""
+def _finetuned_passes(c: LinearChunk, needs: set[str], kinds: Sequence[ScoreKind]) -> None:
+    """The finetuned run and the resumed ``ŷ'`` pass, under one application of Δ.
+
+    Where gradients go one layer at a time (``runs.layerwise``: large models) they are one
+    layer-major sweep (``upstream.sweep``) that also runs informative's forward-mode pass of
+    each layer while that layer's Δ is loaded: each layer's Δ is read once forward and once
+    backward."""
     want_run = bool(needs & {"finetuned", "finetuned_grad"})
     if not want_run and "upstream_grads" not in needs:
+        return
+    if layerwise(c.model, c.batch) and "finetuned_grad" not in needs:
+        on_layer = None
+        if "informative" in kinds:
+            inf = c.new_scores()
+            other = torch.zeros(len(c.batch), dtype=c.dtype, device=inf.device)
+            c.informative_blocks = (inf, other)
+
+            def on_layer(layer: int) -> None:
+                with B.unshifted(c.model):
+                    layer_linear(c, [layer], inf, other)
+
+        with B.shifted(c.model, c.diff):
+            c.ft, gp_attn, gp_mlp = sweep(
+                c.model, c.diff, c.batch, c.base, c.options.reward_fn, finetuned=want_run,
+                upstream="upstream_grads" in needs, group=c.options.upstream_group,
+                on_layer=on_layer,
+            )  # fmt: skip
+        if "upstream_grads" in needs:
+            c.gp_attn, c.gp_mlp = gp_attn, gp_mlp
         return
     with B.shifted(c.model, c.diff):
         if want_run:

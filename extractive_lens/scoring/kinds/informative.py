@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
+from extractive_lens.backend import shift
 from extractive_lens.scoring.runs import head_grad, head_out, layerwise, wide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,33 +39,25 @@ def linear(chunk: LinearChunk) -> Tensor:
     take one pass; large ones (``runs.layerwise``) one per layer, so that one layer's Δ and duals
     exist at a time.
     """
-    model, base, deltas, authors = chunk.model, chunk.base, chunk.deltas, chunk.options.authors
-    L, has_mlp = model.cfg.n_layers, B.has_mlp(model)
+    model, deltas = chunk.model, chunk.deltas
+    L = model.cfg.n_layers
     dtype, device = chunk.dtype, model.cfg.device
-    inf = chunk.new_scores()
-    other = torch.zeros(inf.shape[0], dtype=dtype, device=inf.device)
-    parts = {"attn", "mlp", "embed", "final"} | (set() if authors else {"attn_out"})
+    blocks = chunk.informative_blocks
+    if blocks is not None:  # the blocks' share, computed while each layer's Δ was loaded
+        inf, other = blocks
+    else:
+        inf = chunk.new_scores()
+        other = torch.zeros(inf.shape[0], dtype=dtype, device=inf.device)
+        # one forward-mode pass for all layers on small models; one per layer (one layer's Δ
+        # and duals at a time) where activations or weights are large
+        groups = [[l] for l in range(L)] if layerwise(model, chunk.batch) else [list(range(L))]
+        for group in groups:
+            layer_linear(chunk, group, inf, other)
     by_layer: dict[int | None, list[str]] = {}
     for n in deltas:
-        if B.param_role(n).part in parts:
+        if B.param_role(n).part in ("embed", "final"):
             by_layer.setdefault(B.layer_of(n), []).append(n)
-    capture = ("z", "q", "k", "v") if authors else ("z",)
-
-    def pieces(m: Any, layer: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"cap": B.attention(m, layer, base.pre[layer], capture)[1]}
-        if has_mlp:
-            out["mlp"] = B.mlp(m, layer, base.mlp_in[layer])
-        return out
-
-    # one forward-mode pass for all layers on small models; one per layer (one layer's Δ and
-    # duals at a time) where activations or weights are large
-    groups = [[l] for l in range(L)] if layerwise(model, chunk.batch) else [list(range(L))]
-    for group in groups:
-        tang = {n: deltas[n].to(device) for l in group for n in by_layer.get(l, [])}
-        with torch.no_grad():
-            _, dots = B.jvp(model, lambda m: {l: pieces(m, l) for l in group}, (), tang)
-        for layer in group:
-            _layer_scores(chunk, layer, dots[layer], inf, other)
+    base = chunk.base
     tokens = chunk.batch.tokens.to(device)
     ends = by_layer.get(None, [])
     # the embedding and the unembedding ("other"): together on small models, else one at a time
@@ -72,7 +65,7 @@ def linear(chunk: LinearChunk) -> Tensor:
     post_final = cast(Tensor, base.post_final)
     sides = [("embed", cast(Tensor, base.g_embed), lambda m: B.embed(m, tokens)),
              ("final", cast(Tensor, base.g_logits), lambda m: B.unembed(m, post_final))]  # fmt: skip
-    for together in [sides] if len(groups) == 1 else [[side] for side in sides]:
+    for together in [[side] for side in sides] if layerwise(model, chunk.batch) else [sides]:
         names = {part for part, _, _ in together}
         tang = {n: deltas[n].to(device) for n in ends if B.param_role(n).part in names}
         with torch.no_grad():
@@ -81,6 +74,31 @@ def linear(chunk: LinearChunk) -> Tensor:
             other += (wide(g) * wide(d)).sum((-1, -2))
     chunk.other = other
     return inf
+
+
+def layer_linear(chunk: LinearChunk, group: list[int], inf: Tensor, other: Tensor) -> None:
+    """The informative scores of the layers ``group`` into ``inf`` (``b_O``'s share into
+    ``other``): one forward-mode pass, each layer's attention and MLP re-run on their cached
+    base inputs with the weights' tangent set to that layer's Δ. The tangents are Δ as loaded
+    for the shifts of this model and diff (``shift.tangents``): run while a finetuned pass has
+    the layer loaded, it reads no Δ of its own."""
+    model, base, authors = chunk.model, chunk.base, chunk.options.authors
+    has_mlp = B.has_mlp(model)
+    capture = ("z", "q", "k", "v") if authors else ("z",)
+
+    def pieces(m: Any, layer: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"cap": B.attention(m, layer, base.pre[layer], capture)[1]}
+        if has_mlp:
+            out["mlp"] = B.mlp(m, layer, base.mlp_in[layer])
+        return out
+
+    # every tensor of the layer's Δ is a tangent: those credited apart (W_O, b_O) change
+    # nothing the pieces return (z, q, k, v are read before W_O; the MLP from its own input)
+    tang = {n: t for l in group for n, t in shift.tangents(model, chunk.diff, l).items()}
+    with torch.no_grad():
+        _, dots = B.jvp_raw(model, lambda m: {l: pieces(m, l) for l in group}, (), tang)
+    for layer in group:
+        _layer_scores(chunk, layer, dots[layer], inf, other)
 
 
 def _layer_scores(chunk: LinearChunk, layer: int, dot: dict[str, Any], inf: Tensor,

@@ -7,13 +7,25 @@ activations with the later layers finetuned ("staircase" pass, below).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
-from extractive_lens.scoring.runs import Run, grad_at, head_grad, head_out, layerwise, readout, wide
+from extractive_lens.backend import LayerRun, shift
+from extractive_lens.scoring.runs import (
+    LayerW_O,
+    Run,
+    grad_at,
+    head_grad,
+    head_out,
+    layerwise,
+    readout,
+    sizing,
+    wide,
+)  # fmt: skip
 
 if TYPE_CHECKING:  # pragma: no cover
     from extractive_lens.batch import PromptBatch
@@ -105,6 +117,160 @@ def upstream_gradients(
         for key, g in zip(order, got):
             grads[key] = g
     return _split(grads, L, has_mlp)
+
+
+SWEEP_BYTES = 2 * 2**30
+"""The most bytes of boundary streams one layer-major sweep keeps (``sweep``: every boundary's
+rows at every later layer, for the backward sweep); past it the boundaries are split into
+sweeps, each reading the Δ of the layers after its first boundary again."""
+
+
+def sweep(
+    model: Any, diff: WeightDiff, chunk: PromptBatch, base: Run, reward_fn: Reward, *,
+    finetuned: bool, upstream: bool, group: int | str | None = "auto",
+    on_layer: Callable[[int], None] | None = None,
+) -> tuple[Run | None, list[Tensor], list[Tensor]]:  # fmt: skip
+    """The finetuned run and ``ŷ'`` at every boundary, layer by layer: each layer's Δ is read
+    once forward and once backward, whatever the depth (the large-model path: ``layerwise``).
+
+    Call with the finetuned weights applied. Forward, without a graph, layer by layer: the
+    finetuned run's rows (``finetuned``) and every boundary's rows (``upstream``: the base
+    stream entering the finetuned model right after each component, as in
+    ``upstream_gradients``) advance together; the rows entering each layer are kept. Then the
+    reward of every row, and backward layer by layer (last first), one vector-Jacobian product
+    of all the boundaries' rows per layer. ``on_layer(layer)`` runs after each layer's forward
+    step, while its Δ is loaded (linear's informative forward-mode pass). The kept streams
+    grow with the number of boundaries times the layers after them: ``group`` bounds them as
+    ``upstream_gradients``' ``group`` does (``"auto"``: ``SWEEP_BYTES``), each further sweep
+    reading the layers after its first boundary again.
+
+    Returns ``(finetuned run or None, ŷ' at the heads' boundaries, at the MLPs')``.
+    """
+    L, has_mlp = model.cfg.n_layers, B.has_mlp(model)
+    parts = ("attn", "mlp") if has_mlp else ("attn",)
+    boundaries = [(layer, part) for layer in range(L) for part in parts] if upstream else []
+    grads: dict[tuple[int, str], Tensor] = {}
+    ft = None
+    with B.frozen_parameters(model):
+        for i, todo in enumerate(_sweeps(model, chunk, boundaries, group) or [[]]):
+            first = i == 0
+            run = _one_sweep(model, diff, chunk, base, reward_fn, todo, finetuned and first,
+                             on_layer if first else None, grads)  # fmt: skip
+            ft = run if first else ft
+    if not upstream:
+        return ft, [], []
+    gp_attn, gp_mlp = _split(grads, L, has_mlp)
+    return ft, gp_attn, gp_mlp
+
+
+def _sweeps(model: Any, chunk: PromptBatch, boundaries: list[tuple[int, str]],
+            group: int | str | None) -> list[list[tuple[int, str]]]:  # fmt: skip
+    """The boundaries split into sweeps: ``group`` per sweep, all (``None``), or as many as
+    keep each sweep's streams under ``SWEEP_BYTES`` (``"auto"``; at least one)."""
+    if isinstance(group, int):
+        return [boundaries[i : i + group] for i in range(0, len(boundaries), group)]
+    if group is None:
+        return [boundaries] if boundaries else []
+    L = model.cfg.n_layers
+    from extractive_lens.backend import compute
+
+    dtype = compute.compute_dtype() or model.cfg.dtype
+    item = torch.empty(0, dtype=torch.promote_types(dtype, torch.float32)).element_size()
+    block = len(chunk) * chunk.n_pos * sizing(model).cfg.d_model * item
+    out: list[list[tuple[int, str]]] = []
+    kept = 0
+    for layer, part in boundaries:
+        cost = (L - 1 - layer) * block  # its rows enter every later layer
+        if not out or kept + cost > SWEEP_BYTES:
+            out.append([])
+            kept = 0
+        out[-1].append((layer, part))
+        kept += cost
+    return out
+
+
+def _one_sweep(
+    model: Any, diff: WeightDiff, chunk: PromptBatch, base: Run, reward_fn: Reward,
+    todo: list[tuple[int, str]], finetuned: bool, on_layer: Callable[[int], None] | None,
+    grads: dict[tuple[int, str], Tensor],
+) -> Run | None:  # fmt: skip
+    """One sweep (``sweep``): the finetuned run's rows if ``finetuned``, the boundaries
+    ``todo``; their gradients into ``grads``."""
+    L, b = model.cfg.n_layers, len(chunk)
+    wanted = set(todo)
+    entries: dict[tuple[int, str], Tensor] = {}
+    order: list[tuple[int, str]] = []
+    kept: dict[int, Tensor | None] = {}  # the boundaries' rows entering each layer
+    run = Run() if finetuned else None
+    lead = b if finetuned else 0
+
+    def inject(layer: int, part: str, x: Tensor | None) -> Tensor | None:
+        if (layer, part) not in wanted:
+            return x
+        e = _entry(model, diff, base, layer, part)[0]
+        entries[(layer, part)] = e
+        order.append((layer, part))
+        return e if x is None else torch.cat([x, e])
+
+    def observe(step: LayerRun) -> None:  # the finetuned rows: forward_run's record
+        assert run is not None
+        # copies: a view would keep every boundary's rows of the layer
+        run.pre.append(step.pre[:b].clone())
+        run.mid.append(step.mid[:b].clone())
+        if step.mlp_out is not None:
+            run.mlp_in.append(step.mlp_in[:b].clone())  # type: ignore[index]
+            run.mlp_out.append(step.mlp_out[:b].clone())
+        run.post.append(step.post[:b].clone())
+        run.z.append(step.captured["z"][:b].clone())
+        run.captured.append({k: v[:b].clone() for k, v in step.captured.items()})
+
+    start = 0 if finetuned or not todo else todo[0][0]
+    with torch.no_grad():
+        x = B.embed(model, chunk.tokens.to(model.cfg.device)) if finetuned else None
+        for layer in range(start, L):
+            kept[layer] = None if x is None or x.shape[0] == lead else x[lead:].clone()
+            x = B.run_blocks(model, x, start=(layer, "pre"), stop=layer + 1, capture=("z",),
+                             inject=inject, observe=observe if finetuned else None)  # fmt: skip
+            if on_layer is not None:
+                on_layer(layer)
+    assert x is not None
+    groups = x.shape[0] // b
+    with torch.enable_grad():
+        xf = x.detach().requires_grad_(bool(order))
+        R, _, x_read = readout(model, xf, chunk, reward_fn, groups=groups)
+        g = torch.autograd.grad(R.sum(), [xf])[0][lead:] if order else None
+    if run is not None:
+        run.W_O = LayerW_O(model, shift.for_model(model))
+        run.reward, run.post_final = R[:b].detach(), x_read[:b].detach()
+    for layer in reversed(range(start, L)):
+        if g is None:
+            break
+        here = [k for k in order if k[0] == layer]
+        g, got = _layer_back(model, kept[layer], layer, [entries[k] for k in here], here, g)
+        grads.update(zip(here, got))
+    return run
+
+
+def _layer_back(
+    model: Any, x: Tensor | None, layer: int, es: list[Tensor], keys: list[tuple[int, str]],
+    g_out: Tensor,
+) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
+    """One layer of a sweep's backward pass: the layer re-run on the rows entering it (``x``)
+    and those injected in it (``es`` at ``keys``), and ``g_out`` carried back to both."""
+    with torch.enable_grad():
+        xin = None if x is None else x.detach().requires_grad_(True)
+        leaves = [e.detach().requires_grad_(True) for e in es]
+        at = dict(zip(keys, leaves))
+
+        def inject(l: int, part: str, y: Tensor | None) -> Tensor | None:
+            e = at.get((l, part))
+            return y if e is None else (e if y is None else torch.cat([y, e]))
+
+        y = B.run_blocks(model, xin, start=(layer, "pre"), stop=layer + 1, inject=inject)
+        assert y is not None
+        inputs = ([] if xin is None else [xin]) + leaves
+        got = list(torch.autograd.grad(y, inputs, g_out))
+    return (None if xin is None else got.pop(0)), got
 
 
 def _split(grads: dict[tuple[int, str], Tensor], L: int, has_mlp: bool

@@ -1,0 +1,111 @@
+"""Δ moved as few times as possible (issue 41): the layer-major passes and what they read.
+
+Where gradients go one layer at a time (``runs.layerwise``, forced here with
+``LAYERWISE_BYTES = -1``) and Δ is held a few layers at a time (``REUSE_BYTES = 0``: the
+large-model regime), linear runs the finetuned run, every boundary's ``ŷ'`` and informative's
+forward-mode pass in one sweep over the layers (``upstream.sweep``), and the integrated method
+runs its nodes layer by layer side by side. The scores must be the whole-graph ones (float64,
+1e-12), and the counter (``shift.counting``) must see each layer's Δ read the claimed number of
+times: a boundary or a node that reads a layer again shows up as a higher count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import extractive_lens.scoring.runs as runs
+from extractive_lens import WeightDiff, linear_scores
+from extractive_lens.backend import shift
+from extractive_lens.scoring.kinds import upstream
+from tests.conftest import make_pair
+from tests.test_linear import small_batch
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def deep64(family):
+    """A float64 pair three layers deep: every sweep has a layer before and after a middle one."""
+    base, ft = make_pair(family, torch.float64, n_layers=3)
+    return base, WeightDiff.from_models(base, ft), small_batch(base)
+
+
+def _large(monkeypatch) -> None:
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+    monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+
+
+@pytest.mark.parametrize("group", ["auto", 1, 3, None, "tiny budget"], ids=lambda g: f"group={g}")
+def test_linear_sweep_equals_the_whole_graph_scores(deep64, group, monkeypatch):
+    """All kinds at once (informative's forward-mode pass inside the sweep, the finetuned run
+    as the sweep's first rows) and the boundaries split into sweeps every way."""
+    base, diff, batch = deep64
+    want = linear_scores(base, diff, batch, show_progress=False)
+    _large(monkeypatch)
+    assert runs.layerwise(base, batch)
+    if group == "tiny budget":  # "auto" with a budget of one boundary's rows: one per sweep
+        monkeypatch.setattr(upstream, "SWEEP_BYTES", 1)
+        group = "auto"
+    got = linear_scores(base, diff, batch, show_progress=False, upstream_group=group)
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
+    assert got.metadata["additivity"]["prompt_changes"] == pytest.approx(
+        want.metadata["additivity"]["prompt_changes"], abs=1e-12
+    )
+
+
+def test_linear_sweep_in_the_authors_convention(deep64, monkeypatch):
+    """Informative with q, k, v credited apart runs in the sweep too."""
+    base, diff, batch = deep64
+    kw = dict(convention="authors_code", kinds=("informative", "downstream"), show_progress=False)
+    try:
+        want = linear_scores(base, diff, batch, **kw)
+    except NotImplementedError as e:  # a TransformerBridge of a grouped-query model refuses
+        pytest.skip(str(e).split(";")[0])
+    _large(monkeypatch)
+    got = linear_scores(base, diff, batch, **kw)
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
+
+
+def _reads(call, monkeypatch) -> shift.Traffic:
+    _large(monkeypatch)
+    with shift.counting() as moved:
+        call()
+    return moved
+
+
+@pytest.fixture(scope="module")
+def deep4():
+    base, ft = make_pair("rms_gated_rotary_gqa", torch.float64, n_layers=4)
+    return base, WeightDiff.from_models(base, ft), small_batch(base)
+
+
+def _delta_bytes(diff) -> int:
+    return sum(t.numel() * t.element_size() for t in diff.deltas.values())
+
+
+def test_linear_reads_each_layer_of_delta_at_most_twice(deep4, monkeypatch):
+    """Forward once, backward once: at most two loads per layer whatever the depth (the last
+    layer is still loaded when the backward sweep starts), the embedding and unembedding once
+    each (the unembedding's ``W + αΔ`` is formed again in backward from what is loaded), and
+    in all at most twice the bytes of Δ."""
+    base, diff, batch = deep4
+    L = base.cfg.n_layers
+    moved = _reads(lambda: linear_scores(base, diff, batch, show_progress=False), monkeypatch)
+    assert [moved.by_group[layer] for layer in range(L)] == [2] * (L - 1) + [1]
+    assert moved.by_group["embed"] == 1 and moved.by_group["unembed"] == 1
+    assert moved.bytes <= 2 * _delta_bytes(diff)
+
+
+def test_one_boundary_per_sweep_reads_later_layers_again(deep4, monkeypatch):
+    """The control: with one boundary per sweep each sweep reads the layers after its boundary
+    again, the count above sees it."""
+    base, diff, batch = deep4
+    L = base.cfg.n_layers
+    kw = dict(kinds=("upstream",), show_progress=False)
+    one = _reads(lambda: linear_scores(base, diff, batch, upstream_group=1, **kw), monkeypatch)
+    all_ = _reads(lambda: linear_scores(base, diff, batch, upstream_group=None, **kw), monkeypatch)
+    assert [all_.by_group[layer] for layer in range(L)] == [2] * (L - 1) + [1]
+    assert one.by_group[L - 2] > 2 and one.bytes > 2 * all_.bytes
