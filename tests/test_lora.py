@@ -237,27 +237,86 @@ def test_algebra_and_files_keep_the_factors(gpt2_pair, tmp_path):
         diff + el.WeightDiff({}, {**diff.signature, "n_layers": 3})
 
 
-def test_shifted_pieces_never_form_the_product(gpt2_pair, monkeypatch):
-    """Exact scores of a low-rank diff on a HookedTransformer run W + αΔ as one (b)addmm of
-    the factors: forming ``left @ right`` is an error here, and they still equal the dense
-    Δ's scores; the diff's shapes, norms and repr need no product either."""
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def factor_pair(request, gpt2_pair, tmp_path_factory):
+    """(base, adapter diff, the same diff made dense) for a GPT-2 (fused Conv1D, tied embedding
+    adapter) and a Llama (grouped-query attention, every projection, an embedding adapter)."""
+    if request.param == "gpt2":
+        return gpt2_pair
+    root = tmp_path_factory.mktemp("lora_factors_llama")
+    hf = LM.base_checkpoint("llama", root / "base")
+    LM.train_adapter(hf, ADAPTERS["llama"]).save_pretrained(root / "adapter")
+    base = load_checkpoint(root / "base", dtype=torch.float64, backend=_backends()[0])
+    diff = el.WeightDiff.from_peft(base, root / "adapter")
+    return base, diff, el.WeightDiff({n: diff.deltas[n] for n in diff.deltas}, diff.signature)
+
+
+def test_scores_never_form_the_product(factor_pair, monkeypatch):
+    """On a HookedTransformer every score of a low-rank diff (linear in both conventions, its
+    forward-mode pass included; exact per token and per component; integrated) adds the change
+    as ``(x L) R`` products: forming a whole ``left @ right`` is an error here, and the scores
+    still equal the dense Δ's (float64, 1e-10). The diff's shapes, norms and repr need no
+    product either."""
     from extractive_lens.backend import lowrank
 
-    base, diff, dense = gpt2_pair
+    base, diff, dense = factor_pair
     if lowrank.low_rank_factors(diff.deltas, el.backend.backend_for(base)) == {}:
         pytest.skip("a TransformerBridge forms each layer's Δ on the device")
     batch = _batch(base)
-    want = el.causal_scores(base, dense, batch, show_progress=False)
+    want = {m: fn(base, dense, batch, show_progress=False) for m, fn in METHODS.items()}
+    whole = {f.shape for f in diff.deltas.factors.values()}
+    dense_of = lowrank.LowRank.dense
 
-    def no_product(self):
-        raise AssertionError("B @ A formed")
+    def no_product(self):  # a part of the vocabulary (the batch's rows) may be formed
+        if self.shape in whole:
+            raise AssertionError(f"B @ A formed whole: {self.shape}")
+        return dense_of(self)
 
     monkeypatch.setattr(lowrank.LowRank, "dense", no_product)
-    got = el.causal_scores(base, diff, batch, show_progress=False)
-    for kind in want.kinds:
-        err = float((got[kind] - want[kind]).abs().max()) / float(want[kind].abs().max())
-        assert err <= 1e-10, (kind, err)
+    for method, fn in METHODS.items():
+        got = fn(base, diff, batch, show_progress=False)
+        for kind in want[method].kinds:
+            ref = want[method][kind]
+            err = float((got[kind] - ref).abs().max()) / float(ref.abs().max())
+            assert err <= 1e-10, (method, kind, err)
+        if want[method].other is not None:  # the embedding's and unembedding's share
+            ref = want[method].other
+            err = float((got.other - ref).abs().max()) / float(ref.abs().max())
+            assert err <= 1e-10, (method, "other", err)
     diff.check_compatible(base), repr(diff), diff.norms(), (diff * 2).restricted(["L0H0"])
+
+
+def test_low_rank_tangent_is_the_derivative_along_the_factors(gpt2_pair):
+    """The forward-mode pass along the factors alone (no dense Δ at all) is the derivative of
+    the pieces along Δ: each layer's attention and MLP output at ``W + εΔ`` against the
+    central difference, and the dense tangent's."""
+    from extractive_lens import backend as B
+    from extractive_lens.backend.lowrank import LowRankDeltas, low_rank_factors
+
+    base, diff, _ = gpt2_pair
+    factors = low_rank_factors(diff.deltas, B.backend_for(base))
+    if not factors:
+        pytest.skip("a TransformerBridge forms each layer's Δ on the device")
+    x = B.embed(base, _batch(base).tokens)
+
+    def pieces(m):
+        return [B.attention(m, 0, x)[0], B.mlp(m, 0, x), B.attention(m, 1, x)[0]]
+
+    layer_names = [n for n in factors if n.startswith("blocks.")]
+    with torch.no_grad():
+        _, low = B.jvp(base, pieces, (), {n: factors[n] for n in layer_names})
+        _, ref = B.jvp(base, pieces, (), {n: diff.deltas[n] for n in layer_names})
+        eps = 1e-6
+        layers_only = el.WeightDiff(LowRankDeltas({n: factors[n] for n in layer_names}, {}),
+                                    diff.signature)  # fmt: skip
+        with B.shifted(base, layers_only, eps):
+            up = pieces(base)
+        with B.shifted(base, layers_only, -eps):
+            down = pieces(base)
+    for lo, r, u, d in zip(low, ref, up, down):
+        assert float(r.abs().max()) > 1e-6
+        assert torch.allclose(lo, r, rtol=1e-10, atol=1e-14)
+        assert torch.allclose(lo, (u - d) / (2 * eps), rtol=1e-6, atol=1e-9)
 
 
 def test_scoring_with_an_adapter_never_writes_the_model(gpt2_pair):

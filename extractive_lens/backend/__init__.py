@@ -212,7 +212,7 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
 
 
 def jvp_raw(
-    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]
+    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor | LowRank]
 ) -> tuple[Any, Any]:
     """``jvp`` along ``tangents`` already in the model's own parameter names (as
     ``shift.tangents`` gives them)."""

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from extractive_lens.backend.lowrank import LowRank
+
 # ---------------------------------------------------------------------------------------------
 # Compute precision: score a bf16/fp16 model in float32 without a second copy of it
 # ---------------------------------------------------------------------------------------------
@@ -135,17 +137,24 @@ def _dtype_view(cls: type) -> type:
 
 
 def upcast_call(
-    module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any, upcast_buffer: Any = None
-) -> Any:
+    module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any, upcast_buffer: Any = None,
+    low_rank: frozenset[str] = frozenset(),
+) -> Any:  # fmt: skip
     """``fn(module, *args)`` with the parameters under ``prefixes`` (``""``: all) in the compute
     dtype (see ``computing_in``) and, inside ``shift.shifted``, at ``W + α·Δ``; plain
     ``fn(module, *args)`` when there is nothing to substitute. The model is never written: the
-    substitutes live in the module's registries only while ``fn`` runs."""
+    substitutes live in the module's registries only while ``fn`` runs.
+
+    ``low_rank``: parameters (names as ``module.named_parameters()`` gives them) whose low-rank
+    change and low-rank tangent (``low_rank_part``) ``fn`` adds itself, as ``x W + α·(x L) R``:
+    they are substituted by ``W`` alone. A low-rank tangent of any other parameter is made dense
+    here (a piece that does not know the parameter's product with its input)."""
     from extractive_lens.backend import shift
 
     dtype = _COMPUTE_DTYPE.get()
     shifting = shift.any_active()
-    if dtype is None and not shifting:
+    tangents = {i: t for i, t in _DEFERRED.get().items() if isinstance(t, LowRank)}
+    if dtype is None and not shifting and not tangents:
         return fn(module, *args)
     subs: dict[str, Tensor] = {}
     sources: dict[int, tuple[Tensor, Any, torch.dtype]] = {}
@@ -154,13 +163,23 @@ def upcast_call(
             continue
         dt = dtype or p.dtype
         s = shift.active(p) if shifting else None
-        if s is not None and s.offset(p) is not None:
-            new = s.value(p, dt)
-            again = functools.partial(s.value, p, dt)
+        offset = None if s is None else s.offset(p)
+        mine = name in low_rank
+        t = tangents.get(id(p))
+        if offset is not None and not (mine and isinstance(offset, LowRank)):
+            new = s.value(p, dt)  # type: ignore[union-attr]
+            again = functools.partial(s.value, p, dt)  # type: ignore[union-attr]
         elif p.dtype != dt:
             new = p.to(dt)
             again = functools.partial(_upcast_again, p, dt)
+        elif t is None or mine:
+            continue
         else:
+            new, again = p.detach(), functools.partial(_upcast_again, p, dt)
+        if t is not None and not mine:  # a tangent this piece does not add itself: dense
+            import torch.autograd.forward_ad as fwAD
+
+            subs["model." + name] = fwAD.make_dual(new, t.dense().to(new))
             continue
         subs["model." + name] = new
         sources[new.untyped_storage().data_ptr()] = (p, again, dt)
@@ -345,28 +364,77 @@ def frozen_parameters(model: Any) -> Iterator[None]:
         yield
 
 
-_DEFERRED: contextvars.ContextVar[dict[int, Tensor]] = contextvars.ContextVar(
+_DEFERRED: contextvars.ContextVar[dict[int, Tensor | LowRank]] = contextvars.ContextVar(
     "extractive_lens_deferred_tangents",
     default={},  # noqa: B039 - never mutated, only replaced
 )
 
 
-def deferred_tangent(p: Tensor) -> Tensor | None:
+def deferred_tangent(p: Tensor) -> Tensor | LowRank | None:
     """Inside ``jvp``, the tangent of the stored tensor ``p`` where ``jvp`` left it to the piece
-    that reads ``p`` a part at a time (``deferred``); ``None`` otherwise."""
+    that reads ``p`` (a vocabulary matrix read a part at a time: ``deferred``; any low-rank
+    tangent); ``None`` otherwise."""
     return _DEFERRED.get().get(id(p))
 
 
+def low_rank_part(p: Tensor) -> tuple[LowRank | None, float, LowRank | None]:
+    """What a piece adds for the stored tensor ``p`` as ``x @ Δ`` products (``LowRank.apply``)
+    rather than in its weight: ``(change, alpha, tangent)``, the shift in force's low-rank
+    change of ``p`` and its ``alpha`` (``None``, 0: none, or a dense one, which ``upcast_call``
+    adds to ``W``) and ``p``'s low-rank tangent inside ``jvp`` (``None``: none)."""
+    from extractive_lens.backend import shift
+
+    s = shift.active(p) if shift.any_active() else None
+    change = None if s is None else s.offset(p)
+    t = deferred_tangent(p)
+    return (
+        change if isinstance(change, LowRank) else None,
+        0.0 if s is None else s.alpha,
+        t if isinstance(t, LowRank) else None,
+    )
+
+
+def primal(x: Tensor) -> Tensor:
+    """``x`` without its forward-mode tangent (``x`` itself outside ``jvp``)."""
+    import torch.autograd.forward_ad as fwAD
+
+    return fwAD.unpack_dual(x).primal
+
+
+def tangent_only(u: Tensor) -> Tensor:
+    """A tensor whose value is 0 and whose forward-mode tangent is ``u``: added to a piece's
+    output, it adds ``u`` to the derivative and nothing to the value."""
+    import torch.autograd.forward_ad as fwAD
+
+    return fwAD.make_dual(torch.zeros_like(u), u)
+
+
+def plus_low_rank(out: Tensor, x: Tensor, part: tuple[LowRank | None, float, LowRank | None],
+                  fit: Any = None) -> Tensor:  # fmt: skip
+    """``out + α·(x @ Δ)`` for the shift's low-rank change and ``+ ε·(x @ Δ_t)`` for the
+    low-rank tangent (``low_rank_part``), as ``(x L) R`` products; ``fit`` reshapes a term to
+    ``out`` (a grouped key/value change read per query head)."""
+    change, alpha, t = part
+    fit = fit or (lambda u: u)
+    if change is not None:
+        out = out + alpha * fit(change.apply(x))
+    if t is not None:
+        out = out + tangent_only(fit(t.apply(primal(x))))
+    return out
+
+
 def jvp(
-    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor],
+    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor | LowRank],
     deferred: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Forward-mode derivative of ``fn(model, *args)`` along a weight direction.
 
     ``tangents`` maps the model's own parameter names (as ``named_parameters(remove_duplicate=
     False)`` lists them; a backend's ``raw_tangents`` builds it from TransformerLens names) to
-    directions; parameters not named are held fixed. ``fn`` may return a tensor, a tuple or a
-    dict of tensors; the result is ``(primal, tangent)`` with the same structure. A parameter
+    directions, dense or low-rank (``LowRank``: left to the pieces, which add ``(x L) R`` to the
+    derivative: ``low_rank_part``, ``plus_low_rank``); parameters not named are held fixed.
+    ``fn`` may return a tensor, a tuple or a dict of tensors; the result is ``(primal,
+    tangent)`` with the same structure. A parameter
     for which ``deferred(p)`` is true gets no dual of its own: the piece that reads it a part at
     a time takes its tangent from ``deferred_tangent`` (backend/vocab.py).
     """
@@ -383,14 +451,15 @@ def jvp(
         duals = {}
         later = dict(_DEFERRED.get())
         for name, t in tangents.items():
-            if deferred is not None and deferred(params[name]):
-                later[id(params[name])] = t
+            if isinstance(t, LowRank) or (deferred is not None and deferred(params[name])):
+                # a low-rank tangent moves whole (it is small); a vocabulary matrix's by part
+                later[id(params[name])] = t.to(params[name].device) if isinstance(t, LowRank) else t
                 continue
             p = params[name].detach()
             dt = dtype or p.dtype  # in a compute dtype, the weights and Δ are upcast, not Δ rounded
             s = shift.active(params[name])
-            primal = p.to(dt) if s is None else s.value(params[name], dt)
-            duals["model." + name] = fwAD.make_dual(primal, t.to(device=p.device, dtype=dt))
+            value = p.to(dt) if s is None else s.value(params[name], dt)
+            duals["model." + name] = fwAD.make_dual(value, t.to(device=p.device, dtype=dt))
         token = _DEFERRED.set(later)
         try:
             with substituted(model, duals):

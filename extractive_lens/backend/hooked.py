@@ -32,6 +32,15 @@ from extractive_lens.backend.compute import (
     this_thread_only,
     upcast_call,
 )
+from extractive_lens.backend.lowrank_pieces import (
+    ATTN_LOW_RANK,
+    MLP_LOW_RANK,
+    has_low_rank,
+    low_rank_hooks,
+    low_rank_parts,
+    plain_attention,
+    plus_output,
+)
 from extractive_lens.backend.names import ParamSlice, slices_for_names
 
 NAME = "hooked_transformer"
@@ -43,8 +52,9 @@ def handles(model: Any) -> bool:
     return "HookedTransformer" in cls_names
 
 
-def _piece(module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any) -> Any:
-    return upcast_call(module, prefixes, fn, *args, upcast_buffer=_upcast_buffer)
+def _piece(module: Any, prefixes: tuple[str, ...], fn: Any, *args: Any,
+           low_rank: frozenset[str] = frozenset()) -> Any:  # fmt: skip
+    return upcast_call(module, prefixes, fn, *args, upcast_buffer=_upcast_buffer, low_rank=low_rank)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +296,7 @@ def on_final(model: Any, x: Tensor) -> Tensor:
 def embed(model: Any, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
     """The residual stream entering layer 0 (token embedding plus absolute positions)."""
 
-    by_part = vocab.by_part(model, model.embed.W_E)
+    by_part = vocab.by_part(model, model.embed.W_E) or has_low_rank(model.embed.W_E)
 
     def run(m: Any, tokens: Tensor) -> Tensor:
         if by_part:  # only the batch's rows of W_E + αΔ, the tokens renumbered into them
@@ -331,11 +341,16 @@ def attention(
 
         entry = TransformerLensKeyValueCacheEntry(past_kv[0], past_kv[1], frozen=True)
 
+    parts = low_rank_parts(block.attn, ATTN_LOW_RANK) if plain_attention(model, block.attn) else {}
+    inp: dict[str, Tensor] = {}
+
     def run(b: Any, x: Tensor) -> Tensor:
-        x = b.ln1(x)
-        return b.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
+        x = inp["x"] = b.ln1(x)
+        out = b.attn(query_input=x, key_input=x, value_input=x, past_kv_cache_entry=entry)
+        return plus_output(out, parts, inp)
 
     try:  # hooks registered inside the try, so that they are removed whatever happens
+        low_rank_hooks(block.attn, parts, ATTN_LOW_RANK, inp, handles)  # before the captures
         for name in capture:
             hp = getattr(block.attn, f"hook_{name}")
             handles.append(
@@ -343,7 +358,8 @@ def attention(
                     this_thread_only(lambda _m, _i, out, name=name: captured.__setitem__(name, out))
                 )
             )
-        out = _piece(block, ("ln1.", "attn."), run, resid_pre)
+        mine = frozenset("attn." + leaf for leaf in parts)
+        out = _piece(block, ("ln1.", "attn."), run, resid_pre, low_rank=mine)
     finally:
         for h in handles:
             h.remove()
@@ -354,12 +370,23 @@ def mlp(
     model: Any, layer: int, mlp_in: Float[Tensor, "batch pos d_model"]
 ) -> Float[Tensor, "batch pos d_model"]:
     """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
-    return _piece(
-        model.blocks[layer],
-        ("ln2.", "mlp."),
-        lambda b, x: b.mlp(b.ln2(x)),
-        on_block(model, layer, mlp_in),
-    )
+    block = model.blocks[layer]
+    where = MLP_LOW_RANK.get(type(block.mlp).__name__, {})
+    parts = low_rank_parts(block.mlp, where)
+    inp: dict[str, Tensor] = {}
+
+    def run(b: Any, x: Tensor) -> Tensor:
+        x = inp["x"] = b.ln2(x)
+        return plus_output(b.mlp(x), parts, inp)
+
+    handles: list[Any] = []
+    try:
+        low_rank_hooks(block.mlp, parts, where, inp, handles)
+        mine = frozenset("mlp." + leaf for leaf in parts)
+        return _piece(block, ("ln2.", "mlp."), run, on_block(model, layer, mlp_in), low_rank=mine)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def unembed(
@@ -367,7 +394,7 @@ def unembed(
 ) -> Float[Tensor, "batch pos d_vocab"]:
     """Final norm, unembedding and logit soft-capping."""
 
-    by_part = vocab.by_part(model, model.unembed.W_U)
+    by_part = vocab.by_part(model, model.unembed.W_U) or has_low_rank(model.unembed.W_U)
 
     def run(m: Any, x: Tensor) -> Tensor:
         if m.cfg.normalization_type is not None:

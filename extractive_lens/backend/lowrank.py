@@ -96,6 +96,26 @@ class LowRank:
             return torch.addmm(w, R.T, L.T, alpha=alpha)
         return torch.addmm(w, L, R, alpha=alpha)
 
+    def apply(self, x: Tensor) -> Tensor:
+        """``x @ Δ`` as the parameter multiplies its input, as ``(x @ left) @ right``: never
+        ``left @ right``. ``plain``: ``[..., in] -> [..., out]``; ``heads_out`` (``W_Q``):
+        ``[..., in] -> [..., head, d_head]``; ``heads_in`` (``W_O``): ``[..., head, d_head] ->
+        [..., out]``; ``transposed``: ``[..., out] -> [..., in]``. In ``x``'s dtype.
+
+        >>> f = LowRank(torch.ones(6, 1), torch.arange(4.0)[None], "heads_out", n_heads=2)
+        >>> torch.equal(f.apply(torch.ones(3, 6)), torch.einsum("pd,hde->phe", torch.ones(3, 6), f.dense()))
+        True
+        """
+        L, R = self.left.to(x.dtype), self.right.to(device=self.left.device, dtype=x.dtype)
+        if self.layout == "transposed":
+            return (x @ R.T) @ L.T
+        if self.layout == "heads_in":
+            x = einops.rearrange(x, "... head d_head -> ... (head d_head)")
+        out = (x @ L) @ R
+        if self.layout == "heads_out":
+            return einops.rearrange(out, "... (head d_head) -> ... head d_head", head=self.n_heads)
+        return out
+
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None
            ) -> LowRank:  # fmt: skip
         return LowRank(
@@ -146,6 +166,9 @@ class LowRankDeltas(Mapping[str, Tensor]):
             return d
         out = f.dense()
         return out if d is None else out + d.to(device=out.device, dtype=out.dtype)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would form the tensor
+        return name in self.factors or name in self.dense
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

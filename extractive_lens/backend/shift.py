@@ -166,8 +166,8 @@ class Shift:
             if id(p) not in self._whole:
                 name = self.by_part[id(p)]
                 factors = low_rank_factors(self.diff.deltas, self.backend)
-                found = factors.get(name, self.diff.deltas.get(name))
-                self._whole[id(p)] = found
+                found = factors.get(name)  # the dense Δ only where there are no factors
+                self._whole[id(p)] = found if found is not None else self.diff.deltas.get(name)
             d = self._whole[id(p)]
         if d is None:
             return None
@@ -228,16 +228,14 @@ class Shift:
             self._values[g] = {}
         return found
 
-    def tangents(self, g: Group) -> dict[str, Tensor]:
+    def tangents(self, g: Group) -> dict[str, Offset]:
         """The group's Δ as a direction for ``compute.jvp`` (the model's own parameter names),
-        from what is loaded: a forward-mode pass while the layer runs reads no Δ of its own."""
+        from what is loaded: a forward-mode pass while the layer runs reads no Δ of its own.
+        Low-rank factors stay factors: the pieces add ``(x L) R`` to the derivative."""
         names: dict[int, str] = {}
         for name, i in self.raw_names.items():
             names.setdefault(i, name)
-        out = {}
-        for i, d in self._layer(g).items():
-            out[names[i]] = d.dense() if isinstance(d, LowRank) else d
-        return out
+        return {names[i]: d for i, d in self._layer(g).items()}
 
     def _next(self, g: Group, backwards: bool = False) -> Group | None:
         """The group that runs after ``g`` (the one to prefetch): the layer before it in a
@@ -377,7 +375,7 @@ def store_of(model: Any, diff: Any) -> Store:
     return found[2]
 
 
-def tangents(model: Any, diff: Any, g: Group) -> dict[str, Tensor]:
+def tangents(model: Any, diff: Any, g: Group) -> dict[str, Offset]:
     """Δ of group ``g`` as a forward-mode direction (``Shift.tangents``), read through the
     store of ``model`` and ``diff``: counted, and not read again while that layer is loaded."""
     return Shift(model, diff, 1.0, store_of(model, diff)).tangents(g)

@@ -47,7 +47,8 @@ def by_part(model: Any, p: Tensor) -> bool:
     return any(p is q for q in matrices(model))
 
 
-def rows(p: Tensor, index: Tensor, dtype: torch.dtype, s: Any, t: Tensor | None) -> Tensor:
+def rows(p: Tensor, index: Tensor, dtype: torch.dtype, s: Any, t: Tensor | LowRank | None
+         ) -> Tensor:  # fmt: skip
     """``(W + α·Δ)[index]`` for the stored ``[d_vocab, d_model]`` matrix ``p``, in ``dtype``,
     under the shift ``s`` (``shift.active(p)``; ``None``: W), with the tangent ``t[index]``
     where ``t`` is given (``compute.deferred_tangent(p)``: inside ``compute.jvp``)."""
@@ -55,11 +56,17 @@ def rows(p: Tensor, index: Tensor, dtype: torch.dtype, s: Any, t: Tensor | None)
     if t is not None:
         import torch.autograd.forward_ad as fwAD
 
-        out = fwAD.make_dual(out, t[index.to(t.device)].to(device=out.device, dtype=dtype))
+        if isinstance(t, LowRank):  # the rows of a low-rank tangent: its left factor's rows
+            part = restricted(t, 0, index)
+            d = part.left.to(dtype) @ part.right.to(device=part.left.device, dtype=dtype)
+        else:
+            d = t[index.to(t.device)]
+        out = fwAD.make_dual(out, d.to(device=out.device, dtype=dtype))
     return out
 
 
-def logits(p: Tensor, x: Tensor, dtype: torch.dtype, s: Any, t: Tensor | None) -> Tensor:
+def logits(p: Tensor, x: Tensor, dtype: torch.dtype, s: Any, t: Tensor | LowRank | None
+           ) -> Tensor:  # fmt: skip
     """``x @ (W + α·Δ)`` for the stored ``[d_model, d_vocab]`` matrix ``p``, ``COLUMNS``
     columns at a time (``s``, ``t``: as for ``rows``; the tangent is ``x @ t``, per slice)."""
     import torch.autograd.forward_ad as fwAD
@@ -71,6 +78,12 @@ def logits(p: Tensor, x: Tensor, dtype: torch.dtype, s: Any, t: Tensor | None) -
     for a in range(0, n, COLUMNS):
         cols = slice(a, min(a + COLUMNS, n))
         w = _part(p, s, dtype, 1, cols)
+        if isinstance(t, LowRank):  # the tangent x @ Δ[:, cols] as (x L) R[:, cols]
+            from extractive_lens.backend.compute import primal, tangent_only
+
+            u = restricted(t, 1, cols).to(w.device).apply(primal(x))
+            parts.append(x @ w + tangent_only(u))
+            continue
         if t is not None:
             w = fwAD.make_dual(w, t[:, cols].to(device=w.device, dtype=dtype))
         parts.append(x @ w)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+import einops
 import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend import shift
+from extractive_lens.backend.lowrank import LowRank, low_rank_factors
 from extractive_lens.scoring.runs import head_grad, head_out, layerwise, wide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,9 +67,10 @@ def linear(chunk: LinearChunk) -> Tensor:
     post_final = cast(Tensor, base.post_final)
     sides = [("embed", cast(Tensor, base.g_embed), lambda m: B.embed(m, tokens)),
              ("final", cast(Tensor, base.g_logits), lambda m: B.unembed(m, post_final))]  # fmt: skip
+    tangent = _tangents(model, deltas, device)
     for together in [[side] for side in sides] if layerwise(model, chunk.batch) else [sides]:
         names = {part for part, _, _ in together}
-        tang = {n: deltas[n].to(device) for n in ends if B.param_role(n).part in names}
+        tang = {n: tangent(n) for n in ends if B.param_role(n).part in names}
         with torch.no_grad():
             _, dots = B.jvp(model, lambda m: [f(m) for _, _, f in together], (), tang)
         for (_, g, _), d in zip(together, dots):
@@ -101,6 +104,29 @@ def layer_linear(chunk: LinearChunk, group: list[int], inf: Tensor, other: Tenso
         _layer_scores(chunk, layer, dots[layer], inf, other)
 
 
+def _tangents(model: Any, deltas: Any, device: Any) -> Any:
+    """Each tensor's tangent: its low-rank factors where the backend's pieces take them (the
+    pieces add ``(x L) R`` to the derivative: ``B @ A`` is never formed), else Δ, on the
+    device."""
+    factors = low_rank_factors(deltas, B.backend_for(model))
+
+    def tangent(name: str) -> Tensor | LowRank:
+        f = factors.get(name)
+        return f.to(device) if f is not None else deltas[name].to(device)
+
+    return tangent
+
+
+def _W_O_grad(g_attn: Tensor, d: Tensor | LowRank) -> Tensor:
+    """``ŷ ΔW_O[h]^T`` per head (``head_grad`` with ``ΔW_O``); for low-rank factors
+    (``heads_in``: ``ΔW_O`` is ``(head d_head) d_model``) as ``(ŷ R^T) L^T``."""
+    if not isinstance(d, LowRank):
+        return head_grad(g_attn, d)
+    L, R = d.left.to(g_attn.dtype), d.right.to(device=d.left.device, dtype=g_attn.dtype)
+    per = (g_attn @ R.T) @ L.T
+    return einops.rearrange(per, "... (head d_head) -> ... head d_head", head=d.n_heads)
+
+
 def _layer_scores(chunk: LinearChunk, layer: int, dot: dict[str, Any], inf: Tensor,
                   other: Tensor) -> None:  # fmt: skip
     """One layer's informative scores from its forward-mode tangents (``dot``), into ``inf``;
@@ -116,8 +142,8 @@ def _layer_scores(chunk: LinearChunk, layer: int, dot: dict[str, Any], inf: Tens
     inf[:, layer, :H] = per.transpose(1, 2)  # type: ignore[union-attr]
     W_O_name, b_O_name = B.attn_out_names(layer)
     if W_O_name in deltas:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
-        d_WO = deltas[W_O_name].to(device)
-        w_o = (head_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
+        d_WO = _tangents(model, deltas, device)(W_O_name)
+        w_o = (_W_O_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
         inf[:, layer, :H] += w_o.transpose(1, 2)
     if b_O_name in deltas:
         d_bO = deltas[b_O_name].to(device=device, dtype=dtype)
