@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import extractive_lens.scoring.runs as runs
-from extractive_lens import WeightDiff, linear_scores
+from extractive_lens import WeightDiff, integrated_scores, linear_scores
 from extractive_lens.backend import shift
 from extractive_lens.scoring.kinds import upstream
 from tests.conftest import make_pair
@@ -109,3 +109,36 @@ def test_one_boundary_per_sweep_reads_later_layers_again(deep4, monkeypatch):
     all_ = _reads(lambda: linear_scores(base, diff, batch, upstream_group=None, **kw), monkeypatch)
     assert [all_.by_group[layer] for layer in range(L)] == [2] * (L - 1) + [1]
     assert one.by_group[L - 2] > 2 and one.bytes > 2 * all_.bytes
+
+
+@pytest.mark.parametrize("kinds", [("informative",), ("informative", "upstream", "downstream")])
+def test_integrated_nodes_side_by_side_equal_node_after_node(deep64, kinds, monkeypatch):
+    """The informative nodes run layer by layer together (``nodes.informative_nodes``; with
+    downstream, its patches read that sweep's finetuned run): the scores of the whole graph."""
+    from extractive_lens.scoring import integrated
+
+    base, diff, batch = deep64
+    # nodes and weights of no symmetry (Gauss's and the midpoint's are symmetric: a node given
+    # another's alpha or weight would still add up the same)
+    monkeypatch.setattr(integrated, "nodes", lambda m, rule: ([0.1, 0.45, 0.8, 0.95],
+                                                              [0.1, 0.2, 0.3, 0.4]))  # fmt: skip
+    kw = dict(steps=4, kinds=kinds, show_progress=False)
+    want = integrated_scores(base, diff, batch, **kw)
+    _large(monkeypatch)
+    got = integrated_scores(base, diff, batch, **kw)
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
+    a, b = got.metadata["integrated"], want.metadata["integrated"]
+    assert a["completeness"] == pytest.approx(b["completeness"], abs=1e-12)
+    assert a["R_change"] == pytest.approx(b["R_change"], abs=1e-12)
+
+
+def test_integrated_informative_reads_each_layer_twice_for_all_nodes(deep4, monkeypatch):
+    """Four nodes and the finetuned model: each layer's Δ read once forward and once backward
+    (the last layer still loaded), not once per node; in all under twice the Δ."""
+    base, diff, batch = deep4
+    L = base.cfg.n_layers
+    kw = dict(steps=4, kinds=("informative",), show_progress=False)
+    moved = _reads(lambda: integrated_scores(base, diff, batch, **kw), monkeypatch)
+    assert [moved.by_group[layer] for layer in range(L)] == [2] * (L - 1) + [1]
+    assert moved.bytes <= 2 * _delta_bytes(diff)

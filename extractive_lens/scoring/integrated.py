@@ -48,8 +48,17 @@ from extractive_lens.scoring.ablation import table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
 from extractive_lens.scoring.causal import CausalChunk, _Context, _skipped, mark_uncomputed
 from extractive_lens.scoring.kinds import KINDS
+from extractive_lens.scoring.nodes import informative_nodes
 from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
-from extractive_lens.scoring.runs import forward_run, grad_at, head_grad, layerwise, readout, wide
+from extractive_lens.scoring.runs import (
+    Run,
+    forward_run,
+    grad_at,
+    head_grad,
+    layerwise,
+    readout,
+    wide,
+)
 from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
 
@@ -313,8 +322,10 @@ def _run(
         cc = CausalChunk(model, diff, chunk, base, plan[i][1], table, options)
         for k, kind in enumerate(kinds):
             if kind == "informative":
-                vals[k], other, change = _informative(model, diff, chunk, options, base, xs, ws)
+                vals[k], other, change, ft = _informative(model, diff, chunk, options, base, xs,
+                                                          ws)  # fmt: skip
                 res.change.append(change)
+                cc.cached("finetuned_run", lambda: ft)  # downstream's patches read it
             else:
                 vals[k] = _along_patches(cc, kind, skipped.get(kind, []), options, xs, ws,
                                          res.path_sums[kind])  # fmt: skip
@@ -332,12 +343,18 @@ def _run(
 def _informative(
     model: Any, diff: WeightDiff, chunk: PromptBatch, options: IntegratedOptions, base: Any,
     xs: list[float], ws: list[float],
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Σ_i w_i · (linear informative at ``W + x_i Δ``), its "other" share, and R(W') - R(W)."""
+) -> tuple[Tensor, Tensor, Tensor, Run]:  # fmt: skip
+    """Σ_i w_i · (linear informative at ``W + x_i Δ``), its "other" share, R(W') - R(W) and
+    the finetuned run. Where gradients go one layer at a time, the nodes run side by side
+    (``nodes.informative_nodes``: each layer's Δ read once forward, once backward)."""
     from extractive_lens.scoring.linear import LinearChunk, LinearOptions
 
     lin_options = LinearOptions(kinds=("informative",), reward=options.reward_fn,
                                 ablation=options.ablation, rows=None)  # fmt: skip
+    if layerwise(model, chunk):  # the nodes side by side, layer by layer: Δ read twice
+        summed, share, R_ft, ft = informative_nodes(model, diff, chunk, options.reward_fn, xs, ws,
+                                                    lin_options)  # fmt: skip
+        return summed, share, wide(R_ft) - wide(cast(Tensor, base.reward)), ft
     total = other = None
     for x, w in zip(xs, ws):
         with B.shifted(model, diff, x, keep=False):  # one node's W + xΔ at a time
@@ -351,7 +368,7 @@ def _informative(
     with torch.no_grad(), B.shifted(model, diff):
         ft = forward_run(model, chunk, options.reward_fn)
     change = wide(cast(Tensor, ft.reward)) - wide(cast(Tensor, base.reward))
-    return cast(Tensor, total), cast(Tensor, other), change
+    return cast(Tensor, total), cast(Tensor, other), change, ft
 
 
 def _along_patches(

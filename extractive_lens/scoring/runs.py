@@ -196,23 +196,26 @@ def _layerwise_run(
 
 
 def layer_vjp(
-    model: Any, x: Tensor, start: tuple[int, Any], g_out: Tensor, capture: tuple[str, ...] = ()
-) -> tuple[Tensor, LayerRun | None]:
+    model: Any, x: Tensor, start: tuple[int, Any], g_out: Tensor, capture: tuple[str, ...] = (),
+    live: list[LayerRun] | None = None,
+) -> tuple[Tensor, LayerRun | None]:  # fmt: skip
     """One layer's vector-Jacobian product: the layer (from boundary ``start``, ``"pre"`` or
     ``"mid"``, to the stream after it) re-run on ``x`` with a graph, and the gradient ``g_out``
     at its output carried back to ``x``. Returns ``(dR/dx, grads)``: for a ``"pre"`` start,
     ``grads`` is a ``LayerRun`` holding the gradients at the layer's ``attn_out``, ``mlp_out``
-    and captured hook values (zeros where nothing flows)."""
-    live: list[LayerRun] = []
+    and captured hook values (zeros where nothing flows). ``live``: the re-run's own
+    ``LayerRun`` (its values) is appended there."""
+    live = [] if live is None else live
+    seen = len(live)
     with torch.enable_grad():
         xin = x.detach().requires_grad_(True)
         y = B.run_blocks(model, xin, start=start, stop=start[0] + 1, capture=capture,
                          observe=live.append)  # fmt: skip
         assert y is not None
-        if not live:
+        if len(live) == seen:
             (gx,) = torch.autograd.grad(y, [xin], g_out)
             return gx, None
-        step = live[0]
+        step = live[seen]
         names = [n for n in capture if n != "z"]
         inputs = [xin, step.attn_out]
         if step.mlp_out is not None:
