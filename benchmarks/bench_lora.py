@@ -2,6 +2,9 @@
 
     python benchmarks/bench_lora.py                     # depths 1 and 2, every method
     python benchmarks/bench_lora.py --depths 1 --calls linear
+    python benchmarks/bench_lora.py --backend bridge    # the same on a TransformerBridge
+    python benchmarks/bench_lora.py --case linear,low_rank,1 >> rows.jsonl   # one case
+    python benchmarks/bench_lora.py --rows rows.jsonl   # the table and summary of such rows
 
 Model: Llama-3-8B's layer shape (``bench_memory.LLAMA3_8B``: d_model 4096, 32 heads of 128 with
 8 key/value heads, gated MLP of 14336) at reduced depth, weights in bf16, scores in float32; a
@@ -63,19 +66,24 @@ def adapter(model, rank: int, seed: int = 1):
     return WeightDiff(LowRankDeltas(factors, {}), B.signature(model))
 
 
-def case(call: str, variant: str, depth: int, vocab: int, rank: int, device: str) -> dict:
+def case(call: str, variant: str, depth: int, vocab: int, rank: int, device: str,
+         backend: str = "hooked") -> dict:  # fmt: skip
     import ctypes
     import gc
     import time
     import warnings
 
     import extractive_lens as el
-    from benchmarks.bench_memory import random_prompts
+    from benchmarks.bench_memory import PROMPTS, TOKENS, random_prompts
     from extractive_lens import tiny_model
 
     warnings.filterwarnings("ignore")
     cfg = dict(LLAMA3_8B, n_layers=depth, d_vocab=vocab, dtype=torch.bfloat16, device=device)
     model = tiny_model(cfg, seed=0).to(device)
+    if backend == "bridge":  # a native TransformerBridge: each layer's Δ formed when it runs
+        from extractive_lens.backend.building import as_bridge
+
+        model = as_bridge(model)
     diff = adapter(model, rank).to(device)
     if variant == "dense":
         diff = el.WeightDiff({n: diff.deltas[n] for n in diff.deltas}, diff.signature)
@@ -112,8 +120,8 @@ def case(call: str, variant: str, depth: int, vocab: int, rank: int, device: str
     seconds = time.perf_counter() - t0
     extra = (torch.cuda.max_memory_allocated() - start) / GiB if cuda else mem.extra_mb / 1024
     return {"call": call, "variant": variant, "depth": depth, "vocab": vocab, "rank": rank,
-            "device": device, "delta_mib": delta / 2**20, "extra_gib": extra,
-            "seconds": seconds}  # fmt: skip
+            "device": device, "backend": backend, "batch": f"{PROMPTS}x{TOKENS}",
+            "delta_mib": delta / 2**20, "extra_gib": extra, "seconds": seconds}  # fmt: skip
 
 
 def slope(rows: list[dict], call: str, variant: str) -> float | None:
@@ -134,29 +142,40 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default="hooked", choices=("hooked", "bridge"))
+    ap.add_argument("--case", help="call,variant,depth: one measurement, its row as JSON")
+    ap.add_argument("--rows", help="a file of --case rows (JSON lines): summarize those")
     a = ap.parse_args()
     if a.case:  # one measurement, in this (fresh) process
         call, variant, depth = a.case.split(",")
-        print(json.dumps(case(call, variant, int(depth), a.vocab, a.rank, a.device)))
+        row = case(call, variant, int(depth), a.vocab, a.rank, a.device, a.backend)
+        print(json.dumps(row))
         return
     rows = []
+    if a.rows:
+        rows = [json.loads(line) for line in Path(a.rows).read_text().splitlines() if line]
+        a.calls = [c for c in CALLS if any(r["call"] == c for r in rows)]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    for depth in a.depths:
+    for depth in [] if a.rows else a.depths:
         for call in a.calls:
             for variant in ("low_rank", "dense"):
                 out = subprocess.run(
                     [sys.executable, __file__, "--case", f"{call},{variant},{depth}",
-                     "--vocab", str(a.vocab), "--rank", str(a.rank), "--device", a.device],
+                     "--vocab", str(a.vocab), "--rank", str(a.rank), "--device", a.device,
+                     "--backend", a.backend],
                     capture_output=True, text=True, env=env, check=True,
                 )  # fmt: skip
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(table(rows[-1:], COLS), flush=True)
     summary = {}
     for call in a.calls:
-        lr = [r for r in rows if r["call"] == call and r["variant"] == "low_rank"]
-        dn = [r for r in rows if r["call"] == call and r["variant"] == "dense"]
+        by = {(r["variant"], r["depth"]): r for r in rows if r["call"] == call}
+        depths = sorted(d for v, d in by if v == "low_rank" and ("dense", d) in by)
+        lr, dn = [by["low_rank", d] for d in depths], [by["dense", d] for d in depths]
+        if not depths:
+            continue
         summary[call] = {
+            "depths": depths,
             "delta_fraction": max(x["delta_mib"] / y["delta_mib"] for x, y in zip(lr, dn)),
             "time_ratio": [x["seconds"] / y["seconds"] for x, y in zip(lr, dn)],
             "extra_ratio": [x["extra_gib"] / max(y["extra_gib"], 1e-9) for x, y in zip(lr, dn)],

@@ -319,6 +319,32 @@ def test_low_rank_tangent_is_the_derivative_along_the_factors(gpt2_pair):
         assert torch.allclose(lo, (u - d) / (2 * eps), rtol=1e-6, atol=1e-9)
 
 
+def test_a_bridge_forms_each_layers_delta_from_the_factors_moved(tmp_path):
+    """On a TransformerBridge (Hugging Face weights: the pieces take no factors) each layer's Δ
+    is formed where the layer runs from the factors moved there: the Δ read is the factors'
+    bytes, not the dense tensors' (on a GPU that is what crosses the bus), and the scores are
+    the dense diff's."""
+    from extractive_lens.backend import shift
+
+    hf = LM.base_checkpoint("llama", tmp_path / "base")
+    LM.train_adapter(hf, ADAPTERS["llama"], steps=1).save_pretrained(tmp_path / "adapter")
+    base = load_checkpoint(tmp_path / "base", dtype=torch.float64, backend="bridge")
+    diff = el.WeightDiff.from_peft(base, tmp_path / "adapter")
+    dense = el.WeightDiff({n: diff.deltas[n] for n in diff.deltas}, diff.signature)
+    batch = _batch(base)
+    read = {}
+    for name, d in (("factors", diff), ("dense", dense)):
+        with shift.counting() as moved:
+            read[name] = (el.causal_scores(base, d, batch, show_progress=False), moved.bytes)
+    (got, low), (want, full) = read["factors"], read["dense"]
+    layers = [n for n in diff.deltas.factors if n.startswith("blocks.")]
+    saved = sum(diff.deltas[n].numel() * 8 - diff.deltas.factors[n].nbytes() for n in layers)
+    assert 0 < low < full and full - low >= saved  # every load of a layer reads its factors
+    for kind in want.kinds:
+        err = float((got[kind] - want[kind]).abs().max()) / float(want[kind].abs().max())
+        assert err <= 1e-10, (kind, err)
+
+
 def test_scoring_with_an_adapter_never_writes_the_model(gpt2_pair):
     from tests.test_read_only import CALLS, assert_untouched, snapshot
 

@@ -167,6 +167,16 @@ class LowRankDeltas(Mapping[str, Tensor]):
         out = f.dense()
         return out if d is None else out + d.to(device=out.device, dtype=out.dtype)
 
+    def formed_on(self, name: str, device: str | torch.device | None) -> Tensor:
+        """``self[name]`` formed on ``device`` (``None``: where it is held): the factors moved
+        there first, so only they cross the bus (a TransformerBridge's Δ, one layer at a
+        time)."""
+        f, d = self.factors.get(name), self.dense.get(name)
+        if f is None:
+            return self[name] if device is None else self[name].to(device)
+        out = (f if device is None else f.to(device)).dense()
+        return out if d is None else out + d.to(device=out.device, dtype=out.dtype)
+
     def __contains__(self, name: object) -> bool:  # Mapping's would form the tensor
         return name in self.factors or name in self.dense
 

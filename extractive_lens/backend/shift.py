@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens.backend import vocab
-from extractive_lens.backend.lowrank import LowRank, low_rank_factors
+from extractive_lens.backend.lowrank import LowRank, LowRankDeltas, low_rank_factors
 from extractive_lens.backend.names import layer_of
 
 KEEP_LAYERS = 2
@@ -270,6 +270,12 @@ class Shift:
                 if traffic is not None:
                     traffic.bytes += factors[n].nbytes()
                 continue
+            if isinstance(self.diff.deltas, LowRankDeltas) and n in self.diff.deltas.factors:
+                # factors a piece does not take (a TransformerBridge): Δ formed where it runs
+                values[n] = self.diff.deltas.formed_on(n, block_dev or self.device)
+                if traffic is not None:
+                    traffic.bytes += _factor_bytes(self.diff.deltas, n)
+                continue
             d = self.diff.deltas[n]
             if traffic is not None:
                 traffic.bytes += _nbytes(d)
@@ -303,6 +309,12 @@ class Shift:
 
 def _nbytes(t: Any) -> int:
     return int(t.numel()) * int(t.element_size())
+
+
+def _factor_bytes(deltas: LowRankDeltas, name: str) -> int:
+    """Bytes of ``name``'s factors and dense part (what moves to form its Δ on the device)."""
+    d = deltas.dense.get(name)
+    return deltas.factors[name].nbytes() + (0 if d is None else _nbytes(d))
 
 
 def _group_of(name: str) -> Group:

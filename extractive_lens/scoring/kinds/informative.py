@@ -14,7 +14,7 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend import shift
-from extractive_lens.backend.lowrank import LowRank, low_rank_factors
+from extractive_lens.backend.lowrank import LowRank, LowRankDeltas, low_rank_factors
 from extractive_lens.scoring.runs import head_grad, head_out, layerwise, wide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -107,12 +107,16 @@ def layer_linear(chunk: LinearChunk, group: list[int], inf: Tensor, other: Tenso
 def _tangents(model: Any, deltas: Any, device: Any) -> Any:
     """Each tensor's tangent: its low-rank factors where the backend's pieces take them (the
     pieces add ``(x L) R`` to the derivative: ``B @ A`` is never formed), else Δ, on the
-    device."""
+    device (formed there from factors the pieces do not take: a TransformerBridge's)."""
     factors = low_rank_factors(deltas, B.backend_for(model))
 
     def tangent(name: str) -> Tensor | LowRank:
         f = factors.get(name)
-        return f.to(device) if f is not None else deltas[name].to(device)
+        if f is not None:
+            return f.to(device)
+        if isinstance(deltas, LowRankDeltas):  # formed on the device from the factors
+            return deltas.formed_on(name, device)
+        return deltas[name].to(device)
 
     return tangent
 
