@@ -251,15 +251,23 @@ def factor_pair(request, gpt2_pair, tmp_path_factory):
     return base, diff, el.WeightDiff({n: diff.deltas[n] for n in diff.deltas}, diff.signature)
 
 
-def test_scores_never_form_the_product(factor_pair, monkeypatch):
+@pytest.mark.parametrize("regime", ["small", "large"])
+def test_scores_never_form_the_product(factor_pair, regime, monkeypatch):
     """On a HookedTransformer every score of a low-rank diff (linear in both conventions, its
     forward-mode pass included; exact per token and per component; integrated) adds the change
     as ``(x L) R`` products: forming a whole ``left @ right`` is an error here, and the scores
-    still equal the dense Δ's (float64, 1e-10). The diff's shapes, norms and repr need no
-    product either."""
-    from extractive_lens.backend import lowrank
+    still equal the dense Δ's (float64, 1e-10), as a small model is scored and in the large-model
+    regime (gradients, sweeps and integrated nodes one layer at a time, two layers of Δ held,
+    the vocabulary by part). The diff's shapes, norms and repr need no product either."""
+    from extractive_lens.backend import lowrank, shift, vocab
+    from extractive_lens.scoring import runs
 
     base, diff, dense = factor_pair
+    if regime == "large":
+        monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+        monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+        monkeypatch.setattr(vocab, "SLICE_BYTES", 0)
+        monkeypatch.setattr(vocab, "COLUMNS", 24)
     if lowrank.low_rank_factors(diff.deltas, el.backend.backend_for(base)) == {}:
         pytest.skip("a TransformerBridge forms each layer's Δ on the device")
     batch = _batch(base)
