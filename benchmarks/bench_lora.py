@@ -79,11 +79,18 @@ def case(call: str, variant: str, depth: int, vocab: int, rank: int, device: str
 
     warnings.filterwarnings("ignore")
     cfg = dict(LLAMA3_8B, n_layers=depth, d_vocab=vocab, dtype=torch.bfloat16, device=device)
-    model = tiny_model(cfg, seed=0).to(device)
-    if backend == "bridge":  # a native TransformerBridge: each layer's Δ formed when it runs
-        from extractive_lens.backend.building import as_bridge
+    if backend == "bridge":  # a Hugging Face Llama of that shape in a TransformerBridge
+        import transformers
 
-        model = as_bridge(model)
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=cfg["d_model"], num_hidden_layers=depth,
+            num_attention_heads=cfg["n_heads"], num_key_value_heads=cfg["n_key_value_heads"],
+            intermediate_size=cfg["d_mlp"], max_position_embeddings=cfg["n_ctx"],
+        ), dtype=torch.bfloat16).to(device)  # fmt: skip
+        model = el.from_hf(hf, backend="bridge")
+    else:
+        model = tiny_model(cfg, seed=0).to(device)
     diff = adapter(model, rank).to(device)
     if variant == "dense":
         diff = el.WeightDiff({n: diff.deltas[n] for n in diff.deltas}, diff.signature)

@@ -231,7 +231,8 @@ def test_load_checkpoint_as_bridge_is_quiet_and_matches_hf(checkpoints, capfd):
 def test_checkpoint_without_tokenizer_loads_as_a_bridge(arch, tmp_path):
     """A checkpoint saved without tokenizer files loads as a bridge with no tokenizer (as a
     HookedTransformer does; TransformerLens 4's boot_transformers looked for one and failed), its
-    logits the checkpoint's; token prompts score, text prompts say the tokenizer is missing."""
+    logits the checkpoint's; token prompts score, text prompts say the tokenizer is missing.
+    ``from_hf`` without a tokenizer likewise (it looked one up by the model's name)."""
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_hf_config(arch)).eval()
     hf.save_pretrained(tmp_path)
@@ -247,6 +248,10 @@ def test_checkpoint_without_tokenizer_loads_as_a_bridge(arch, tmp_path):
     assert scores["informative"].abs().max() == 0
     with pytest.raises(ValueError, match="no tokenizer"):
         el.make_batch(bb, [("w5 w6", " w7")])
+    in_memory = el.from_hf(hf, backend="bridge")  # none given: none looked up by name either
+    assert in_memory.tokenizer is None
+    with torch.no_grad():
+        assert torch.allclose(in_memory(tokens), hf(tokens).logits, atol=1e-5)
 
 
 def test_exact_downstream_equals_literal_patching_through_bridge_hooks(checkpoints):

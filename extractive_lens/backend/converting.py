@@ -97,17 +97,14 @@ def boot_bridge(
     TransformerBridge = bridge_class()
 
     tokenizer = named_tokenizer(tokenizer)
-    given = tokenizer if tokenizer is not None or find_tokenizer else _placeholder_tokenizer()
+    given = tokenizer if tokenizer is not None or find_tokenizer else placeholder_tokenizer()
     with quiet_transformer_lens(), quiet_transformers():
         model = TransformerBridge.boot_transformers(
             str(path), tokenizer=None if given is None else copy.deepcopy(given),
             dtype=dtype, device=device, trust_remote_code=False, hf_model=hf_model,
         )  # fmt: skip
     if tokenizer is None and not find_tokenizer:
-        model.tokenizer = None
-        driver = getattr(model, "_driver", None)
-        if driver is not None and hasattr(driver, "tokenizer"):
-            driver.tokenizer = None
+        drop_tokenizer(model)
     model.cfg.model_name = Path(path).name
     if tokenizer is not None:
         model.cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
@@ -117,7 +114,15 @@ def boot_bridge(
     return model
 
 
-def _placeholder_tokenizer() -> Any:
+def drop_tokenizer(model: Any) -> None:
+    """A bridge booted with ``placeholder_tokenizer`` left without a tokenizer."""
+    model.tokenizer = None
+    driver = getattr(model, "_driver", None)
+    if driver is not None and hasattr(driver, "tokenizer"):
+        driver.tokenizer = None
+
+
+def placeholder_tokenizer() -> Any:
     """A one-word tokenizer (``<unk>``) to boot a bridge for a checkpoint that has none
     (``boot_bridge(find_tokenizer=False)``); dropped once the bridge is built."""
     import tokenizers

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from extractive_lens.backend.building import record_processing
-from extractive_lens.backend.converting import hooked_from_hf
+from extractive_lens.backend.converting import drop_tokenizer, hooked_from_hf, placeholder_tokenizer
 from extractive_lens.backend.hooked import notes
 from extractive_lens.backend.installed import (
     bridge_class,
@@ -61,11 +61,15 @@ def from_hf(
 
     if dtype != first.dtype or torch.device(device) != first.device:
         model.to(device=device, dtype=dtype)
+    # no tokenizer given: none (as for a HookedTransformer), not one looked up by the model's
+    # name (offline, that fails); the bridge boots with a placeholder, dropped at once
+    given = placeholder_tokenizer() if tokenizer is None else copy.deepcopy(tokenizer)
     with quiet_transformer_lens(), quiet_transformers():
         out = TransformerBridge.boot_transformers(
-            name, hf_model=model, dtype=dtype,
-            tokenizer=None if tokenizer is None else copy.deepcopy(tokenizer),
-        )  # fmt: skip
+            name, hf_model=model, dtype=dtype, tokenizer=given
+        )
+    if tokenizer is None:
+        drop_tokenizer(out)
     if tokenizer is not None:
         out.cfg.default_prepend_bos = tokenizer_prepends_bos(tokenizer)
     record_processing(out, processed=False)
