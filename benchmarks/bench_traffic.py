@@ -28,6 +28,7 @@ D_MODEL, D_MLP, HEADS, KV, D_HEAD, VOCAB = 4096, 14336, 32, 8, 128, 128256
 BLOCK = 2 * D_MODEL * HEADS * D_HEAD + 2 * D_MODEL * KV * D_HEAD + 3 * D_MODEL * D_MLP + 2 * D_MODEL
 CALLS = {
     "linear": ("linear", {}),
+    "linear_one_sweep": ("linear", {"upstream_group": None}),  # every boundary in one sweep
     "integrated": ("integrated", {"top_k": 3}),
     "exact_token_top3": ("causal", {"top_k": 3, "kinds": ("informative", "downstream")}),
 }
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=32)
     ap.add_argument("--batch", default="8x32", metavar="PxT")
     ap.add_argument("--calls", nargs="+", default=list(CALLS), choices=list(CALLS))
+    ap.add_argument("--kinds", nargs="+", default=None, help="score kinds (default: all)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -71,6 +73,8 @@ def main() -> None:
     print(f"Llama-3-8B shape, {args.depth} layers, {args.batch}; float32 Δ {total / 2**30:.1f} GiB")
     for name in args.calls:
         method, options = CALLS[name]
+        if args.kinds and method != "causal":
+            options = {**options, "kinds": tuple(args.kinds)}
         t0 = time.perf_counter()
         loads = _counted_loads(narrow, diff, batch, method, options, sized=sized)
         layers = sum(n for g, n in loads.items() if isinstance(g, int))

@@ -18,10 +18,8 @@ from extractive_lens.backend import LayerRun, shift
 from extractive_lens.scoring.runs import (
     LayerW_O,
     Run,
-    grad_at,
     head_grad,
     head_out,
-    layerwise,
     readout,
     sizing,
     wide,
@@ -83,19 +81,14 @@ def upstream_gradients(
     The base residual stream enters the finetuned model right after each component (heads of
     layer l: where they re-enter, with ``b_O'``; MLP l: after the MLP) as extra rows of one
     growing batch; one backward gives every boundary's gradient. ``group`` bounds how many
-    boundaries share a pass (memory).
+    boundaries share a pass (memory). Where gradients go one layer at a time (``layerwise``)
+    the engine runs ``sweep`` instead.
     """
     L, has_mlp = model.cfg.n_layers, B.has_mlp(model)
     parts = ("attn", "mlp") if has_mlp else ("attn",)
     boundaries = [(layer, part) for layer in range(L) for part in parts]
     group = group or len(boundaries)
     grads: dict[tuple[int, str], Tensor] = {}
-    if layerwise(model, chunk):  # one boundary at a time, one layer's graph at a time
-        with B.frozen_parameters(model):
-            for layer, part in boundaries:
-                source, start = _entry(model, diff, base, layer, part)
-                grads[(layer, part)] = grad_at(model, source, start, chunk, reward_fn)
-        return _split(grads, L, has_mlp)
     for g0 in range(0, len(boundaries), group):
         todo = set(boundaries[g0 : g0 + group])
         entries: list[Tensor] = []
