@@ -18,7 +18,9 @@ Two parts, each said plainly in the printed estimate:
   the Δ layers held on the device, one piece's ``W + αΔ`` in the compute dtype (twice: forward
   and the backward's re-formed copy), the embedding's and unembedding's ``W + αΔ``, the logits
   and the activations (one layer with a graph when gradients go one layer at a time, else every
-  layer's). It is an upper-bound-minded sketch checked against ``benchmarks/bench_memory.py``'s
+  layer's); one layer at a time, linear's layer-major sweep keeps every boundary's stream at
+  every later layer (up to ``upstream.SWEEP_BYTES``) and the integrated method each node's
+  stream entering each layer. It is an upper-bound-minded sketch checked against ``benchmarks/bench_memory.py``'s
   measurements (docs/benchmarks.md), not a guarantee.
 """
 
@@ -130,6 +132,25 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
         parts["activations (boundaries; one layer's graph)"] = (
             rows * pos * d_model * compute * 4 * cfg.n_layers + per_layer
         )
+        block = rows * pos * d_model * compute  # one [batch, pos, d_model] stream
+        kinds = options.get("kinds", ("informative", "upstream", "downstream"))
+        kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+        L = cfg.n_layers
+        if (
+            method == "linear"
+            and "upstream" in kinds
+            and options.get("convention") != "authors_code"
+        ):
+            from extractive_lens.scoring.kinds import upstream
+
+            boundaries = (2 if d_mlp else 1) * L * (L - 1) // 2 * block
+            group = options.get("upstream_group", "auto")
+            cap = boundaries if group is None or isinstance(group, int) else upstream.SWEEP_BYTES
+            parts["boundary streams kept by the sweep (upstream)"] = min(boundaries, cap)
+        if method == "integrated" and "informative" in kinds:
+            steps = options.get("steps", 4)
+            steps = 4 if steps == "auto" else int(steps)  # 'auto' doubles: one pass at a time
+            parts["each node's stream entering each layer"] = steps * L * block
     else:
         parts["activations (every layer)"] = per_layer * cfg.n_layers
     return Estimate(
