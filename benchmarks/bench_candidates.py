@@ -50,8 +50,9 @@ def main() -> None:
                 runs.append((time.process_time() - cpu, time.perf_counter() - wall))
         scores[cached] = torch.cat(out)
         forced = [(len(p), len(c)) for b in (facts, impls) for p, c in _forced(b)]
-        tokens = sum(len(c) - 1 + (0 if cached else p) for p, c in forced)
+        tokens = sum(c - 1 + (0 if cached else p) for p, c in forced)
         runs.sort()
+        print(f"prefix_cache={cached}: {runs}", flush=True)
         rows.append(dict(
             variant="prompt cached" if cached else "prompt in every row",
             rows=len(forced), tokens=tokens + int(facts.tokens.numel() + impls.tokens.numel()),

