@@ -36,7 +36,9 @@ def _large(monkeypatch) -> None:
     monkeypatch.setattr(shift, "REUSE_BYTES", 0)
 
 
-@pytest.mark.parametrize("group", ["auto", 1, 3, None, "tiny budget"], ids=lambda g: f"group={g}")
+@pytest.mark.parametrize(
+    "group", ["auto", 1, 3, None, "tiny budget", "one copy per block"], ids=lambda g: f"group={g}"
+)
 def test_linear_sweep_equals_the_whole_graph_scores(deep64, group, monkeypatch):
     """All kinds at once (informative's forward-mode pass inside the sweep, the finetuned run
     as the sweep's first rows) and the boundaries split into sweeps every way."""
@@ -47,6 +49,9 @@ def test_linear_sweep_equals_the_whole_graph_scores(deep64, group, monkeypatch):
     if group == "tiny budget":  # "auto" with a budget of one boundary's rows: one per sweep
         monkeypatch.setattr(upstream, "SWEEP_BYTES", 1)
         group = "auto"
+    if group == "one copy per block":  # every layer step a block of one copy of the prompts
+        monkeypatch.setattr(upstream, "SWEEP_TOKENS", 1)
+        group = None
     got = linear_scores(base, diff, batch, show_progress=False, upstream_group=group)
     torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
     torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
@@ -142,3 +147,35 @@ def test_integrated_informative_reads_each_layer_twice_for_all_nodes(deep4, monk
     moved = _reads(lambda: integrated_scores(base, diff, batch, **kw), monkeypatch)
     assert [moved.by_group[layer] for layer in range(L)] == [2] * (L - 1) + [1]
     assert moved.bytes <= 2 * _delta_bytes(diff)
+
+
+def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):
+    """Each boundary's ``ŷ'`` is a tensor of its own rows, not a view of the whole layer's
+    gradient (which held every boundary's rows of that layer: memory growing as depth²), and
+    a sweep's layer step runs ``SWEEP_TOKENS`` tokens at a time."""
+    from extractive_lens.backend import compute
+    from extractive_lens.scoring.linear import LinearOptions
+    from extractive_lens.scoring.runs import forward_run
+
+    base, diff, batch = deep64
+    _large(monkeypatch)
+    monkeypatch.setattr(upstream, "SWEEP_TOKENS", 1)
+    reward = LinearOptions().reward_fn
+    seen: list[int] = []
+    run_blocks = upstream.B.run_blocks
+
+    def counted(model, x, **kw):
+        if x is not None:
+            seen.append(x.shape[0])
+        return run_blocks(model, x, **kw)
+
+    monkeypatch.setattr(upstream.B, "run_blocks", counted)
+    with compute.computing_in(base, torch.float64), shift.reusing():
+        run = forward_run(base, batch, reward, grad=True)
+        with shift.shifted(base, diff):
+            _, gp_attn, gp_mlp = upstream.sweep(base, diff, batch, run, reward, finetuned=True,
+                                                upstream=True, group=None)  # fmt: skip
+    for g in [*gp_attn, *gp_mlp]:
+        assert g.shape == run.pre[0].shape
+        assert g.untyped_storage().nbytes() == g.nbytes  # no other rows behind it
+    assert seen and max(seen) == len(batch)  # one copy of the prompts per layer step

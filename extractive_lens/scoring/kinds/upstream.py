@@ -15,11 +15,13 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend import LayerRun, shift
+from extractive_lens.backend.blocks import Where
 from extractive_lens.scoring.runs import (
     LayerW_O,
     Run,
     head_grad,
     head_out,
+    layer_vjp,
     readout,
     sizing,
     wide,
@@ -108,7 +110,7 @@ def upstream_gradients(
             got = torch.autograd.grad(R.sum(), entries)
         order = [b for b in boundaries[g0 : g0 + group]]
         for key, g in zip(order, got):
-            grads[key] = g
+            grads[key] = owned(g)
     return _split(grads, L, has_mlp)
 
 
@@ -218,12 +220,26 @@ def _one_sweep(
         run.captured.append({k: v[:b].clone() for k, v in step.captured.items()})
 
     start = 0 if finetuned or not todo else todo[0][0]
+    rows = sweep_rows(chunk)
     with torch.no_grad():
         x = B.embed(model, chunk.tokens.to(model.cfg.device)) if finetuned else None
         for layer in range(start, L):
             kept[layer] = None if x is None or x.shape[0] == lead else x[lead:].clone()
-            x = B.run_blocks(model, x, start=(layer, "pre"), stop=layer + 1, capture=("z",),
-                             inject=inject, observe=observe if finetuned else None)  # fmt: skip
+            # the finetuned rows (recorded), then the boundaries' rows a block at a time: the
+            # layer's working set is that of ``rows`` rows however many boundaries came before
+            parts: list[Any] = [] if x is None or lead == 0 else [
+                B.run_blocks(model, x[:lead], start=(layer, "pre"), stop=layer + 1,
+                             capture=("z",), observe=observe)]  # fmt: skip
+            if x is not None and x.shape[0] > lead:
+                parts += [B.run_blocks(model, xr, start=(layer, "pre"), stop=layer + 1)
+                          for xr in x[lead:].split(rows)]  # fmt: skip
+            for part in ("attn", "mlp"):  # the boundaries entering here, in run_blocks' order
+                if (layer, part) in wanted:
+                    e = inject(layer, part, None)
+                    where = _boundary(model, layer, part)
+                    parts.append(e if where == "post" else B.run_blocks(model, e, start=(layer, where),
+                                                                         stop=layer + 1))  # fmt: skip
+            x = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
             if on_layer is not None:
                 on_layer(layer)
     assert x is not None
@@ -239,31 +255,57 @@ def _one_sweep(
         if g is None:
             break
         here = [k for k in order if k[0] == layer]
-        g, got = _layer_back(model, kept[layer], layer, [entries[k] for k in here], here, g)
+        g, got = _layer_back(model, kept[layer], layer, [entries[k] for k in here], here, g, rows)
         grads.update(zip(here, got))
     return run
 
 
+SWEEP_TOKENS = 256
+"""Tokens a sweep runs through a layer at once (``sweep_rows``): the boundaries' rows are
+stacked and split into blocks of about this many tokens, so that a layer's working set does
+not grow with the number of boundaries before it (with the depth)."""
+
+
+def sweep_rows(chunk: PromptBatch) -> int:
+    """Rows per block of a sweep's layer step: ``SWEEP_TOKENS`` tokens, whole copies of the
+    chunk's prompts (at least one copy)."""
+    b = len(chunk)
+    return b * max(1, SWEEP_TOKENS // (b * chunk.n_pos))
+
+
+def _boundary(model: Any, layer: int, part: str) -> Where:
+    """Where the rows of boundary ``(layer, part)`` enter the layer (``_entry``'s boundary)."""
+    if part == "attn" and B.has_mlp(model) and not B.parallel(model):
+        return "mid"
+    return "post"
+
+
 def _layer_back(
     model: Any, x: Tensor | None, layer: int, es: list[Tensor], keys: list[tuple[int, str]],
-    g_out: Tensor,
+    g_out: Tensor, rows: int,
 ) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
-    """One layer of a sweep's backward pass: the layer re-run on the rows entering it (``x``)
-    and those injected in it (``es`` at ``keys``), and ``g_out`` carried back to both."""
-    with torch.enable_grad():
-        xin = None if x is None else x.detach().requires_grad_(True)
-        leaves = [e.detach().requires_grad_(True) for e in es]
-        at = dict(zip(keys, leaves))
+    """One layer of a sweep's backward pass: the layer re-run on the rows entering it (``x``,
+    ``rows`` at a time) and on those injected in it (``es`` at ``keys``, from where they
+    entered), and ``g_out`` carried back to both. The rows of ``g_out`` are ``x``'s, then each
+    injected block's in order (``run_blocks``' ``inject``)."""
+    n = 0 if x is None else x.shape[0]
+    gx = None
+    if x is not None:
+        gx = torch.cat([layer_vjp(model, xr, (layer, "pre"), gr)[0]
+                        for xr, gr in zip(x.split(rows), g_out[:n].split(rows))])  # fmt: skip
+    got = []
+    for e, (l, part) in zip(es, keys):
+        ge, n = g_out[n : n + e.shape[0]], n + e.shape[0]
+        where = _boundary(model, l, part)
+        got.append(owned(ge if where == "post" else layer_vjp(model, e, (l, where), ge)[0]))
+    return gx, got
 
-        def inject(l: int, part: str, y: Tensor | None) -> Tensor | None:
-            e = at.get((l, part))
-            return y if e is None else (e if y is None else torch.cat([y, e]))
 
-        y = B.run_blocks(model, xin, start=(layer, "pre"), stop=layer + 1, inject=inject)
-        assert y is not None
-        inputs = ([] if xin is None else [xin]) + leaves
-        got = list(torch.autograd.grad(y, inputs, g_out))
-    return (None if xin is None else got.pop(0)), got
+def owned(g: Tensor) -> Tensor:
+    """``g`` in storage of its own. The gradient of a row block ``torch.cat`` joined is a view
+    of the whole gradient: kept as it is, each boundary's ``ŷ'`` would hold every row of its
+    layer (memory growing with the square of the depth)."""
+    return g if g.untyped_storage().nbytes() == g.nbytes else g.clone()
 
 
 def _split(grads: dict[tuple[int, str], Tensor], L: int, has_mlp: bool
