@@ -132,3 +132,62 @@ def test_estimate_takes_the_real_models_size_choices(monkeypatch):
         el.linear_scores(model, diff, batch, show_progress=False)
     assert e.layerwise
     assert e.delta_read_bytes == moved.bytes and e.layer_loads == moved.loads
+
+
+@pytest.mark.parametrize("family", ["ln_gelu", "rms_gated_rotary_gqa", "parallel_rotary"])
+def test_integrated_paths_run_a_block_of_rows_at_a_time(family, monkeypatch):
+    """The integrated method's upstream and downstream paths stack nodes x components x prompts
+    as rows of one layer-at-a-time pass (``runs.grad_at``); each layer runs ``BLOCK_TOKENS``
+    tokens at a time, forward and backward, so its working set does not grow with the rows
+    stacked. Scores (float64) as the whole graph's, and no layer step past one block."""
+    from tests.conftest import make_pair
+    from tests.test_linear import small_batch
+
+    base, ft = make_pair(family, torch.float64, n_layers=3)
+    diff, batch = el.WeightDiff.from_models(base, ft), small_batch(base)
+    kw = dict(kinds=("upstream", "downstream"), steps=3, show_progress=False)
+    want = el.integrated_scores(base, diff, batch, **kw)
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+    monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+    monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)  # one row per block
+    seen: list[int] = []
+    run_blocks, layer_vjp = runs.B.run_blocks, runs.layer_vjp
+
+    def counted(model, x, **kw):
+        if x is not None and torch.is_grad_enabled() is False and kw.get("stop") is not None:
+            seen.append(x.shape[0])
+        return run_blocks(model, x, **kw)
+
+    def counted_vjp(model, x, *a, **kw):
+        seen.append(x.shape[0])
+        return layer_vjp(model, x, *a, **kw)
+
+    monkeypatch.setattr(runs.B, "run_blocks", counted)
+    monkeypatch.setattr(runs, "layer_vjp", counted_vjp)
+    got = el.integrated_scores(base, diff, batch, **kw)
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
+    assert seen and max(seen) == 1  # every layer step of the paths one row
+
+
+@pytest.mark.parametrize("where", ["pre", "mid", "post"])
+def test_grad_at_a_block_at_a_time_is_the_whole_graph_gradient(where, monkeypatch):
+    """``runs.grad_at`` from each kind of boundary, one row per block, against autograd through
+    the whole rest of the model (float64)."""
+    from extractive_lens.scoring.linear import LinearOptions
+    from tests.conftest import make_pair
+    from tests.test_linear import small_batch
+
+    base, _ = make_pair("rms_gated_rotary_gqa", torch.float64, n_layers=3)
+    batch = small_batch(base)
+    reward = LinearOptions().reward_fn
+    x = B.run_blocks(base, B.embed(base, batch.tokens), stop=1).detach()
+    x = torch.cat([x, x + 0.01])  # two stacked copies
+    start = (1, where) if where != "post" else (0, "post")
+    if where == "mid":  # the stream after layer 1's heads
+        x = x + B.attention(base, 1, x)[0].detach()
+    xin = x.clone().requires_grad_(True)
+    R, _, _ = runs.readout(base, B.run_blocks(base, xin, start=start), batch, reward, groups=2)
+    (want,) = torch.autograd.grad(R.sum(), [xin])
+    monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
+    got = runs.grad_at(base, x, start, batch, reward, groups=2)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -50,7 +50,7 @@ def test_linear_sweep_equals_the_whole_graph_scores(deep64, group, monkeypatch):
         monkeypatch.setattr(upstream, "SWEEP_BYTES", 1)
         group = "auto"
     if group == "one copy per block":  # every layer step a block of one copy of the prompts
-        monkeypatch.setattr(upstream, "SWEEP_TOKENS", 1)
+        monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
         group = None
     got = linear_scores(base, diff, batch, show_progress=False, upstream_group=group)
     torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
@@ -152,14 +152,14 @@ def test_integrated_informative_reads_each_layer_twice_for_all_nodes(deep4, monk
 def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):
     """Each boundary's ``ŷ'`` is a tensor of its own rows, not a view of the whole layer's
     gradient (which held every boundary's rows of that layer: memory growing as depth²), and
-    a sweep's layer step runs ``SWEEP_TOKENS`` tokens at a time."""
+    a sweep's layer step runs ``runs.BLOCK_TOKENS`` tokens at a time."""
     from extractive_lens.backend import compute
     from extractive_lens.scoring.linear import LinearOptions
     from extractive_lens.scoring.runs import forward_run
 
     base, diff, batch = deep64
     _large(monkeypatch)
-    monkeypatch.setattr(upstream, "SWEEP_TOKENS", 1)
+    monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
     reward = LinearOptions().reward_fn
     seen: list[int] = []
     run_blocks = upstream.B.run_blocks

@@ -235,25 +235,47 @@ def grad_at(
 ) -> Tensor:  # fmt: skip
     """``dR/dx`` for the stream ``x`` at boundary ``start`` (``groups`` stacked copies of
     ``batch``), one layer at a time: a forward pass without a graph from ``start`` to the reward,
-    then ``layer_vjp`` back through each layer."""
+    then ``layer_vjp`` back through each layer. Each layer runs ``block_rows`` rows at a time
+    (rows are independent sequences), forward and backward: its working set does not grow
+    with the number of rows stacked."""
     layer, where = start
+    r = block_rows(x.shape[1])
     segments: list[tuple[tuple[int, Any], Tensor]] = []
-    if where == "mid":
-        segments.append((start, x))
 
-    def keep(step: LayerRun) -> None:
-        segments.append(((step.layer, "pre"), step.pre))
+    def through(at: tuple[int, Any], xin: Tensor) -> Tensor:
+        """``xin`` from boundary ``at`` to the end of its layer, a block of rows at a time."""
+        out = [B.run_blocks(model, xb, start=at, stop=at[0] + 1) for xb in xin.split(r)]
+        return torch.cat(out) if len(out) > 1 else out[0]  # type: ignore[arg-type,return-value]
 
     with torch.no_grad():
-        xf = B.run_blocks(model, x, start=start, observe=keep)
-    assert xf is not None
+        if where != "post":
+            segments.append((start, x))
+            x = through(start, x)
+        for l in range(layer + 1, model.cfg.n_layers):
+            segments.append(((l, "pre"), x))
+            x = through((l, "pre"), x)
     with torch.enable_grad():
-        xr = xf.detach().requires_grad_(True)
+        xr = x.detach().requires_grad_(True)
         R, _, _ = readout(model, xr, batch, reward_fn, groups=groups)
         (g,) = torch.autograd.grad(R.sum(), [xr])
     for seg_start, seg_x in reversed(segments):
-        g, _ = layer_vjp(model, seg_x, seg_start, g)
+        parts = [layer_vjp(model, xb, seg_start, gb)[0]
+                 for xb, gb in zip(seg_x.split(r), g.split(r))]  # fmt: skip
+        g = torch.cat(parts) if len(parts) > 1 else parts[0]
     return g
+
+
+BLOCK_TOKENS = 256
+"""Tokens a layer-at-a-time pass runs through a layer at once where it stacks many copies of a
+batch (``grad_at``; linear's sweep, ``upstream.sweep_rows``): the rows are split into blocks
+of about this many tokens, so that a layer's working set does not grow with the number of
+rows stacked (integrated paths, boundaries: with the depth)."""
+
+
+def block_rows(n_pos: int, rows: int = 1) -> int:
+    """Rows per block of ``n_pos`` positions: ``BLOCK_TOKENS`` tokens, in whole multiples of
+    ``rows`` (one copy of a batch), at least one multiple."""
+    return rows * max(1, BLOCK_TOKENS // (rows * n_pos))
 
 
 def _gradients(

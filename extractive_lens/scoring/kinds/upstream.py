@@ -19,6 +19,7 @@ from extractive_lens.backend.blocks import Where
 from extractive_lens.scoring.runs import (
     LayerW_O,
     Run,
+    block_rows,
     head_grad,
     head_out,
     layer_vjp,
@@ -260,17 +261,11 @@ def _one_sweep(
     return run
 
 
-SWEEP_TOKENS = 256
-"""Tokens a sweep runs through a layer at once (``sweep_rows``): the boundaries' rows are
-stacked and split into blocks of about this many tokens, so that a layer's working set does
-not grow with the number of boundaries before it (with the depth)."""
-
-
 def sweep_rows(chunk: PromptBatch) -> int:
-    """Rows per block of a sweep's layer step: ``SWEEP_TOKENS`` tokens, whole copies of the
-    chunk's prompts (at least one copy)."""
-    b = len(chunk)
-    return b * max(1, SWEEP_TOKENS // (b * chunk.n_pos))
+    """Rows per block of a sweep's layer step: ``runs.BLOCK_TOKENS`` tokens, whole copies of
+    the chunk's prompts (at least one copy), so that a layer's working set does not grow with
+    the number of boundaries before it (with the depth)."""
+    return block_rows(chunk.n_pos, len(chunk))
 
 
 def _boundary(model: Any, layer: int, part: str) -> Where:
