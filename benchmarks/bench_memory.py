@@ -19,7 +19,17 @@ Each (call, depth) runs in a fresh subprocess (large allocations returned to the
 ``MALLOC_MMAP_THRESHOLD_``), and the figure is the peak resident memory above the level after
 the model, Δ and the batch were built, sampled every millisecond. The slope is the least-squares
 growth per layer over the depths: the extra memory of a 32-layer model is about
-``at depth 1 + 31 x slope``. Target: slope <= 0.15 GiB per layer.
+``at depth 1 + 31 x slope``. Target (issue 41): slope <= 0.05 GiB per layer for every call and
+batch. The growth between the two deepest depths is printed beside it: a depth-1 model's passes
+from its first layer's heads run only that layer's MLP, a deeper one's whole layers, a step
+that the slope over depths 1 / 2 / 4 counts as growth.
+
+The grid issue 41 asks for, one case at a time on a shared machine, resumable::
+
+    python benchmarks/bench_memory.py --batches 1x16 2x16 8x32 1x256 --no-real-vocab \
+        --results grid.jsonl --lock /path/to/heavy.lock
+    python benchmarks/bench_memory.py --batches 1x16 2x16 8x32 1x256 --no-real-vocab \
+        --results grid.jsonl --summary                   # the table and slopes so far
 
 ``--device cuda``: the model is built on the GPU at the given depths (``--depths 32``: Llama-3-8B
 itself, random weights, 16 GB in bf16) with Δ in pinned host memory (``diff.pinned()``, as the
@@ -305,6 +315,19 @@ def slope(rows: list[dict], call: str, layerwise: bool, batch: str = "8x32") -> 
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
+def last_step(rows: list[dict], call: str, layerwise: bool, batch: str) -> float:
+    """Growth per layer between the two deepest depths measured: what the slope is once a
+    step at the smallest depths is behind (a depth-1 model has no layer after the first one's
+    heads: its passes from there run only that layer's MLP, a deeper one's a whole layer)."""
+    pts = sorted((r["depth"], r["extra_gib"]) for r in rows
+                 if r["call"] == call and r["vocab"] == 32000 and r["layerwise"] == layerwise
+                 and r["batch"] == batch)  # fmt: skip
+    if len(pts) < 2:
+        return float("nan")
+    (d0, y0), (d1, y1) = pts[-2], pts[-1]
+    return (y1 - y0) / (d1 - d0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
@@ -401,8 +424,10 @@ def main() -> None:
                          and r["depth"] == min(args.depths) and r["vocab"] == 32000
                          and r["batch"] == b), float("nan"))  # fmt: skip
             flag = "" if s <= TARGET else "  ABOVE TARGET"
+            last = last_step(rows, c, lw, b)
             print(f"{key:36s} slope {s:.3f} GiB/layer (target <= {TARGET}); 32 layers: about "
-                  f"{first + 31 * s:.1f} GiB above the weights{flag}")  # fmt: skip
+                  f"{first + 31 * s:.1f} GiB above the weights; between the two deepest "
+                  f"{last:.3f} GiB/layer{flag}")  # fmt: skip
     payload: dict = {"rows": rows, "slopes_gib_per_layer": slopes,
                      "setting": {"batches": args.batches, "shape": LLAMA3_8B}}  # fmt: skip
     if args.checkpoints:
