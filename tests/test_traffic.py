@@ -173,9 +173,11 @@ def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):
     with compute.computing_in(base, torch.float64), shift.reusing():
         run = forward_run(base, batch, reward, grad=True)
         with shift.shifted(base, diff):
-            _, gp_attn, gp_mlp = upstream.sweep(base, diff, batch, run, reward, finetuned=True,
+            ft, gp_attn, gp_mlp = upstream.sweep(base, diff, batch, run, reward, finetuned=True,
                                                 upstream=True, group=None)  # fmt: skip
     for g in [*gp_attn, *gp_mlp]:
         assert g.shape == run.pre[0].shape
         assert g.untyped_storage().nbytes() == g.nbytes  # no other rows behind it
     assert seen and max(seen) == len(batch)  # one copy of the prompts per layer step
+    assert ft is not None  # the finetuned run keeps one copy of z per layer, as forward_run
+    assert all(z.data_ptr() == c["z"].data_ptr() for z, c in zip(ft.z, ft.captured))

@@ -217,8 +217,9 @@ def _one_sweep(
             run.mlp_in.append(step.mlp_in[:b].clone())  # type: ignore[index]
             run.mlp_out.append(step.mlp_out[:b].clone())
         run.post.append(step.post[:b].clone())
-        run.z.append(step.captured["z"][:b].clone())
-        run.captured.append({k: v[:b].clone() for k, v in step.captured.items()})
+        z = step.captured["z"][:b].clone()
+        run.z.append(z)  # one copy for both records (as forward_run's views share it)
+        run.captured.append({k: z if k == "z" else v[:b].clone() for k, v in step.captured.items()})
 
     start = 0 if finetuned or not todo else todo[0][0]
     rows = sweep_rows(chunk)
