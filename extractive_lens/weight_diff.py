@@ -103,6 +103,7 @@ class WeightDiff:
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        on_demand: bool = False,
     ) -> WeightDiff:
         """Δ = finetuned - base, checked parameter by parameter.
 
@@ -110,8 +111,17 @@ class WeightDiff:
             device: where to keep Δ (default: the base model's parameters' device). Use
                 ``"cpu"`` for large models; ``applied`` moves each tensor when it is used.
             dtype: Δ's dtype (default: ``delta_dtype_for(base.cfg.dtype)``).
+            on_demand: hold no Δ: each tensor is formed when it is read, ``W' - W`` in
+                ``dtype`` where the base weight is (or on ``device``), from the finetuned
+                model's weights in their stored dtype. With the base model on the GPU and the
+                finetuned one on the host, the host holds the finetuned weights (bf16: half of
+                a float32 Δ) and each layer's Δ is formed on the GPU as scoring reads it, as
+                ``from_checkpoints`` does from files. Do not change either model while the
+                diff is in use.
         """
-        return cls(*models.from_models(base, finetuned, device=device, dtype=dtype))
+        return cls(
+            *models.from_models(base, finetuned, device=device, dtype=dtype, on_demand=on_demand)
+        )
 
     @classmethod
     def from_state_dicts(

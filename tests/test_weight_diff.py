@@ -166,3 +166,33 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="n_layers"):
         with diff.applied(other):
             pass
+
+
+@pytest.mark.parametrize("family", ["ln_gelu", "rms_gated_rotary_gqa"])
+def test_on_demand_diff_holds_the_finetuned_weights_and_forms_the_dense_delta(family):
+    """``from_models(on_demand=True)`` keeps the finetuned model's own bf16 tensors (no copy:
+    half the bytes of a float32 Δ) and forms each Δ when read, exactly the dense one in
+    float32; scores of a float64 pair equal the dense diff's."""
+    from extractive_lens import linear_scores
+    from tests.test_linear import small_batch
+
+    base, ft = make_pair(family, torch.bfloat16)
+    dense = WeightDiff.from_models(base, ft)
+    lazy = WeightDiff.from_models(base, ft, on_demand=True)
+    assert not isinstance(lazy.deltas, dict)
+    held = lazy.deltas.finetuned  # type: ignore[attr-defined]
+    mine = parameters(ft)
+    assert all(held[n].data_ptr() == mine[n].data_ptr() for n in mine)  # no copy kept
+    assert sum(t.numel() * t.element_size() for t in held.values()) * 2 == sum(
+        d.numel() * d.element_size() for d in dense.deltas.values()
+    )  # the finetuned weights in bf16: half the float32 Δ
+    for name, d in dense.deltas.items():
+        got = lazy.deltas[name]
+        assert got.dtype == torch.float32
+        assert torch.equal(got, d), name
+    base64, ft64 = make_pair(family, torch.float64)
+    batch = small_batch(base64)
+    want = linear_scores(base64, WeightDiff.from_models(base64, ft64), batch, show_progress=False)
+    got = linear_scores(base64, WeightDiff.from_models(base64, ft64, on_demand=True), batch,
+                        show_progress=False)  # fmt: skip
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)

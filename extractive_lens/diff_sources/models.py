@@ -19,8 +19,10 @@ def from_models(
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
+    on_demand: bool = False,
 ) -> Parts:
-    """Δ = finetuned - base, checked parameter by parameter (``WeightDiff.from_models``)."""
+    """Δ = finetuned - base, checked parameter by parameter (``WeightDiff.from_models``);
+    ``on_demand``: each tensor formed when it is read, from the two models' weights."""
     sig_b, sig_f = B.signature(base), B.signature(finetuned)
     diffs = {k: (sig_b[k], sig_f[k]) for k in sig_b if sig_b[k] != sig_f.get(k)}
     if diffs:
@@ -35,13 +37,26 @@ def from_models(
     missing = sorted(set(base_params) ^ set(ft))
     if missing:
         raise ValueError(f"Parameter names differ between base and finetuned: {missing[:5]}")
+    meta = {"base": base.cfg.model_name, "finetuned": finetuned.cfg.model_name}
+    if on_demand:
+        from extractive_lens.backend.checkpoint import LazyDeltas
+
+        for name, b in base_params.items():
+            f = ft[name]
+            if b.shape != f.shape or b.dtype != f.dtype:
+                raise ValueError(f"{name}: base {tuple(b.shape)} {b.dtype} != finetuned "
+                                 f"{tuple(f.shape)} {f.dtype}")  # fmt: skip
+        ddt = dtype or delta_dtype_for(base.cfg.dtype)
+        held = {n: p.detach() for n, p in ft.items()}
+        deltas = LazyDeltas(base_params, held, ddt, device)
+        return Parts(deltas, dict(sig_b), {**meta, "formed": "on demand"})
     return from_state_dicts(
         {n: p.detach() for n, p in base_params.items()},
         {n: p.detach() for n, p in ft.items()},
         signature=sig_b,
         device=device,
         dtype=dtype,
-        metadata={"base": base.cfg.model_name, "finetuned": finetuned.cfg.model_name},
+        metadata=meta,
     )
 
 
