@@ -140,7 +140,9 @@ def sweep(
     ``upstream_gradients``' ``group`` does (``"auto"``: ``SWEEP_BYTES``), each further sweep
     reading the layers after its first boundary again.
 
-    Returns ``(finetuned run or None, ŷ' at the heads' boundaries, at the MLPs')``.
+    Returns ``(finetuned run or None, ŷ' at the heads' boundaries, at the MLPs')``; the
+    finetuned run records what linear's kinds read of it: each layer's input (``pre``), its
+    MLP's (``mlp_in``), the reward and the final stream read.
     """
     L, has_mlp = model.cfg.n_layers, B.has_mlp(model)
     parts = ("attn", "mlp") if has_mlp else ("attn",)
@@ -208,18 +210,13 @@ def _one_sweep(
         order.append((layer, part))
         return e if x is None else torch.cat([x, e])
 
-    def observe(step: LayerRun) -> None:  # the finetuned rows: forward_run's record
+    def observe(step: LayerRun) -> None:  # the finetuned rows: what the kinds read of them
         assert run is not None
-        # copies: a view would keep every boundary's rows of the layer
+        # the inputs downstream re-runs the finetuned layers on, not all forward_run records
+        # (four streams per layer fewer); copies: a view would keep the layer's other rows
         run.pre.append(step.pre[:b].clone())
-        run.mid.append(step.mid[:b].clone())
-        if step.mlp_out is not None:
-            run.mlp_in.append(step.mlp_in[:b].clone())  # type: ignore[index]
-            run.mlp_out.append(step.mlp_out[:b].clone())
-        run.post.append(step.post[:b].clone())
-        z = step.captured["z"][:b].clone()
-        run.z.append(z)  # one copy for both records (as forward_run's views share it)
-        run.captured.append({k: z if k == "z" else v[:b].clone() for k, v in step.captured.items()})
+        if step.mlp_in is not None:
+            run.mlp_in.append(step.mlp_in[:b].clone())
 
     start = 0 if finetuned or not todo else todo[0][0]
     rows = sweep_rows(chunk)
@@ -231,7 +228,7 @@ def _one_sweep(
             # layer's working set is that of ``rows`` rows however many boundaries came before
             parts: list[Any] = [] if x is None or lead == 0 else [
                 B.run_blocks(model, x[:lead], start=(layer, "pre"), stop=layer + 1,
-                             capture=("z",), observe=observe)]  # fmt: skip
+                             observe=observe)]  # fmt: skip
             if x is not None and x.shape[0] > lead:
                 parts += [B.run_blocks(model, xr, start=(layer, "pre"), stop=layer + 1)
                           for xr in x[lead:].split(rows)]  # fmt: skip
