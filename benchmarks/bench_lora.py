@@ -121,7 +121,8 @@ def case(call: str, variant: str, depth: int, vocab: int, rank: int, device: str
             el.causal_scores(model, diff, batch, kinds=("informative", "downstream"),
                              per="component", layers=[0], show_progress=False)  # fmt: skip
         elif call == "integrated":
-            el.integrated_scores(model, diff, batch, top_k=3, linear=lin, show_progress=False)
+            el.integrated_scores(model, diff, batch, kinds=("informative", "downstream"),
+                                 top_k=3, linear=lin, show_progress=False)  # fmt: skip
         if cuda:
             torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
