@@ -46,6 +46,7 @@ from extractive_lens import (
     integrated_scores,
     linear_scores,
 )
+from extractive_lens import backend as B
 from extractive_lens.datasets.daxwug import daxwug
 from extractive_lens.datasets.twohop import first_hop, load_cities, load_names, second_hop
 from extractive_lens.experiments import (
@@ -102,7 +103,7 @@ def save_figure(fig: Any, stem: Path) -> None:
 
 def forward_flops(model: Any, n_tokens: int) -> float:
     """2 · (parameters a token meets) · tokens: every block matrix and the unembedding."""
-    blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks."))
+    blocks = B.layer_parameter_count(model) * model.cfg.n_layers
     return 2.0 * (blocks + model.cfg.d_model * model.cfg.d_vocab) * n_tokens
 
 
