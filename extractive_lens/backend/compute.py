@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from extractive_lens.backend.lowrank import LowRank
+from extractive_lens.backend.lowrank import LowRank, primal, tangent_only
 
 # ---------------------------------------------------------------------------------------------
 # Compute precision: score a bf16/fp16 model in float32 without a second copy of it
@@ -392,21 +392,6 @@ def low_rank_part(p: Tensor) -> tuple[LowRank | None, float, LowRank | None]:
         0.0 if s is None else s.alpha,
         t if isinstance(t, LowRank) else None,
     )
-
-
-def primal(x: Tensor) -> Tensor:
-    """``x`` without its forward-mode tangent (``x`` itself outside ``jvp``)."""
-    import torch.autograd.forward_ad as fwAD
-
-    return fwAD.unpack_dual(x).primal
-
-
-def tangent_only(u: Tensor) -> Tensor:
-    """A tensor whose value is 0 and whose forward-mode tangent is ``u``: added to a piece's
-    output, it adds ``u`` to the derivative and nothing to the value."""
-    import torch.autograd.forward_ad as fwAD
-
-    return fwAD.make_dual(torch.zeros_like(u), u)
 
 
 def plus_low_rank(out: Tensor, x: Tensor, part: tuple[LowRank | None, float, LowRank | None],

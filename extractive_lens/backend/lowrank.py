@@ -329,3 +329,18 @@ def from_file(tensors: Mapping[str, Tensor], layout: Mapping[str, Any]) -> LowRa
         except KeyError as e:
             raise ValueError(f"the low-rank factors of {name} are incomplete ({e}).") from None
     return LowRankDeltas(factors, dense)
+
+
+def primal(x: Tensor) -> Tensor:
+    """``x`` without its forward-mode tangent (``x`` itself outside ``jvp``)."""
+    import torch.autograd.forward_ad as fwAD
+
+    return fwAD.unpack_dual(x).primal
+
+
+def tangent_only(u: Tensor) -> Tensor:
+    """A tensor whose value is 0 and whose forward-mode tangent is ``u``: added to a piece's
+    output, it adds ``u`` to the derivative and nothing to the value."""
+    import torch.autograd.forward_ad as fwAD
+
+    return fwAD.make_dual(torch.zeros_like(u), u)

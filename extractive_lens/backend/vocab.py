@@ -79,7 +79,7 @@ def logits(p: Tensor, x: Tensor, dtype: torch.dtype, s: Any, t: Tensor | LowRank
         cols = slice(a, min(a + COLUMNS, n))
         w = _part(p, s, dtype, 1, cols)
         if isinstance(t, LowRank):  # the tangent x @ Δ[:, cols] as (x L) R[:, cols]
-            from extractive_lens.backend.compute import primal, tangent_only
+            from extractive_lens.backend.lowrank import primal, tangent_only
 
             u = restricted(t, 1, cols).to(w.device).apply(primal(x))
             parts.append(x @ w + tangent_only(u))
