@@ -74,6 +74,82 @@ def test_linear_sweep_in_the_authors_convention(deep64, monkeypatch):
     torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("kinds", [("upstream",), ("downstream",), ("informative", "upstream")])
+def test_linear_sweep_kinds_alone_equal_the_whole_graph(deep64, kinds, monkeypatch):
+    """Each kind's scores computed inside the sweep alone (upstream per boundary in the
+    backward pass, downstream in the forward step without informative's, upstream split
+    into one boundary per sweep): the whole-graph scores."""
+    base, diff, batch = deep64
+    kw = dict(kinds=kinds, show_progress=False, ablation="resample", resample_k=2)
+    want = linear_scores(base, diff, batch, **kw)
+    _large(monkeypatch)
+    got = linear_scores(base, diff, batch, upstream_group=1, **kw)
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
+
+
+def _streams(x, b: int, pos: int, d_model: int, seen: dict[int, int]) -> None:
+    """Every ``[b, pos, ...]`` tensor of at least a residual stream's size reachable from
+    ``x`` through lists, tuples, dicts and ``Run`` fields, by storage (views count once).
+    Lazy sequences (``HeadGrads``, ``LayerW_O``) form their tensors when read: not walked."""
+    from dataclasses import fields, is_dataclass
+
+    if isinstance(x, torch.Tensor):
+        if tuple(x.shape[:2]) == (b, pos) and x.numel() >= b * pos * d_model:
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _streams(v, b, pos, d_model, seen)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _streams(v, b, pos, d_model, seen)
+    elif is_dataclass(x) and isinstance(x, runs.Run):
+        for f in fields(x):
+            _streams(getattr(x, f.name), b, pos, d_model, seen)
+
+
+def test_linear_sweep_keeps_no_stream_per_layer_beyond_the_base_run(deep64, monkeypatch):
+    """Issue 41, memory flat with depth at any batch: each layer's scores are computed inside
+    the sweep while its streams are at hand (informative's and downstream's in the forward
+    step, upstream's per boundary as the backward pass reaches it), so after the sweep the
+    chunk keeps no ``[batch, pos, d_model]`` stream per layer beyond the base run's: no
+    finetuned layer inputs, no ``ŷ'``, no ``ŷ W_O^T`` (before: five per layer); and
+    upstream's ``y*`` is formed one layer at a time, never every layer's at once."""
+    from extractive_lens.scoring import linear as lin
+    from extractive_lens.scoring.ablation import AblationTable
+
+    base, diff, batch = deep64
+    _large(monkeypatch)
+    chunks: list = []
+    passes = lin._finetuned_passes
+
+    def spy(c, needs, kinds):
+        passes(c, needs, kinds)
+        chunks.append(c)
+
+    widths: list[int] = []
+    for_rows = AblationTable.for_rows
+
+    def rows_spy(self, rows, chunk, run, layers=slice(None)):
+        z, m = for_rows(self, rows, chunk, run, layers)
+        widths.append(z.shape[2])
+        return z, m
+
+    monkeypatch.setattr(lin, "_finetuned_passes", spy)
+    monkeypatch.setattr(AblationTable, "for_rows", rows_spy)
+    linear_scores(base, diff, batch, show_progress=False)
+    (c,) = chunks
+    b, pos = batch.tokens.shape
+    L, d = base.cfg.n_layers, base.cfg.d_model
+    on_base: dict[int, int] = {}
+    _streams(c.base, b, pos, d, on_base)
+    beyond: dict[int, int] = {}
+    for name in ("ft", "gp_attn", "gp_mlp", "g_z", "swept", "informative_blocks"):
+        _streams(getattr(c, name), b, pos, d, beyond)
+    assert not set(beyond) - set(on_base), "streams kept per layer beyond the base run"
+    assert len(on_base) <= 6 * L + 2  # pre (= post), mid, z, MLP out, both gradients; g_embed
+    assert widths and set(widths) == {1}  # y* one layer at a time
+
+
 def _reads(call, monkeypatch) -> shift.Traffic:
     _large(monkeypatch)
     with shift.counting() as moved:

@@ -120,11 +120,14 @@ class AblationTable:
         return ids
 
     def for_rows(
-        self, rows: list[int], chunk: PromptBatch, run: Run
+        self, rows: list[int], chunk: PromptBatch, run: Run, layers: slice = slice(None)
     ) -> tuple[Tensor, Tensor | None]:
-        """``(z*, mlp*)`` for a chunk: ``[batch, pos, layer, head, d_head]`` and ``[batch, pos, layer, d_model]``."""
-        z = wide(torch.stack(run.z, dim=2))
-        m = wide(torch.stack(run.mlp_out, dim=2)) if self.has_mlp else None
+        """``(z*, mlp*)`` for a chunk: ``[batch, pos, layer, head, d_head]`` and ``[batch, pos, layer, d_model]``.
+
+        ``layers``: only these layers (a scoring pass that reads one layer's ``y*`` at a time
+        forms that layer's alone, not ``y*`` of every layer at once); the values are the same."""
+        z = wide(torch.stack(run.z[layers], dim=2))
+        m = wide(torch.stack(run.mlp_out[layers], dim=2)) if self.has_mlp else None
         if self.ablation == "zero":
             return torch.zeros_like(z), (torch.zeros_like(m) if m is not None else None)
         r = self.role_ids(chunk, chunk.n_pos).to(z.device)
@@ -132,11 +135,13 @@ class AblationTable:
         rr = r.clamp(min=0)
         if self.ablation == "mean":
             c = self.count[rr].to(z.dtype)
+            z_sum = self.z_sum[:, layers]
+            m_sum: Any = None if m is None else self.m_sum[:, layers]
             if self.own_source:
                 ok = real & (c >= 2)
                 scale = (c - 1).clamp(min=1)
-                zs = _where(ok, (self.z_sum[rr] - z) / _bc(scale, z), z)
-                ms = None if m is None else _where(ok, (self.m_sum[rr] - m) / _bc(scale, m), m)
+                zs = _where(ok, (z_sum[rr] - z) / _bc(scale, z), z)
+                ms = None if m is None else _where(ok, (m_sum[rr] - m) / _bc(scale, m), m)
             else:
                 missing = real & (c == 0)
                 if missing.any():
@@ -145,8 +150,8 @@ class AblationTable:
                         f"No reference prompt has the role {chunk.roles[b][t]!r}; pass a reference "
                         "with aligned roles."
                     )
-                zs = self.z_sum[rr] / _bc(c.clamp(min=1), z)
-                ms = None if m is None else self.m_sum[rr] / _bc(c.clamp(min=1), m)
+                zs = z_sum[rr] / _bc(c.clamp(min=1), z)
+                ms = None if m is None else m_sum[rr] / _bc(c.clamp(min=1), m)
             return zs * _bc(real, z), (None if ms is None else ms * _bc(real, m))  # type: ignore[arg-type]
         picks = torch.tensor(
             [self.choices[i] for i in rows], dtype=torch.long, device=z.device
@@ -155,12 +160,13 @@ class AblationTable:
         ok = (pos >= 0) & real[:, :, None]
         w = ok.to(z.dtype)
         n = w.sum(-1)
-        zv = self.Z[picks[:, None, :], pos.clamp(min=0)]  # batch pos k layer head d_head
+        at = (picks[:, None, :], pos.clamp(min=0))
+        zv = self.Z[:, :, layers][at]  # batch pos k layer head d_head
         zs = (zv * _bc(w, zv)).sum(2) / _bc(n.clamp(min=1), z)
         zs = _where(n > 0, zs, z)
         ms = None
         if m is not None:
-            mv = self.M[picks[:, None, :], pos.clamp(min=0)]
+            mv = self.M[:, :, layers][at]
             ms = _where(n > 0, (mv * _bc(w, mv)).sum(2) / _bc(n.clamp(min=1), m), m)
         return zs * _bc(real, z), (None if ms is None else ms * _bc(real, m))  # type: ignore[arg-type]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import torch
@@ -34,11 +34,9 @@ from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
 from extractive_lens.scoring.ablation import AblationTable, table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
-from extractive_lens.scoring.kinds import KINDS
-from extractive_lens.scoring.kinds.informative import layer_linear
-from extractive_lens.scoring.kinds.upstream import sweep, upstream_gradients
+from extractive_lens.scoring.kinds import KINDS, downstream, informative, upstream
 from extractive_lens.scoring.options import LinearOptions, check_arguments, prepare
-from extractive_lens.scoring.runs import Run, forward_run, head_grad, layerwise, sizing, wide
+from extractive_lens.scoring.runs import HeadGrads, Run, forward_run, layerwise, sizing, wide
 from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
 
@@ -141,7 +139,7 @@ class LinearChunk:
     rows: list[int]
     options: LinearOptions
     table: AblationTable | None
-    g_z: list[Tensor]  # ŷ_h W_O[h]^T per layer: [batch pos head d_head]
+    g_z: Sequence[Tensor]  # ŷ_h W_O[h]^T per layer: [batch pos head d_head]
     ft: Run | None = None  # the finetuned run
     gp_attn: list[Tensor] | None = None  # ŷ' at the heads' and MLPs' boundaries
     gp_mlp: list[Tensor] | None = None
@@ -150,6 +148,8 @@ class LinearChunk:
     change: Tensor | None = None  # [batch] R(W') - R(W) (informative only)
     # the blocks' informative scores and b_O's "other", where the finetuned sweep computed them
     informative_blocks: tuple[Tensor, Tensor] | None = None
+    # kinds' scores the sweep computed layer by layer (``_finetuned_passes``), by kind
+    swept: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,8 +184,8 @@ def _scores(
     bar = progress(chunks, len(chunks), "linear scores", options.show_progress)
     for i, chunk in enumerate(bar):
         base = first if i == 0 else base_run(chunk)
-        g_z = [head_grad(wide(g), W) for g, W in zip(base.g_attn, base.W_O)]
-        c = LinearChunk(model, diff, deltas, chunk, base, plan[i][1], options, table, g_z)
+        c = LinearChunk(model, diff, deltas, chunk, base, plan[i][1], options, table,
+                        HeadGrads(base))  # fmt: skip
         _finetuned_passes(c, needs, options.score_kinds)
         values = torch.stack([KINDS[k].linear(c) for k in kinds])
         mask = chunk.position_mask.to(values.device)
@@ -205,31 +205,16 @@ def _finetuned_passes(c: LinearChunk, needs: set[str], kinds: Sequence[ScoreKind
     """The finetuned run and the resumed ``ŷ'`` pass, under one application of Δ.
 
     Where gradients go one layer at a time (``runs.layerwise``: large models) they are one
-    layer-major sweep (``upstream.sweep``) that also runs informative's forward-mode pass of
-    each layer while that layer's Δ is loaded: each layer's Δ is read once forward and once
-    backward."""
+    layer-major sweep (``upstream.sweep``) that also computes the kinds' scores of each layer
+    there, and keeps none of the layer's streams for after the sweep: informative's
+    forward-mode pass and downstream's base layer on the finetuned inputs while the layer's Δ
+    is loaded, upstream's scores of each boundary as the backward pass reaches it. Each
+    layer's Δ is read once forward and once backward."""
     want_run = bool(needs & {"finetuned", "finetuned_grad"})
     if not want_run and "upstream_grads" not in needs:
         return
     if layerwise(c.model, c.batch) and "finetuned_grad" not in needs:
-        on_layer = None
-        if "informative" in kinds:
-            inf = c.new_scores()
-            other = torch.zeros(len(c.batch), dtype=c.dtype, device=inf.device)
-            c.informative_blocks = (inf, other)
-
-            def on_layer(layer: int) -> None:
-                with B.unshifted(c.model):
-                    layer_linear(c, [layer], inf, other)
-
-        with B.shifted(c.model, c.diff):
-            c.ft, gp_attn, gp_mlp = sweep(
-                c.model, c.diff, c.batch, c.base, c.options.reward_fn, finetuned=want_run,
-                upstream="upstream_grads" in needs, group=c.options.upstream_group,
-                on_layer=on_layer,
-            )  # fmt: skip
-        if "upstream_grads" in needs:
-            c.gp_attn, c.gp_mlp = gp_attn, gp_mlp
+        _swept(c, want_run, "upstream_grads" in needs, kinds)
         return
     with B.shifted(c.model, c.diff):
         if want_run:
@@ -239,9 +224,45 @@ def _finetuned_passes(c: LinearChunk, needs: set[str], kinds: Sequence[ScoreKind
         if "upstream_grads" in needs:
             g = c.options.upstream_group
             group = _auto_group(c.model, c.batch) if g == "auto" else g
-            c.gp_attn, c.gp_mlp = upstream_gradients(
+            c.gp_attn, c.gp_mlp = upstream.upstream_gradients(
                 c.model, c.diff, c.batch, c.base, c.options.reward_fn, group
             )
+
+
+def _swept(c: LinearChunk, finetuned: bool, grads: bool, kinds: Sequence[ScoreKind]) -> None:
+    """The layer-major sweep (``upstream.sweep``), each kind's scores of a layer computed
+    while that layer's streams are at hand: informative's and downstream's in the forward
+    step (``c.informative_blocks``, ``c.swept["downstream"]``), upstream's per boundary in
+    the backward pass (``c.swept["upstream"]``). The finetuned run keeps no layer."""
+    inf = other = down = up = None
+    if "informative" in kinds:
+        inf = c.new_scores()
+        other = torch.zeros(len(c.batch), dtype=c.dtype, device=inf.device)
+        c.informative_blocks = (inf, other)
+    if "downstream" in kinds:
+        down = c.swept["downstream"] = c.new_scores()
+    if grads:
+        up = c.swept["upstream"] = c.new_scores()
+
+    def on_layer(layer: int, step: Any) -> None:
+        with B.unshifted(c.model):
+            if inf is not None and other is not None:
+                informative.layer_linear(c, [layer], inf, other)
+            if down is not None:
+                assert step is not None  # downstream needs the finetuned rows: they ran
+                downstream.layer_linear(c, layer, step.pre, step.mlp_in, down)
+
+    def on_grad(layer: int, part: str, g: Tensor) -> None:
+        assert up is not None
+        upstream.layer_linear(c, layer, part, g, up)
+
+    with B.shifted(c.model, c.diff):
+        c.ft, _, _ = upstream.sweep(
+            c.model, c.diff, c.batch, c.base, c.options.reward_fn, finetuned=finetuned,
+            upstream=grads, group=c.options.upstream_group,
+            on_layer=on_layer if inf is not None or down is not None else None, record=False,
+            on_grad=on_grad if up is not None else None,
+        )  # fmt: skip
 
 
 ADDITIVITY_TOLERANCE = 0.3

@@ -162,6 +162,26 @@ class LayerW_O(Sequence[Tensor]):
         return (self[layer] for layer in range(len(self)))
 
 
+class HeadGrads(Sequence[Tensor]):
+    """Per layer, ``ŷ_h W_O[h]^T`` of a run with gradients (``head_grad`` of its ``g_attn``
+    and ``W_O``: R's gradient at ``hook_z``), formed when read rather than kept for every
+    layer (one ``[batch, pos, d_model]`` stream per layer fewer)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __len__(self) -> int:
+        return len(self.run.g_attn)
+
+    def __getitem__(self, layer: int) -> Tensor:  # type: ignore[override]
+        if not 0 <= layer < len(self):
+            raise IndexError(layer)
+        return head_grad(wide(self.run.g_attn[layer]), self.run.W_O[layer])
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (self[layer] for layer in range(len(self)))
+
+
 def _layerwise_run(
     model: Any, batch: PromptBatch, reward_fn: Reward, capture: tuple[str, ...], run: Run,
     observe: Any, tokens: Tensor,

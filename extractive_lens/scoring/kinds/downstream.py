@@ -29,19 +29,32 @@ def capture(options: ScoreOptions) -> tuple[str, ...]:
 
 
 def linear(chunk: LinearChunk) -> Tensor:
-    model, base, ft = chunk.model, chunk.base, chunk.ft
+    swept = chunk.swept.get("downstream")
+    if swept is not None:  # computed layer by layer in the finetuned sweep
+        return swept
+    ft, has_mlp = chunk.ft, B.has_mlp(chunk.model)
     assert ft is not None
-    H, has_mlp = model.cfg.n_heads, B.has_mlp(model)
     out = chunk.new_scores()
-    with torch.no_grad():
-        for layer in range(model.cfg.n_layers):
-            _, cap = B.attention(model, layer, ft.pre[layer])
-            dz = wide(cap["z"]) - wide(base.z[layer])
-            out[:, layer, :H] = (chunk.g_z[layer] * dz).sum(-1).transpose(1, 2)
-            if has_mlp:
-                dy = wide(B.mlp(model, layer, ft.mlp_in[layer])) - wide(base.mlp_out[layer])
-                out[:, layer, H] = (wide(base.g_mlp[layer]) * dy).sum(-1)
+    for layer in range(chunk.model.cfg.n_layers):
+        layer_linear(chunk, layer, ft.pre[layer], ft.mlp_in[layer] if has_mlp else None, out)
     return out
+
+
+def layer_linear(
+    chunk: LinearChunk, layer: int, pre: Tensor, mlp_in: Tensor | None, out: Tensor
+) -> None:
+    """One layer's downstream scores into ``out``: the base layer re-run on the finetuned
+    run's inputs of that layer (``pre``, and ``mlp_in`` for its MLP). Call with the base
+    weights (the sweep calls it unshifted, as each layer's finetuned inputs are formed)."""
+    model, base = chunk.model, chunk.base
+    H = model.cfg.n_heads
+    with torch.no_grad():
+        _, cap = B.attention(model, layer, pre)
+        dz = wide(cap["z"]) - wide(base.z[layer])
+        out[:, layer, :H] = (chunk.g_z[layer] * dz).sum(-1).transpose(1, 2)
+        if mlp_in is not None:
+            dy = wide(B.mlp(model, layer, mlp_in)) - wide(base.mlp_out[layer])
+            out[:, layer, H] = (wide(base.g_mlp[layer]) * dy).sum(-1)
 
 
 def patch_values(chunk: CausalChunk, layer: int) -> tuple[Tensor, Tensor | None]:

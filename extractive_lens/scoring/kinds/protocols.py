@@ -10,7 +10,7 @@ field's type: ``LinearOptions`` for ``ScoreOptions``) except what a kind writes 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from torch import Tensor
@@ -53,7 +53,7 @@ class LinearChunk(Chunk, Protocol):
     @property
     def deltas(self) -> Mapping[str, Tensor]: ...
     @property
-    def g_z(self) -> list[Tensor]: ...
+    def g_z(self) -> Sequence[Tensor]: ...
     @property
     def ft(self) -> Run | None: ...
     @property
@@ -64,6 +64,8 @@ class LinearChunk(Chunk, Protocol):
     def dtype(self) -> torch.dtype: ...
     @property
     def informative_blocks(self) -> tuple[Tensor, Tensor] | None: ...
+    @property
+    def swept(self) -> dict[str, Tensor]: ...
 
     other: Tensor | None  # informative writes the "other" parameters' share here
 

@@ -48,28 +48,46 @@ def capture(options: ScoreOptions) -> tuple[str, ...]:
 
 
 def linear(chunk: LinearChunk) -> Tensor:
+    swept = chunk.swept.get("upstream")
+    if swept is not None:  # computed boundary by boundary in the sweep's backward pass
+        return swept
     model, base = chunk.model, chunk.base
-    H, has_mlp = model.cfg.n_heads, B.has_mlp(model)
-    assert chunk.table is not None
-    z_star, m_star = chunk.table.for_rows(chunk.rows, chunk.batch, base)
-    if chunk.options.authors:
-        assert chunk.ft is not None
-        gp_z = [head_grad(wide(g), W) for g, W in zip(chunk.ft.g_attn, chunk.ft.W_O)]
-        gp_mlp = chunk.ft.g_mlp
-    else:
-        assert chunk.gp_attn is not None and chunk.gp_mlp is not None
-        gp_z = [head_grad(wide(g), W) for g, W in zip(chunk.gp_attn, base.W_O)]
-        gp_mlp = chunk.gp_mlp
+    has_mlp = B.has_mlp(model)
     out = chunk.new_scores()
     for layer in range(model.cfg.n_layers):
-        dz = wide(base.z[layer]) - z_star[:, :, layer]
-        out[:, layer, :H] = ((gp_z[layer] - chunk.g_z[layer]) * dz).sum(-1).transpose(1, 2)
-        if has_mlp:
-            assert m_star is not None
-            dm = wide(base.mlp_out[layer]) - m_star[:, :, layer]
-            g = wide(gp_mlp[layer]) - wide(base.g_mlp[layer])
-            out[:, layer, H] = (g * dm).sum(-1)
+        if chunk.options.authors:
+            assert chunk.ft is not None
+            g_attn, W_O = chunk.ft.g_attn[layer], chunk.ft.W_O[layer]
+            g_mlp = chunk.ft.g_mlp[layer] if has_mlp else None
+        else:
+            assert chunk.gp_attn is not None and chunk.gp_mlp is not None
+            g_attn, W_O = chunk.gp_attn[layer], base.W_O[layer]
+            g_mlp = chunk.gp_mlp[layer] if has_mlp else None
+        layer_linear(chunk, layer, "attn", g_attn, out, W_O)
+        if g_mlp is not None:
+            layer_linear(chunk, layer, "mlp", g_mlp, out)
     return out
+
+
+def layer_linear(
+    chunk: LinearChunk, layer: int, part: str, g: Tensor, out: Tensor, W_O: Tensor | None = None
+) -> None:
+    """One boundary's upstream scores into ``out``: ``g`` is ``ŷ'`` there (``dR/d attn_out``
+    of the heads of ``layer``, read per head through ``W_O``, default the base run's; or
+    ``dR/d mlp_out``), ``y*`` formed for this layer alone. The sweep calls it as each
+    boundary's gradient arrives, so that no layer's ``ŷ'`` is kept."""
+    base, H = chunk.base, chunk.model.cfg.n_heads
+    assert chunk.table is not None
+    z_star, m_star = chunk.table.for_rows(chunk.rows, chunk.batch, base, slice(layer, layer + 1))
+    with torch.no_grad():
+        if part == "attn":
+            gp_z = head_grad(wide(g), base.W_O[layer] if W_O is None else W_O)
+            dz = wide(base.z[layer]) - z_star[:, :, 0]
+            out[:, layer, :H] = ((gp_z - chunk.g_z[layer]) * dz).sum(-1).transpose(1, 2)
+        else:
+            assert m_star is not None
+            dm = wide(base.mlp_out[layer]) - m_star[:, :, 0]
+            out[:, layer, H] = ((wide(g) - wide(base.g_mlp[layer])) * dm).sum(-1)
 
 
 def upstream_gradients(
@@ -124,7 +142,8 @@ sweeps, each reading the Δ of the layers after its first boundary again."""
 def sweep(
     model: Any, diff: WeightDiff, chunk: PromptBatch, base: Run, reward_fn: Reward, *,
     finetuned: bool, upstream: bool, group: int | str | None = "auto",
-    on_layer: Callable[[int], None] | None = None,
+    on_layer: Callable[[int, LayerRun | None], None] | None = None, record: bool = True,
+    on_grad: Callable[[int, str, Tensor], None] | None = None,
 ) -> tuple[Run | None, list[Tensor], list[Tensor]]:  # fmt: skip
     """The finetuned run and ``ŷ'`` at every boundary, layer by layer: each layer's Δ is read
     once forward and once backward, whatever the depth (the large-model path: ``layerwise``).
@@ -134,15 +153,21 @@ def sweep(
     stream entering the finetuned model right after each component, as in
     ``upstream_gradients``) advance together; the rows entering each layer are kept. Then the
     reward of every row, and backward layer by layer (last first), one vector-Jacobian product
-    of all the boundaries' rows per layer. ``on_layer(layer)`` runs after each layer's forward
-    step, while its Δ is loaded (linear's informative forward-mode pass). The kept streams
+    of all the boundaries' rows per layer. ``on_layer(layer, step)`` runs after each layer's
+    forward step, while its Δ is loaded, ``step`` the finetuned rows' ``LayerRun`` of that
+    layer (``None`` without them): linear's informative forward-mode pass and downstream's
+    re-run of the base layer on the finetuned inputs, each layer's scores computed there and
+    its inputs dropped (``record=False``: the finetuned run keeps no layer's inputs).
+    ``on_grad(layer, part, ŷ')`` receives each boundary's gradient as the backward pass
+    reaches it (upstream's scores of that boundary), and then none is kept. The kept streams
     grow with the number of boundaries times the layers after them: ``group`` bounds them as
     ``upstream_gradients``' ``group`` does (``"auto"``: ``SWEEP_BYTES``), each further sweep
     reading the layers after its first boundary again.
 
-    Returns ``(finetuned run or None, ŷ' at the heads' boundaries, at the MLPs')``; the
-    finetuned run records what linear's kinds read of it: each layer's input (``pre``), its
-    MLP's (``mlp_in``), the reward and the final stream read.
+    Returns ``(finetuned run or None, ŷ' at the heads' boundaries, at the MLPs')`` (no
+    gradients with ``on_grad``); the finetuned run records its reward, the final stream read
+    and, with ``record``, what downstream reads of it: each layer's input (``pre``) and its
+    MLP's (``mlp_in``).
     """
     L, has_mlp = model.cfg.n_layers, B.has_mlp(model)
     parts = ("attn", "mlp") if has_mlp else ("attn",)
@@ -153,9 +178,9 @@ def sweep(
         for i, todo in enumerate(_sweeps(model, chunk, boundaries, group) or [[]]):
             first = i == 0
             run = _one_sweep(model, diff, chunk, base, reward_fn, todo, finetuned and first,
-                             on_layer if first else None, grads)  # fmt: skip
+                             on_layer if first else None, record, on_grad, grads)  # fmt: skip
             ft = run if first else ft
-    if not upstream:
+    if not upstream or on_grad is not None:
         return ft, [], []
     gp_attn, gp_mlp = _split(grads, L, has_mlp)
     return ft, gp_attn, gp_mlp
@@ -189,11 +214,12 @@ def _sweeps(model: Any, chunk: PromptBatch, boundaries: list[tuple[int, str]],
 
 def _one_sweep(
     model: Any, diff: WeightDiff, chunk: PromptBatch, base: Run, reward_fn: Reward,
-    todo: list[tuple[int, str]], finetuned: bool, on_layer: Callable[[int], None] | None,
-    grads: dict[tuple[int, str], Tensor],
+    todo: list[tuple[int, str]], finetuned: bool,
+    on_layer: Callable[[int, LayerRun | None], None] | None, record: bool,
+    on_grad: Callable[[int, str, Tensor], None] | None, grads: dict[tuple[int, str], Tensor],
 ) -> Run | None:  # fmt: skip
     """One sweep (``sweep``): the finetuned run's rows if ``finetuned``, the boundaries
-    ``todo``; their gradients into ``grads``."""
+    ``todo``; their gradients to ``on_grad``, else into ``grads``."""
     L, b = model.cfg.n_layers, len(chunk)
     wanted = set(todo)
     entries: dict[tuple[int, str], Tensor] = {}
@@ -201,6 +227,7 @@ def _one_sweep(
     kept: dict[int, Tensor | None] = {}  # the boundaries' rows entering each layer
     run = Run() if finetuned else None
     lead = b if finetuned else 0
+    ft_step: list[LayerRun] = []  # the finetuned rows' step of the layer running
 
     def inject(layer: int, part: str, x: Tensor | None) -> Tensor | None:
         if (layer, part) not in wanted:
@@ -212,6 +239,9 @@ def _one_sweep(
 
     def observe(step: LayerRun) -> None:  # the finetuned rows: what the kinds read of them
         assert run is not None
+        ft_step.append(step)
+        if not record:
+            return
         # the inputs downstream re-runs the finetuned layers on, not all forward_run records
         # (four streams per layer fewer); copies: a view would keep the layer's other rows
         run.pre.append(step.pre[:b].clone())
@@ -240,7 +270,8 @@ def _one_sweep(
                                                                          stop=layer + 1))  # fmt: skip
             x = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
             if on_layer is not None:
-                on_layer(layer)
+                on_layer(layer, ft_step[0] if ft_step else None)
+            ft_step.clear()
     assert x is not None
     groups = x.shape[0] // b
     with torch.enable_grad():
@@ -255,7 +286,12 @@ def _one_sweep(
             break
         here = [k for k in order if k[0] == layer]
         g, got = _layer_back(model, kept[layer], layer, [entries[k] for k in here], here, g, rows)
-        grads.update(zip(here, got))
+        kept[layer] = None
+        for key, gk in zip(here, got):
+            if on_grad is None:
+                grads[key] = gk
+            else:
+                on_grad(*key, gk)
     return run
 
 
