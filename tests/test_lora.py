@@ -258,7 +258,10 @@ def test_scores_never_form_the_product(factor_pair, regime, monkeypatch):
     as ``(x L) R`` products: forming a whole ``left @ right`` is an error here, and the scores
     still equal the dense Δ's (float64, 1e-10), as a small model is scored and in the large-model
     regime (gradients, sweeps and integrated nodes one layer at a time, two layers of Δ held,
-    the vocabulary by part). The diff's shapes, norms and repr need no product either."""
+    the vocabulary by part). The diff's shapes, norms and repr need no product either. On a
+    TransformerBridge the same holds for the layers' changes of a Llama (its ``nn.Linear``
+    projections add them at their outputs), in TransformerLens's or the stored layout; its
+    embedding's change is formed (the bridge runs the embedding on its own weight)."""
     from extractive_lens.backend import lowrank, shift, vocab
     from extractive_lens.scoring import runs
 
@@ -268,11 +271,16 @@ def test_scores_never_form_the_product(factor_pair, regime, monkeypatch):
         monkeypatch.setattr(shift, "REUSE_BYTES", 0)
         monkeypatch.setattr(vocab, "SLICE_BYTES", 0)
         monkeypatch.setattr(vocab, "COLUMNS", 24)
-    if lowrank.low_rank_factors(diff.deltas, el.backend.backend_for(base)) == {}:
-        pytest.skip("a TransformerBridge forms each layer's Δ on the device")
+    bridge = el.backend.backend_for(base).NAME == "transformer_bridge"
+    if bridge and el.backend.bridge.architecture(base) == "GPT2LMHeadModel":
+        pytest.skip("a bridge's GPT-2 (fused c_attn, Conv1D) forms each layer's Δ on the device")
     batch = _batch(base)
-    want = {m: fn(base, dense, batch, show_progress=False) for m, fn in METHODS.items()}
-    whole = {f.shape for f in diff.deltas.factors.values()}
+    kw = {m: {"gqa": True} if bridge and m == "linear_authors" else {} for m in METHODS}
+    want = {m: fn(base, dense, batch, show_progress=False, **kw[m]) for m, fn in METHODS.items()}
+    checked = {n: f for n, f in diff.deltas.factors.items() if not bridge or "blocks." in n}
+    whole = {f.shape for f in checked.values()}
+    if bridge:  # a stored [out, in] weight's change formed whole is a product too
+        whole |= {(f.right.shape[1], f.left.shape[0]) for f in checked.values()}
     dense_of = lowrank.LowRank.dense
 
     def no_product(self):  # a part of the vocabulary (the batch's rows) may be formed
@@ -282,14 +290,14 @@ def test_scores_never_form_the_product(factor_pair, regime, monkeypatch):
 
     monkeypatch.setattr(lowrank.LowRank, "dense", no_product)
     for method, fn in METHODS.items():
-        got = fn(base, diff, batch, show_progress=False)
+        got = fn(base, diff, batch, show_progress=False, **kw[method])
         for kind in want[method].kinds:
             ref = want[method][kind]
             err = float((got[kind] - ref).abs().max()) / float(ref.abs().max())
             assert err <= 1e-10, (method, kind, err)
         if want[method].other is not None:  # the embedding's and unembedding's share
             ref = want[method].other
-            err = float((got.other - ref).abs().max()) / float(ref.abs().max())
+            err = float((got.other - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
             assert err <= 1e-10, (method, "other", err)
     diff.check_compatible(base), repr(diff), diff.norms(), (diff * 2).restricted(["L0H0"])
 
@@ -327,11 +335,11 @@ def test_low_rank_tangent_is_the_derivative_along_the_factors(gpt2_pair):
         assert torch.allclose(lo, (u - d) / (2 * eps), rtol=1e-6, atol=1e-9)
 
 
-def test_a_bridge_forms_each_layers_delta_from_the_factors_moved(tmp_path):
-    """On a TransformerBridge (Hugging Face weights: the pieces take no factors) each layer's Δ
-    is formed where the layer runs from the factors moved there: the Δ read is the factors'
-    bytes, not the dense tensors' (on a GPU that is what crosses the bus), and the scores are
-    the dense diff's."""
+def test_a_bridge_reads_each_layers_factors_not_the_dense_delta(tmp_path):
+    """On a TransformerBridge (Hugging Face weights) each layer's change is read as its factors,
+    moved where the layer runs (a Llama's projections add them at their outputs; anything else
+    forms its Δ there): the Δ read is the factors' bytes, not the dense tensors' (on a GPU that
+    is what crosses the bus), and the scores are the dense diff's."""
     from extractive_lens.backend import shift
 
     hf = LM.base_checkpoint("llama", tmp_path / "base")
@@ -351,6 +359,34 @@ def test_a_bridge_forms_each_layers_delta_from_the_factors_moved(tmp_path):
     for kind in want.kinds:
         err = float((got[kind] - want[kind]).abs().max()) / float(want[kind].abs().max())
         assert err <= 1e-10, (kind, err)
+
+
+def test_a_bridge_takes_the_factors_of_whole_linear_weights_only(tmp_path):
+    """On a TransformerBridge a Llama's seven projections (``nn.Linear``, ``[out, in]``) take
+    their factors as a change of the stored weight (``raw_low_rank``: its dense form is the
+    stored weight's Δ), which the pieces add at the module's output; GPT-2's fused ``c_attn``
+    and Conv1D weights take none (their Δ is formed). A piece whose ``nn.Linear`` with a
+    low-rank change does not run is refused, not scored without that change."""
+    from extractive_lens.backend import bridge, shift
+
+    for arch, mapped in (("llama", 7), ("gpt2", 0)):
+        hf = LM.base_checkpoint(arch, tmp_path / arch / "base")
+        LM.train_adapter(hf, ADAPTERS[arch], steps=1).save_pretrained(tmp_path / arch / "adapter")
+        base = load_checkpoint(tmp_path / arch / "base", dtype=torch.float64, backend="bridge")
+        diff = el.WeightDiff.from_peft(base, tmp_path / arch / "adapter")
+        layer0 = {n: f for n, f in diff.deltas.factors.items() if n.startswith("blocks.0.")}
+        found = {n: bridge.raw_low_rank(base, n, f) for n, f in layer0.items()}
+        taken = {n: r for n, r in found.items() if r is not None}
+        assert len(taken) == mapped, (arch, sorted(taken))
+        for name, (raw_name, f) in taken.items():
+            want = bridge.raw_tangents(base, {name: layer0[name].dense()}, torch.float64)
+            assert torch.allclose(f.dense(), want[raw_name], rtol=0, atol=1e-15), name
+    llama = load_checkpoint(tmp_path / "llama" / "base", dtype=torch.float64, backend="bridge")
+    diff = el.WeightDiff.from_peft(llama, tmp_path / "llama" / "adapter")
+    block = llama.blocks[0]
+    with shift.shifted(llama, diff), pytest.raises(RuntimeError, match="did not run 3 of"):
+        with bridge._low_rank_linears(block, block.mlp):
+            pass  # gate_proj, up_proj and down_proj never run
 
 
 def test_scoring_with_an_adapter_never_writes_the_model(gpt2_pair):

@@ -32,6 +32,7 @@ from extractive_lens.backend.compute import (
     this_thread_only,
     upcast_call,
 )
+from extractive_lens.backend.lowrank import LowRank
 from extractive_lens.backend.lowrank_pieces import (
     ATTN_LOW_RANK,
     MLP_LOW_RANK,
@@ -442,6 +443,12 @@ def write_parameters(model: Any, values: dict[str, Tensor]) -> None:
 def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """A weight direction in the model's own parameter names (they are TransformerLens's)."""
     return tangents
+
+
+def raw_low_rank(model: Any, name: str, f: LowRank) -> tuple[str, LowRank] | None:
+    """A low-rank change of ``name`` as a change of the stored weight: the same here (the
+    pieces add it as ``(x L) R``: ``backend/lowrank_pieces.py``)."""
+    return name, f
 
 
 def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:

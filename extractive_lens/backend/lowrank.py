@@ -213,7 +213,8 @@ def low_rank_factors(
     """The names whose Δ a shifted piece of this backend's model can take as factors: a
     low-rank diff's purely low-rank tensors on a model whose stored parameters are the
     TransformerLens ones (``HookedTransformer``); none elsewhere (a TransformerBridge stores the
-    Hugging Face weights: its Δ is formed, one layer at a time, on the device).
+    Hugging Face weights: ``shift`` asks its ``raw_low_rank`` for the factors of each stored
+    weight, and forms Δ, one layer at a time on the device, where there are none).
     ``any_backend``: for a TransformerLens view any backend gives (``W_O``)."""
     if not isinstance(deltas, LowRankDeltas):
         return {}

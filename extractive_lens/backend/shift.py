@@ -45,7 +45,8 @@ is 0.9 GB in float32)."""
 
 Offset = Tensor | LowRank
 """Δ of one stored tensor: dense, or the factors of a low-rank change (``WeightDiff.from_peft``
-on a ``HookedTransformer``: ``value`` adds them to W in one ``addmm``)."""
+on a ``HookedTransformer``, or a TransformerBridge's ``nn.Linear`` weight: the pieces add them
+as ``(x L) R``; elsewhere ``value`` adds them to W in one ``addmm``)."""
 
 Group = int | str
 """Where a stored tensor runs: a block's index, ``EMBED`` (before the blocks) or ``UNEMBED``
@@ -271,10 +272,17 @@ class Shift:
                     traffic.bytes += factors[n].nbytes()
                 continue
             if isinstance(self.diff.deltas, LowRankDeltas) and n in self.diff.deltas.factors:
-                # factors a piece does not take (a TransformerBridge): Δ formed where it runs
-                values[n] = self.diff.deltas.formed_on(n, block_dev or self.device)
                 if traffic is not None:
                     traffic.bytes += _factor_bytes(self.diff.deltas, n)
+                # a TransformerBridge: the factors of a stored nn.Linear weight, which its
+                # pieces add at the module's output (raw_low_rank); else Δ formed where it runs
+                raw = None
+                if n not in self.diff.deltas.dense:
+                    raw = self.backend.raw_low_rank(self.model, n, self.diff.deltas.factors[n])
+                if raw is not None:
+                    low_rank[self.raw_names[raw[0]]] = raw[1].to(block_dev or self.device)
+                else:
+                    values[n] = self.diff.deltas.formed_on(n, block_dev or self.device)
                 continue
             d = self.diff.deltas[n]
             if traffic is not None:

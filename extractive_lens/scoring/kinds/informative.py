@@ -146,7 +146,9 @@ def _layer_scores(chunk: LinearChunk, layer: int, dot: dict[str, Any], inf: Tens
     inf[:, layer, :H] = per.transpose(1, 2)  # type: ignore[union-attr]
     W_O_name, b_O_name = B.attn_out_names(layer)
     if W_O_name in deltas:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
-        d_WO = _tangents(model, deltas, device)(W_O_name)
+        # the factors on any backend (TransformerLens's layout: ``_W_O_grad`` takes them)
+        f = low_rank_factors(deltas, B.backend_for(model), any_backend=True).get(W_O_name)
+        d_WO = f.to(device) if f is not None else _tangents(model, deltas, device)(W_O_name)
         w_o = (_W_O_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
         inf[:, layer, :H] += w_o.transpose(1, 2)
     if b_O_name in deltas:
