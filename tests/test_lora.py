@@ -312,7 +312,7 @@ def test_low_rank_tangent_is_the_derivative_along_the_factors(gpt2_pair):
     base, diff, _ = gpt2_pair
     factors = low_rank_factors(diff.deltas, B.backend_for(base))
     if not factors:
-        pytest.skip("a TransformerBridge forms each layer's Δ on the device")
+        pytest.skip("a bridge's GPT-2 (fused c_attn, Conv1D) forms each layer's Δ on the device")
     x = B.embed(base, _batch(base).tokens)
 
     def pieces(m):
