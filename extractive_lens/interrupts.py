@@ -16,9 +16,10 @@ What it guards. Scoring never writes a model's weights (``backend.shifted`` supp
 (``WeightDiff.applied`` and ``finetune``, via ``weight_diff.weights_set``), TransformerLens's
 view flags (``backend.standard_flags``, ``ungrouped_kv``), ``cfg.dtype`` (``computing_in``),
 ``requires_grad`` (``frozen_parameters``) and the per-context substitutes in the module
-registries (``compute.substituted``). ``guarded`` wraps every public call in one more net: one
-call per model at a time, and on exit the registries, hooks, modes, grad and forward-AD state
-as they were. ``refuse_attached_hooks``: scores are of the model, not of hooks left on it.
+registries (``compute.substituted``). ``guarded`` wraps every public call in one more net: on
+exit the registries, hooks, modes, grad and forward-AD state as they were; ``one_call_per_model``
+around it lets one call per model run at a time, and releases the model only once restored. ``refuse_attached_hooks``: scores are of the model,
+not of hooks left on it.
 
 A Python signal handler runs in the main thread between two bytecodes, so a plain ``finally``
 can be interrupted in the middle of a restore loop. ``Shield`` swaps in a handler that records the
@@ -231,17 +232,21 @@ def guarded(model: Any) -> Iterator[None]:
     the calls that do (``WeightDiff.applied``, ``finetune``) restore them in their own contexts,
     each shielded the same way.
     """
-    with _model_lock(model):  # one public call at a time per model, whatever the thread
-        finish_stale()
-        state: dict[str, Any] = {}
+    # The model's lock is not taken here but around the whole call (``one_call_per_model``): a
+    # lock held by a generator stays held while the generator is suspended, which is what an
+    # interrupt landing in contextlib's ``__exit__`` before it resumes the generator leaves (and
+    # a kept traceback, like a notebook's last one, keeps it suspended): every other thread's
+    # next call on the model then waited for ever.
+    finish_stale()
+    state: dict[str, Any] = {}
 
-        def change() -> None:
-            state.update(_snapshot(model))
-            if state["level"] < 0:
-                reset_forward_ad()  # a level leaked by an earlier interrupt, seen only by C++
+    def change() -> None:
+        state.update(_snapshot(model))
+        if state["level"] < 0:
+            reset_forward_ad()  # a level leaked by an earlier interrupt, seen only by C++
 
-        with state_change(change, lambda: _restore(model, state)):
-            yield
+    with state_change(change, lambda: _restore(model, state)):
+        yield
 
 
 _LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
@@ -250,7 +255,17 @@ _LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDiction
 def one_call_per_model(fn: Any) -> Any:
     """Decorator for a public call whose first argument is a model: the call holds the model's
     lock (``_model_lock``) from its argument checks to its return, so that a second thread
-    neither sees the first one's temporary hooks or weights nor changes them."""
+    neither sees the first one's temporary hooks or weights nor changes them.
+
+    Whatever ends the call (an exception, an interrupt in any context manager's exit), the lock
+    is released and the model restored before it is: the lock is taken and released by a plain
+    ``with`` in this frame (its enter and exit are single C calls, which no signal handler can
+    split, unlike a ``with`` in a generator, which holds its lock while suspended); the call runs
+    in a copy of the caller's context, so that no context variable it sets (the shifts, the
+    substitutes, the compute dtype) outlives it even where an interrupt skipped the exit that
+    resets it; and the restores an interrupt left pending run, shielded, before the release
+    (``_completed``)."""
+    import contextvars
     import functools
 
     @functools.wraps(fn)
@@ -259,10 +274,22 @@ def one_call_per_model(fn: Any) -> Any:
             lock = _model_lock(model)
         except TypeError:  # not weak-referenceable: not a model; the call's checks say so
             return fn(model, *args, **kwargs)
-        with lock:
-            return fn(model, *args, **kwargs)
+        run = contextvars.copy_context().run
+        # one line: the release is on the line of the call, so that no line event comes between
+        # them (a trace function can raise at one, where a signal handler cannot run)
+        with lock: return run(_completed, fn, model, args, kwargs)  # noqa: E701  # fmt: skip
 
     return call
+
+
+def _completed(fn: Any, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(model, ...)``, then the restores its exits left pending (an interrupt between a
+    context manager's ``__exit__`` and the generator it resumes leaves the generator suspended,
+    for as long as the traceback is kept): the model as it was before its lock is released."""
+    try:
+        return fn(model, *args, **kwargs)
+    finally:
+        finish_stale()
 
 
 def _model_lock(model: Any) -> threading.RLock:

@@ -63,6 +63,7 @@ def snapshot(model):
         hooks=hooks,
         level=fwAD._current_level,
         handlers=[signal.getsignal(x) for x in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)],
+        locked=extractive_lens.interrupts._model_lock(model)._is_owned(),  # by this thread
     )
 
 
@@ -73,7 +74,8 @@ def assert_unchanged(model, before, where):
     assert all(x is y for x, y in zip(before["grads"], now["grads"])), (
         f".grad buffers changed ({where})"
     )
-    for key in ("objects", "flags", "training", "grad_mode", "dtype", "hooks", "level", "handlers"):
+    keys = ("objects", "flags", "training", "grad_mode", "dtype", "hooks", "level", "handlers")
+    for key in (*keys, "locked"):
         assert before[key] == now[key], f"{key} changed ({where})"
 
 
@@ -372,3 +374,89 @@ def test_an_interrupt_while_finding_a_models_lock_leaves_no_lock_held(setting):
         t.start()
         t.join(timeout=10)
         assert found, f"interrupted at line {at} of the lookup, a lock was left held"
+
+
+def _exits_seen(fn):
+    """The code of every generator-based context manager whose exit ``fn`` runs."""
+    seen: dict = {}
+    real = contextlib._GeneratorContextManager.__exit__
+
+    def recording(self, *exc):
+        seen.setdefault(self.gen.gi_code, None)
+        return real(self, *exc)
+
+    contextlib._GeneratorContextManager.__exit__ = recording
+    try:
+        fn()
+    finally:
+        contextlib._GeneratorContextManager.__exit__ = real
+    return [c for c in seen if c.co_filename.startswith(PACKAGE)]
+
+
+@needs_hooked
+@pytest.mark.parametrize("name", ["linear_scores", "causal_scores", "finetune"])
+def test_an_interrupt_in_a_context_managers_exit_leaves_the_model_free_and_unshifted(
+    setting, name, monkeypatch
+):
+    """An interrupt landing in contextlib's ``__exit__`` before it resumes the generator leaves
+    the generator suspended for as long as the traceback is kept (a notebook keeps the last one).
+    A lock taken inside it stayed held (every other thread's next call waited for ever), and a
+    context variable it set stayed set (a shift left active: the next call in this thread scored
+    W + αΔ as the base). Each of the package's context managers is interrupted at its exit in
+    turn, alone and together with the public call's guard (Ctrl-C pressed twice), the traceback
+    kept: another thread must get the model's lock, a plain forward must give the base logits,
+    the model must be as it was, and the next call must give the same result."""
+    import threading
+
+    from extractive_lens import interrupts
+
+    base, diff, batch = setting
+    fn = calls(base, diff, batch)[name]
+    before = snapshot(base)
+    logits = base(batch.tokens).detach()
+    reference = fn()
+    codes = _exits_seen(fn)
+    by_name = {c.co_name: c for c in codes}
+    assert {"guarded", "state_change"} <= set(by_name), by_name
+    real = contextlib._GeneratorContextManager.__exit__
+    failed = []
+    for code in codes:
+        for also in {code, by_name["guarded"]}:
+            targets = {code, also}
+            fired: list = []
+
+            def interrupted(self, *exc):
+                if self.gen.gi_code in targets and self.gen.gi_code not in fired:
+                    fired.append(self.gen.gi_code)
+                    raise KeyboardInterrupt(f"at the exit of {self.gen.gi_code.co_name}")
+                return real(self, *exc)
+
+            monkeypatch.setattr(contextlib._GeneratorContextManager, "__exit__", interrupted)
+            with pytest.raises(KeyboardInterrupt) as kept:  # the traceback kept, as a notebook
+                fn()
+            monkeypatch.undo()
+            where = f"{name}, interrupted at the exit of {sorted(c.co_name for c in targets)}"
+            assert set(fired) == targets, where
+            got = []
+
+            def take():
+                lock = interrupts._model_lock(base)
+                if lock.acquire(timeout=2):
+                    got.append(True)
+                    lock.release()
+
+            t = threading.Thread(target=take, daemon=True)
+            t.start()
+            t.join(timeout=10)
+            if not got:
+                failed.append(f"the model's lock is still held ({where})")
+            if not torch.equal(base(batch.tokens).detach(), logits):
+                failed.append(f"a plain forward is not the base model's ({where})")
+            try:
+                assert_unchanged(base, before, where)
+            except AssertionError as e:
+                failed.append(str(e).splitlines()[0])
+            if not _result_equal(fn(), reference):
+                failed.append(f"the next call differs ({where})")
+            del kept
+    assert not failed, "\n".join(failed)

@@ -408,13 +408,14 @@ def reusing() -> Iterator[None]:
     diff shares the Δ loaded (``Store``): one scoring call's passes share them; nothing is kept
     after the block."""
     previous, stores = _REUSE.get(), _STORES.get()
+    tokens: list[contextvars.Token[Any]] = []
     try:
-        _REUSE.set({} if previous is None else previous)
-        _STORES.set({} if stores is None else stores)
+        tokens.append(_REUSE.set({} if previous is None else previous))
+        tokens.append(_STORES.set({} if stores is None else stores))
         yield
     finally:
-        _REUSE.set(previous)
-        _STORES.set(stores)
+        _put_back(_STORES, tokens[1:], stores)
+        _put_back(_REUSE, tokens[:1], previous)
 
 
 @contextlib.contextmanager
@@ -436,11 +437,29 @@ def _shifts(now: tuple[Shift, ...]) -> Iterator[None]:
     """The shifts in force inside the block; the previous ones again after it, whatever happens
     (an interrupt before the ``try`` leaves nothing set, one inside it is undone)."""
     previous = _SHIFTS.get()
+    tokens: list[contextvars.Token[Any]] = []
     try:
-        _SHIFTS.set(now)
+        tokens.append(_SHIFTS.set(now))
         yield
     finally:
-        _SHIFTS.set(previous)
+        _put_back(_SHIFTS, tokens, previous)
+
+
+def _put_back(var: contextvars.ContextVar[Any], tokens: list[Any], previous: Any) -> None:
+    """``var`` as it was before the block that set it (``tokens``: the set's token, if kept).
+
+    Only in the context that set it: a generator that an interrupt left suspended (in contextlib's
+    ``__exit__``, before it resumed the generator) is closed late, by the garbage collector,
+    in whatever context runs then (a later call's: setting ``previous`` there changed that call's
+    shifts, which the token's ``reset`` refuses). Without a token (the interrupt landed between
+    the set and keeping its token) the block is being left now, in its own context."""
+    if not tokens:
+        var.set(previous)
+        return
+    try:
+        var.reset(tokens[0])
+    except ValueError:  # created in another context: not this one's to change
+        pass
 
 
 def W_O_shift(model: Any, layer: int) -> Offset | None:
