@@ -37,11 +37,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from extractive_lens.backend import hooked
+from extractive_lens.backend import hooked, shift, vocab
 from extractive_lens.backend.compute import (
     compute_dtype,
+    deferred_tangent,
     low_rank_part,
     plus_low_rank,
+    substituted,
     this_thread_only,
     upcast_call,
 )
@@ -54,7 +56,7 @@ NAME = "transformer_bridge"
 __all__ = [
     "NAME", "W_O", "attention", "check_scorable", "describe", "embed", "handles", "has_mlp",
     "kv_prefix", "mlp", "notes", "on_block", "on_final", "parallel", "parameter_slices",
-    "parameters", "raw_low_rank", "raw_masks", "raw_tangents", "signature", "function_config", "tl_view", "standard_flags", "unembed", "weights_processed",
+    "parameters", "raw_low_rank", "raw_masks", "raw_tangents", "signature", "function_config", "tl_view", "standard_flags", "unembed", "vocab_matrices", "weights_processed",
     "write_parameters",
 ]  # fmt: skip
 
@@ -159,8 +161,25 @@ def _tied(name: str) -> str:
 
 def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """A direction over the stored weights (keyed by ``named_parameters(remove_duplicate=False)``
-    names, every alias of shared storage included) whose TransformerLens views are ``tangents``."""
-    return _to_storage(model, tangents, dtype, strict=True)
+    names, every alias of shared storage included) whose TransformerLens views are ``tangents``.
+    A vocabulary matrix read a part at a time (``vocab.matrices``) gets a view of its tangent in
+    the stored layout (``lm_head.weight``: ``unembed.W_U``'s transpose), not a copy: the piece
+    that reads the matrix reads its tangent by part (``compute.deferred_tangent``)."""
+    large = {id(p) for p in vocab.matrices(model)}
+    parted: dict[int, tuple[Tensor, tuple[tuple[str, bool], ...]]] = {}
+    for name, (p, transposed) in vocab_matrices(model).items():
+        if id(p) in large and name in tangents:
+            q, names = parted.get(id(p), (p, ()))
+            parted[id(p)] = (q, (*names, (name, transposed)))
+    skip = {name for _, names in parted.values() for name, _ in names}
+    out = _to_storage(model, {n: t for n, t in tangents.items() if n not in skip}, dtype,
+                      strict=True)  # fmt: skip
+    for p, names in parted.values():
+        d = vocab.stored_delta(tangents, names, {})
+        for raw_name, q in model.named_parameters(remove_duplicate=False):
+            if q is p and d is not None:
+                out[raw_name] = d  # type: ignore[assignment]  # dense: no factors given
+    return out
 
 
 _View = tuple[str, tuple[int, ...], tuple[int, ...], int]  # raw name, shape, stride, offset
@@ -463,25 +482,28 @@ _NAMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], tuple[str, ..
 )
 
 
-def _names_in(root: nn.Module, *parts: nn.Module | None) -> tuple[str, ...]:
+def _names_in(root: nn.Module, *parts: nn.Module | None, but: Tensor | None = None
+              ) -> tuple[str, ...]:  # fmt: skip
     """The names (as ``root.named_parameters()`` / ``named_buffers()`` give them) of the
     parameters and floating-point buffers of ``parts``: what ``upcast_call`` upcasts while a
-    piece runs (TransformerLens 4's native unembedding holds its bias as a buffer)."""
-    key = tuple(id(p) for p in parts)
+    piece runs (TransformerLens 4's native unembedding holds its bias as a buffer); ``but``: a
+    vocabulary matrix the piece reads a part at a time itself (``backend/vocab.py``)."""
+    key = (*(id(p) for p in parts), id(but))
     cache = _NAMES.setdefault(root, {})
     if key not in cache:
         owned = {id(p) for m in parts if m is not None for p in m.parameters()}
         owned |= {
             id(b) for m in parts if m is not None for b in m.buffers() if b.is_floating_point()
         }
+        owned.discard(id(but))
         named = [*root.named_parameters(), *root.named_buffers()]
         cache[key] = tuple(n for n, p in named if id(p) in owned) or ("\0",)
     return cache[key]
 
 
 def _piece(root: nn.Module, parts: tuple[nn.Module | None, ...], fn: Any, *args: Any,
-           low_rank: frozenset[str] = frozenset()) -> Any:  # fmt: skip
-    return upcast_call(root, _names_in(root, *parts), fn, *args, low_rank=low_rank)
+           low_rank: frozenset[str] = frozenset(), but: Tensor | None = None) -> Any:  # fmt: skip
+    return upcast_call(root, _names_in(root, *parts, but=but), fn, *args, low_rank=low_rank)
 
 
 @contextlib.contextmanager
@@ -529,6 +551,35 @@ def _plain(f: LowRank | None) -> LowRank | None:
     return None if f is None else LowRank(f.left, f.right, "plain")
 
 
+def vocab_matrices(model: Any) -> dict[str, tuple[Tensor, bool]]:
+    """The vocabulary matrices ``backend/vocab.py`` may read a part at a time: the wrapped
+    model's token embedding (an ``nn.Embedding``: ``embed.W_E`` as stored) and its output
+    layer (an ``nn.Linear``, ``[d_vocab, d_model]``: ``unembed.W_U`` transposed), the same
+    tensor where they are tied (GPT-2). Others (a processed bridge's own copies, an embedding
+    that renormalises its rows) are run whole."""
+    out: dict[str, tuple[Tensor, bool]] = {}
+    e = getattr(model, "embed", None)
+    emb = getattr(e, "original_component", None)
+    processed = getattr(e, "_use_processed_weights", False)
+    if isinstance(emb, nn.Embedding) and emb.max_norm is None and not processed:
+        out["embed.W_E"] = (emb.weight, False)
+    u = getattr(model, "unembed", None)
+    head = getattr(u, "original_component", None)
+    if type(head) is nn.Linear and u._parameters.get("_processed_W_U") is None:
+        out["unembed.W_U"] = (head.weight, True)
+    return out
+
+
+def _by_part(model: Any, name: str) -> Tensor | None:
+    """The stored matrix of ``name`` where it is read a part at a time, else ``None``."""
+    found = vocab_matrices(model).get(name)
+    return found[0] if found is not None and vocab.by_part(model, found[0]) else None
+
+
+def _name_of(model: Any, p: Tensor) -> str:
+    return next(n for n, q in model.named_parameters() if q is p)
+
+
 class _Entered(Exception):
     """Raised by ``embed``'s hook with what entered the first block: the forward stops there."""
 
@@ -543,6 +594,7 @@ def embed(model: Any, tokens: Tensor) -> Tensor:
     forward of the model at layer 0 too (#42); this hook acts for this thread only."""
     parts = (getattr(model, "embed", None), getattr(model, "pos_embed", None))
     first = model.blocks[0]
+    p = _by_part(model, "embed.W_E")
 
     def stop(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
@@ -551,16 +603,41 @@ def embed(model: Any, tokens: Tensor) -> Tensor:
         raise _Entered(first.hook_in(x))
 
     def run(m: Any, t: Tensor) -> Tensor:
-        handle = first.register_forward_pre_hook(this_thread_only(stop), with_kwargs=True)
-        try:
-            m(t)
-        except _Entered as entered:
-            return entered.x
-        finally:
-            handle.remove()
+        with contextlib.ExitStack() as stack:
+            handle = first.register_forward_pre_hook(this_thread_only(stop), with_kwargs=True)
+            stack.callback(handle.remove)
+            if p is not None:  # the batch's rows of W_E + αΔ; the embedding reads its tokens'
+                stack.enter_context(_rows_only(m, p, t))  # places among them
+            try:
+                m(t)
+            except _Entered as entered:
+                return entered.x
         raise RuntimeError("embed: the forward pass never entered the first block")
 
-    return _piece(model, parts, run, tokens)
+    return _piece(model, parts, run, tokens, but=p)
+
+
+@contextlib.contextmanager
+def _rows_only(model: Any, p: Tensor, tokens: Tensor) -> Iterator[None]:
+    """Inside the block the wrapped embedding holds only the rows of ``W_E + α·Δ_E`` that
+    ``tokens`` use (``vocab.rows``: Δ read for them only) and is given the tokens renumbered
+    into them: its output is the whole matrix's, the matrix is never formed."""
+    used, inverse = torch.unique(tokens, return_inverse=True)
+    dtype = compute_dtype() or p.dtype
+    rows = vocab.rows(p, used, dtype, shift.active(p), deferred_tangent(p))
+    emb = model.embed.original_component
+
+    def renumber(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (inverse.to(args[0].device), *args[1:]), kwargs
+        return args, {**kwargs, "input": inverse.to(kwargs["input"].device)}
+
+    handle = emb.register_forward_pre_hook(this_thread_only(renumber), with_kwargs=True)
+    try:
+        with substituted(model, {"model." + _name_of(model, p): rows}):
+            yield
+    finally:
+        handle.remove()
 
 
 class _Prefix:
@@ -716,13 +793,23 @@ def mlp(model: Any, layer: int, mlp_in: Tensor) -> Tensor:
 def unembed(model: Any, resid: Tensor) -> Tensor:
     """Final norm, unembedding and logit soft-capping."""
 
+    p = _by_part(model, "unembed.W_U")
+
     def run(m: Any, x: Tensor) -> Tensor:
         if getattr(m, "ln_final", None) is not None:
             x = m.ln_final(x)
-        return m.unembed(x)
+        if p is None:
+            return m.unembed(x)
+        # UnembeddingBridge.forward with the wrapped Linear's x @ (W + αΔ)ᵀ taken COLUMNS
+        # vocabulary entries at a time (backend/vocab.py): the matrix is never formed
+        u = m.unembed
+        x = u.hook_in(x)
+        out = vocab.logits(p, x, x.dtype, shift.active(p), deferred_tangent(p), dim=0)
+        bias = u.original_component.bias
+        return u.hook_out(out if bias is None else out + bias)
 
     parts = (getattr(model, "ln_final", None), model.unembed)
-    logits = _piece(model, parts, run, on_final(model, resid))
+    logits = _piece(model, parts, run, on_final(model, resid), but=p)
     cap = getattr(model.cfg, "output_logits_soft_cap", None)
     if cap is not None and cap > 0:
         logits = cap * torch.tanh(logits / cap)

@@ -422,9 +422,10 @@ def _unembed(u: Any, x: Tensor) -> Tensor:
     return u.hook_out(u.hook_in(x) @ u.W_U + u.b_U)
 
 
-def vocab_matrices(model: Any) -> tuple[Tensor, ...]:
-    """The vocabulary matrices ``backend/vocab.py`` may read a part at a time."""
-    return (model.embed.W_E, model.unembed.W_U)
+def vocab_matrices(model: Any) -> dict[str, tuple[Tensor, bool]]:
+    """The vocabulary matrices ``backend/vocab.py`` may read a part at a time, by name: the
+    stored tensors are the TransformerLens ones (not transposed)."""
+    return {"embed.W_E": (model.embed.W_E, False), "unembed.W_U": (model.unembed.W_U, False)}
 
 
 def W_O(model: Any, layer: int) -> Float[Tensor, "head d_head d_model"]:

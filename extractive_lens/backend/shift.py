@@ -140,11 +140,14 @@ class Shift:
         self._values: dict[Group, dict[tuple[int, torch.dtype], Tensor]] = {}
         self.small = sum(p.numel() for p in model.parameters()) * 4 <= REUSE_BYTES
         # vocabulary matrices read a part at a time (backend/vocab.py): their Δ is not loaded
-        # with their group but read per part (``part``) from where the diff holds it
-        by_id = {i: n for n, i in self.raw_names.items()}
-        self.by_part: dict[int, str] = {
-            id(p): by_id[id(p)] for p in vocab.matrices(model) if id(p) in by_id
-        }
+        # with their group but read per part (``part``) from where the diff holds it; by stored
+        # tensor, the TransformerLens names it is (transposed or not: a bridge's lm_head)
+        self.by_part: dict[int, tuple[tuple[str, bool], ...]] = {}
+        large = {id(p) for p in vocab.matrices(model)}
+        for name, (p, transposed) in vocab.named(model).items():
+            if id(p) in large:
+                self.by_part[id(p)] = (*self.by_part.get(id(p), ()), (name, transposed))
+        self.parted = {name for names in self.by_part.values() for name, _ in names}
         self._whole = store.whole
         self._pending = store.pending
         self.store = store
@@ -164,11 +167,11 @@ class Shift:
         if id(p) not in self.by_part:  # not read by part: restrict the loaded Δ
             d = self.offset(p)
         else:
-            if id(p) not in self._whole:
-                name = self.by_part[id(p)]
+            if id(p) not in self._whole:  # in p's layout, a view: the diff's tensor is not copied
                 factors = low_rank_factors(self.diff.deltas, self.backend)
-                found = factors.get(name)  # the dense Δ only where there are no factors
-                self._whole[id(p)] = found if found is not None else self.diff.deltas.get(name)
+                self._whole[id(p)] = vocab.stored_delta(
+                    self.diff.deltas, self.by_part[id(p)], factors
+                )  # the dense Δ only where there are no factors
             d = self._whole[id(p)]
         if d is None:
             return None
@@ -250,8 +253,7 @@ class Shift:
         return None
 
     def _load(self, g: Group, non_blocking: bool = False) -> dict[int, Offset]:
-        parted = set(self.by_part.values())
-        names = [n for n in self.names_by_group.get(g, []) if n not in parted]
+        names = [n for n in self.names_by_group.get(g, []) if n not in self.parted]
         if not names:
             return {}
         traffic = _TRAFFIC.get()
