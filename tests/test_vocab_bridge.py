@@ -48,20 +48,25 @@ def _hf(arch: str):
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def setting(request):
     """A float64 base and finetuned bridge (every weight changed), their diff and a batch."""
+    return _setting(request.param, torch.float64)
+
+
+def _setting(arch: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    hfs = [transformers.AutoModelForCausalLM.from_config(_hf(request.param)).double().eval()
+    hfs = [transformers.AutoModelForCausalLM.from_config(_hf(arch)).double().eval()
            for _ in range(2)]  # fmt: skip
     with torch.no_grad():
         for p, q in zip(hfs[0].parameters(), hfs[1].parameters()):
             q.copy_(p + 0.02 * torch.randn_like(p))
-    base, ft = (el.from_hf(h, backend="bridge") for h in hfs)
+    base, ft = (el.from_hf(h.to(dtype), backend="bridge") for h in hfs)
     diff = el.WeightDiff.from_models(base, ft)
-    assert diff.deltas["embed.W_E"].abs().min() > 0 and diff.deltas["unembed.W_U"].abs().min() > 0
+    for name in ("embed.W_E", "unembed.W_U"):  # changed nearly everywhere (bf16 rounds some)
+        assert diff.deltas[name].ne(0).float().mean() > 0.9
     g = torch.Generator().manual_seed(1)
     pairs = [([1, *torch.randint(4, VOCAB, (4 + i % 2,), generator=g).tolist()], [10 + i])
              for i in range(3)]  # fmt: skip
     batch = el.make_batch(base, pairs, candidates=[10, 11, 12])
-    return request.param, base, diff, batch
+    return arch, base, diff, batch
 
 
 def _sliced(monkeypatch, columns: int = 7) -> None:
@@ -190,3 +195,18 @@ def test_tied_changes_must_agree_by_part(setting, monkeypatch):
     _sliced(monkeypatch)
     with pytest.raises(ValueError, match="tied weights"):
         el.linear_scores(model, bad, batch, kinds="informative", show_progress=False)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_bf16_bridge_scored_in_float32_by_part(arch, monkeypatch):
+    """A bf16 bridge scored in float32: the parts are upcast where they are read, as the whole
+    matrix was, and no float32 copy of a whole vocabulary matrix is made."""
+    _, model, diff, batch = _setting(arch, torch.bfloat16)
+    whole = el.linear_scores(model, diff, batch, show_progress=False)
+    _sliced(monkeypatch)
+    with _Formed() as spy:
+        got = el.linear_scores(model, diff, batch, show_progress=False)
+    assert not spy.large, spy.large[:5]
+    assert got.prompt_values.dtype == torch.float32
+    torch.testing.assert_close(got.prompt_values, whole.prompt_values, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.other, whole.other, rtol=1e-5, atol=1e-6)
