@@ -565,7 +565,8 @@ def vocab_matrices(model: Any) -> dict[str, tuple[Tensor, bool]]:
         out["embed.W_E"] = (emb.weight, False)
     u = getattr(model, "unembed", None)
     head = getattr(u, "original_component", None)
-    if type(head) is nn.Linear and u._parameters.get("_processed_W_U") is None:
+    processed = u is not None and u._parameters.get("_processed_W_U") is not None
+    if type(head) is nn.Linear and not processed:
         out["unembed.W_U"] = (head.weight, True)
     return out
 

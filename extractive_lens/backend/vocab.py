@@ -223,5 +223,6 @@ def _agree(a: Tensor | LowRank, b: Tensor | LowRank) -> bool:
         return False
     n = int(a.shape[0])
     return all(
-        torch.equal(a[i : i + COLUMNS], b[i : i + COLUMNS].to(a.device)) for i in range(0, n, COLUMNS)
+        torch.equal(a[i : i + COLUMNS], b[i : i + COLUMNS].to(a.device))
+        for i in range(0, n, COLUMNS)
     )
