@@ -137,9 +137,11 @@ def test_estimate_takes_the_real_models_size_choices(monkeypatch):
 @pytest.mark.parametrize("family", ["ln_gelu", "rms_gated_rotary_gqa", "parallel_rotary"])
 def test_integrated_paths_run_a_block_of_rows_at_a_time(family, monkeypatch):
     """The integrated method's upstream and downstream paths stack nodes x components x prompts
-    as rows of one layer-at-a-time pass (``runs.grad_at``); each layer runs ``BLOCK_TOKENS``
-    tokens at a time, forward and backward, so its working set does not grow with the rows
-    stacked. Scores (float64) as the whole graph's, and no layer step past one block."""
+    as rows of layer-at-a-time passes (``runs.grad_at``; upstream's finetuned-late paths in
+    the layer-major pass, ``nodes.layer_major``); each layer runs ``BLOCK_TOKENS`` tokens of the
+    paths at a time, forward and backward, so its working set does not grow with the rows
+    stacked. Scores (float64) as the whole graph's, and no path's layer step past one block
+    (the finetuned run downstream reads, recorded as it runs, is one copy of the prompts)."""
     from tests.conftest import make_pair
     from tests.test_linear import small_batch
 
@@ -154,7 +156,8 @@ def test_integrated_paths_run_a_block_of_rows_at_a_time(family, monkeypatch):
     run_blocks, layer_vjp = runs.B.run_blocks, runs.layer_vjp
 
     def counted(model, x, **kw):
-        if x is not None and torch.is_grad_enabled() is False and kw.get("stop") is not None:
+        path_step = kw.get("stop") is not None and kw.get("observe") is None
+        if x is not None and torch.is_grad_enabled() is False and path_step:
             seen.append(x.shape[0])
         return run_blocks(model, x, **kw)
 

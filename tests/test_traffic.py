@@ -192,10 +192,23 @@ def test_one_boundary_per_sweep_reads_later_layers_again(deep4, monkeypatch):
     assert one.by_group[L - 2] > 2 and one.bytes > 2 * all_.bytes
 
 
-@pytest.mark.parametrize("kinds", [("informative",), ("informative", "upstream", "downstream")])
-def test_integrated_nodes_side_by_side_equal_node_after_node(deep64, kinds, monkeypatch):
-    """The informative nodes run layer by layer together (``nodes.informative_nodes``; with
-    downstream, its patches read that sweep's finetuned run): the scores of the whole graph."""
+ALL = ("informative", "upstream", "downstream")
+
+
+@pytest.mark.parametrize(
+    "kinds, variant",
+    [(("informative",), "component"), (ALL, "component"), (ALL, "layer"),
+     (ALL, "a pass per path"), (("upstream",), "layers 1 and 2"),
+     (("upstream", "downstream"), "one row per block")],
+    ids=lambda v: "+".join(v) if isinstance(v, tuple) else v,
+)  # fmt: skip
+def test_integrated_layer_major_pass_equals_the_whole_graph(deep64, kinds, variant, monkeypatch):
+    """The informative nodes, the finetuned run (downstream's patches read it) and upstream's
+    finetuned-late paths (each path's rows entering the pass at their group's boundary) run
+    layer by layer together (``nodes.layer_major``): the scores of the whole graph, node after
+    node and path after path. Per component and per layer path; the paths split into a pass
+    each (``SWEEP_BYTES`` of one byte); a pass that starts after layer 0 (``layers``); one row
+    per layer step."""
     from extractive_lens.scoring import integrated
 
     base, diff, batch = deep64
@@ -203,15 +216,24 @@ def test_integrated_nodes_side_by_side_equal_node_after_node(deep64, kinds, monk
     # another's alpha or weight would still add up the same)
     monkeypatch.setattr(integrated, "nodes", lambda m, rule: ([0.1, 0.45, 0.8, 0.95],
                                                               [0.1, 0.2, 0.3, 0.4]))  # fmt: skip
-    kw = dict(steps=4, kinds=kinds, show_progress=False)
+    kw: dict = dict(steps=4, kinds=kinds, show_progress=False)
+    if variant == "layer":
+        kw["path"] = "layer"
+    if variant == "layers 1 and 2":
+        kw["layers"] = (1, 2)
     want = integrated_scores(base, diff, batch, **kw)
     _large(monkeypatch)
+    if variant == "a pass per path":
+        monkeypatch.setattr(upstream, "SWEEP_BYTES", 1)
+    if variant == "one row per block":
+        monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
     got = integrated_scores(base, diff, batch, **kw)
-    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
-    torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12, equal_nan=True)
+    if "informative" in kinds:
+        torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
     a, b = got.metadata["integrated"], want.metadata["integrated"]
     assert a["completeness"] == pytest.approx(b["completeness"], abs=1e-12)
-    assert a["R_change"] == pytest.approx(b["R_change"], abs=1e-12)
+    assert a["R_change"] == pytest.approx(b["R_change"], abs=1e-12, nan_ok=True)
 
 
 def test_integrated_informative_reads_each_layer_twice_for_all_nodes(deep4, monkeypatch):
@@ -223,6 +245,35 @@ def test_integrated_informative_reads_each_layer_twice_for_all_nodes(deep4, monk
     moved = _reads(lambda: integrated_scores(base, diff, batch, **kw), monkeypatch)
     assert [moved.by_group[layer] for layer in range(L)] == [2] * (L - 1) + [1]
     assert moved.bytes <= 2 * _delta_bytes(diff)
+
+
+@pytest.mark.parametrize("kinds", [ALL, ("upstream",)], ids=["all kinds", "upstream"])
+def test_integrated_reads_each_layer_twice_for_every_node_and_path(deep4, kinds, monkeypatch):
+    """Every component's upstream paths (four nodes each) enter the one layer-major pass at
+    their boundary with the informative nodes and the finetuned run: each layer's Δ read once
+    forward, once backward (the last layer still loaded), not once per path; the embedding and
+    the unembedding at most twice; in all under twice the Δ."""
+    base, diff, batch = deep4
+    L = base.cfg.n_layers
+    kw = dict(steps=4, kinds=kinds, show_progress=False)
+    moved = _reads(lambda: integrated_scores(base, diff, batch, **kw), monkeypatch)
+    assert [moved.by_group[layer] for layer in range(L)] == [2] * (L - 1) + [1]
+    assert moved.by_group["embed"] <= 2 and moved.by_group["unembed"] <= 2
+    assert moved.bytes <= 2 * _delta_bytes(diff)
+
+
+def test_integrated_paths_from_a_later_layer_read_no_earlier_layer(deep4, monkeypatch):
+    """Upstream's paths of layers 1 and 2 (of 4): the pass starts at their boundary, so layer
+    0 is not read, the later ones twice; and the control, a pass per path (``SWEEP_BYTES`` of
+    one byte), reads the layers after its boundary again: the count sees it."""
+    base, diff, batch = deep4
+    L = base.cfg.n_layers
+    kw = dict(steps=4, kinds=("upstream",), layers=(1, 2), show_progress=False)
+    one = _reads(lambda: integrated_scores(base, diff, batch, **kw), monkeypatch)
+    assert [one.by_group[layer] for layer in range(L)] == [0] + [2] * (L - 2) + [1]
+    monkeypatch.setattr(upstream, "SWEEP_BYTES", 1)
+    each = _reads(lambda: integrated_scores(base, diff, batch, **kw), monkeypatch)
+    assert each.by_group[2] > 2 and each.loads > 2 * one.loads
 
 
 def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):

@@ -289,10 +289,7 @@ class CausalChunk:
                 return _Context(layer, stream, part, kv, base.reward, False, base.post[layer],  # type: ignore[arg-type]
                                 base.mlp_out[layer])  # fmt: skip
             return _Context(layer, stream, part, kv, base.reward, False)  # type: ignore[arg-type]
-        if group == "heads":
-            d_bO = self.diff.deltas.get(B.attn_out_names(layer)[1])
-            if d_bO is not None:
-                stream = stream + d_bO.to(device=stream.device, dtype=stream.dtype)
+        stream, part = self.finetuned_entry(layer, group)
         kv = {}
 
         def keep_kv(step: B.LayerRun) -> None:
@@ -307,6 +304,19 @@ class CausalChunk:
                              capture=("k", "v"), observe=keep_kv)  # fmt: skip
             R, _, _ = readout(self.model, x, self.batch, self.options.reward_fn)  # type: ignore[arg-type]
         return _Context(layer, stream, part, kv, R, True, post, mlp_out)
+
+    def finetuned_entry(self, layer: int, group: str) -> tuple[Tensor, str]:
+        """Where a group's finetuned-late context enters the finetuned model: the base stream
+        right after the group (heads: with ``Δb_O``) and its boundary (``"mid"``: before the
+        layer's MLP, ``"post"``: after the layer)."""
+        base = self.base
+        part = "post" if (group == "mlp" or self.parallel or not self.has_mlp) else "mid"
+        stream = base.post[layer] if part == "post" else base.mid[layer]
+        if group == "heads":
+            d_bO = self.diff.deltas.get(B.attn_out_names(layer)[1])
+            if d_bO is not None:
+                stream = stream + d_bO.to(device=stream.device, dtype=stream.dtype)
+        return stream, part
 
     def patched_rewards(self, ctx: _Context, delta: Tensor, per: str) -> Tensor:
         """R with ``delta [batch pos comp d_model]`` added in ``ctx``: ``[batch, comp, pos]``
