@@ -151,6 +151,19 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
             steps = options.get("steps", 4)
             steps = 4 if steps == "auto" else int(steps)  # 'auto' doubles: one pass at a time
             parts["each node's stream entering each layer"] = steps * L * block
+        if method == "integrated" and "upstream" in kinds:
+            from extractive_lens.scoring.kinds import upstream
+
+            steps = options.get("steps", 4)
+            steps = 4 if steps == "auto" else int(steps)
+            per_layer = 1 if options.get("path") == "layer" else cfg.n_heads
+            top_k = options.get("top_k")
+            paths = top_k if top_k is not None else L * (per_layer + (1 if d_mlp else 0))
+            # upstream's finetuned-late paths in the layer-major pass (``nodes.layer_major``):
+            # each node's rows of each path kept at every layer after its boundary
+            parts["upstream paths' rows kept by the pass"] = min(
+                steps * paths * L * block, upstream.SWEEP_BYTES
+            )
     else:
         parts["activations (every layer)"] = per_layer * cfg.n_layers
     return Estimate(
