@@ -37,6 +37,9 @@ README advises for a GPU the size of the model), and the figure is the peak GPU 
 allocated above the model and the batch (``torch.cuda.max_memory_allocated``), with each call's
 time. All calls run in one process (the peak counter is reset between them).
 
+``--backend bridge``: the same shape as a Hugging Face Llama (untied ``lm_head``) in a
+``TransformerBridge`` (CPU cases; TransformerLens 4, or 3.9's bridge).
+
 ``--checkpoints`` also measures ``WeightDiff.from_checkpoints`` on two saved checkpoints of this
 shape (depth 2): peak host memory while every Δ tensor is formed once, layer by layer, against
 the size of one model and of its largest tensor: all resident pages, and without the
@@ -68,6 +71,7 @@ LLAMA3_8B = dict(
 CALLS = ("linear", "exact_token_top_k", "exact_component", "integrated")
 _BATCH = os.environ.get("BENCH_BATCH", "8x32")  # prompts x tokens; --batches sets it per case
 PROMPTS, TOKENS = (int(v) for v in _BATCH.split("x"))
+BACKEND = os.environ.get("BENCH_BACKEND", "hooked")  # --backend sets it: hooked or bridge
 COLS = ["call", "batch", "layerwise", "depth", "vocab", "extra_gib", "weights_gib", "seconds",
         "delta_moved_x"]  # fmt: skip
 
@@ -76,15 +80,45 @@ def build(depth: int, vocab: int):
     from extractive_lens import WeightDiff, tiny_model
     from extractive_lens import backend as B
 
-    cfg = dict(LLAMA3_8B, n_layers=depth, d_vocab=vocab, dtype=torch.bfloat16)
-    model = tiny_model(cfg, seed=0)
+    if BACKEND == "bridge":
+        model = build_bridge(depth, vocab)
+        stored = B.bridge.stored_names(model)  # no Δ where Llama stores no weight (biases)
+    else:
+        cfg = dict(LLAMA3_8B, n_layers=depth, d_vocab=vocab, dtype=torch.bfloat16)
+        model = tiny_model(cfg, seed=0)
+        stored = set(B.parameters(model))
     g = torch.Generator().manual_seed(1)
     deltas = {
         n: 1e-3 * torch.randn(p.shape, generator=g, dtype=torch.float32)
+        if n in stored else torch.zeros(p.shape, dtype=torch.float32)
         for n, p in B.parameters(model).items()
-    }
+    }  # fmt: skip
     diff = WeightDiff(deltas, B.signature(model))
     return model, diff, random_prompts(model, vocab, g)
+
+
+def build_bridge(depth: int, vocab: int):
+    """The same shape as a Hugging Face Llama (untied ``lm_head``) in a ``TransformerBridge``
+    (``--backend bridge``), random bf16 weights."""
+    import transformers
+
+    import extractive_lens as el
+
+    s = LLAMA3_8B
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=s["d_model"], num_hidden_layers=depth,
+        num_attention_heads=s["n_heads"], num_key_value_heads=s["n_key_value_heads"],
+        intermediate_size=s["d_mlp"], max_position_embeddings=s["n_ctx"],
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16)
+    hf = hf.to_empty(device="cpu").eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, t in hf.named_parameters():
+            t.fill_(1.0) if "norm" in n else t.normal_(0, 0.02)
+    return el.from_hf(hf, backend="bridge")
 
 
 def random_prompts(
@@ -114,6 +148,10 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
         import extractive_lens.scoring.runs as runs
 
         runs.LAYERWISE_BYTES = -1
+    if os.environ.get("BENCH_WHOLE_VOCAB"):  # the vocabulary matrices whole: the path before
+        from extractive_lens.backend import vocab as by_part  # they were read a part at a time
+
+        by_part.SLICE_BYTES = 2**62
     model, diff, batch = build(depth, vocab)
     # one prompt has no other prompts to take upstream's y* from (mean ablation): y* = 0 there
     # (the same passes, another constant)
@@ -145,7 +183,7 @@ def case(call: str, depth: int, vocab: int, layerwise: bool = False) -> dict:
         "call": call, "batch": f"{PROMPTS}x{TOKENS}", "depth": depth, "vocab": vocab, "layerwise": layerwise,
         "extra_gib": mem.extra_mb / 1024,
         "weights_gib": weights / GiB, "seconds": time.perf_counter() - t0,
-        "delta_moved_x": moved.bytes / _delta_bytes(diff),
+        "delta_moved_x": moved.bytes / _delta_bytes(diff), "backend": BACKEND,
     }  # fmt: skip
 
 
@@ -276,9 +314,10 @@ TARGET = 0.05
 def _key(row: dict | tuple) -> tuple:
     """A case's identity: (call, depth, vocab, layerwise, batch)."""
     if isinstance(row, dict):
-        return (row["call"], row["depth"], row["vocab"], bool(row["layerwise"]), row["batch"])
+        return (row["call"], row["depth"], row["vocab"], bool(row["layerwise"]), row["batch"],
+                row.get("backend", "hooked"))  # fmt: skip
     call, depth, vocab, lw, batch = row
-    return (call, depth, vocab, bool(lw), batch)
+    return (call, depth, vocab, bool(lw), batch, BACKEND)
 
 
 def _read_rows(path: str) -> list[dict]:
@@ -352,6 +391,9 @@ def main() -> None:
         help="batches of P prompts x T tokens (e.g. 1x16 2x16 8x32 1x256)",
     )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", choices=["hooked", "bridge"],
+                    help="the model class (default hooked; bridge: a Hugging Face Llama of this "
+                         "shape in a TransformerBridge, CPU cases only)")  # fmt: skip
     ap.add_argument("--vocab", type=int, default=128256, help="--device cuda: the vocabulary")
     ap.add_argument("--out", default="bench_memory")
     ap.add_argument("--results", metavar="JSONL",
@@ -366,6 +408,9 @@ def main() -> None:
                     help="hold this file lock (flock) while each case runs: one heavy case at a "
                          "time on a shared machine")  # fmt: skip
     args = ap.parse_args()
+    if args.backend:  # the cases read it (they run in subprocesses)
+        global BACKEND
+        BACKEND = os.environ["BENCH_BACKEND"] = args.backend
     if args.device == "cuda":
         rows = gpu_cases(args.depths, args.vocab, args.calls)
         print()
