@@ -152,6 +152,8 @@ def _one_pass(
 
     tokens = chunk.tokens.to(model.cfg.device)
     whole = [*lanes, ft_shift] if ft is not None else lanes
+    if not whole and not entries:  # nothing runs a shifted model (every path skipped)
+        return Pass(None, None, None)
     first = 0 if whole else min(e.start[0] for e in entries)
     with B.frozen_parameters(model):
         with torch.no_grad():
