@@ -493,6 +493,16 @@ class WeightDiff:
                 sq[c.layer, n_heads if c.head is None else c.head] += v
         return sq.sqrt(), other**0.5
 
+    @functools.cached_property
+    def _fingerprint(self) -> dict[str, list[float]]:
+        """What Δ holds, in a few numbers per tensor (``extractive_lens.fingerprint``): seeded
+        projections of each tensor and its norm, read once per diff. Results carry it
+        (``metadata["diff_fingerprint"]``), so that scores of one diff are not taken for
+        another's (rows swapped or a sign flipped leave the norms as they were)."""
+        from extractive_lens.fingerprint import fingerprint
+
+        return fingerprint(self.deltas)
+
     @property
     def component_labels(self) -> tuple[str, ...]:
         """The labels of the component axis within a layer: ``("H0", …, "H{n-1}", "MLP")``, as

@@ -117,6 +117,59 @@ def test_auto_steps_warn_the_errors_they_stopped_at(env, monkeypatch):
     assert "0.0%" not in message and f"downstream {err:.2g}" in message, message
 
 
+def test_top_k_refuses_another_diff_of_the_same_norms(env):
+    """The diff a result was computed for is told by its content, not its norms: Δ with a sign
+    flipped or with the rows of one tensor permuted has every norm of the real one, and its
+    linear scores rank other components; both are refused, saying what to do. The same diff,
+    one rebuilt from the same models and one formed on demand are taken."""
+    base, ft, diff, batch = env
+    kw = dict(kinds=("downstream",), per="component", top_k=2)
+    name = "blocks.1.mlp.W_in"
+    permuted = WeightDiff(
+        {n: d.flip(0) if n == name else d for n, d in diff.deltas.items()}, diff.signature
+    )
+    for other in (-diff, permuted):
+        assert other.norms().equals(diff.norms()) and other.other_norm() == diff.other_norm()
+        lin = linear_scores(base, other, batch, kinds=("downstream",))
+        for fn in (causal_scores, integrated_scores):
+            extra = {"steps": 1} if fn is integrated_scores else {}
+            with pytest.raises(ValueError, match=r"another weight change \(their Δ\[.*leave "
+                                                 r"linear=None"):  # fmt: skip
+                fn(base, diff, batch, linear=lin, **kw, **extra)
+    lin = linear_scores(base, diff, batch, kinds=("downstream",))
+    want = causal_scores(base, diff, batch, **kw)
+    for same in (diff, WeightDiff.from_models(base, ft),
+                 WeightDiff.from_models(base, ft, on_demand=True)):  # fmt: skip
+        got = causal_scores(base, same, batch, linear=lin, **kw)
+        assert torch.equal(got.values.nan_to_num(-9), want.values.nan_to_num(-9))
+
+
+def test_fingerprint_of_low_rank_factors_is_that_of_their_product():
+    """A low-rank change's fingerprint, read from its factors in each layout, is the one of the
+    tensor they form (a LoRA's scores and its merged model's are of one Δ); a factor's rows
+    permuted is another Δ."""
+    from extractive_lens.backend.lowrank import LowRank, LowRankDeltas
+    from extractive_lens.fingerprint import differs, fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    factors = {
+        f"w_{layout}": LowRank(
+            torch.randn(12, 3, generator=g), torch.randn(3, 8, generator=g), layout, n_heads=2
+        )  # fmt: skip
+        for layout in ("plain", "heads_out", "heads_in", "transposed")
+    }
+    low = LowRankDeltas(factors, {"b": torch.randn(8, generator=g)})
+    dense = {n: low[n] for n in low}
+    assert differs(fingerprint(low), fingerprint(dense)) is None
+    for n, f in factors.items():
+        moved = LowRank(f.left.flip(0), f.right, f.layout, f.n_heads)
+        assert (
+            differs(fingerprint(low), fingerprint(LowRankDeltas({**factors, n: moved}, low.dense)))
+            == n
+        )
+        assert differs(fingerprint(dense), fingerprint({**dense, n: moved.dense()})) == n
+
+
 def test_top_k_refuses_linear_scores_of_another_diff_on_the_same_prompts(env):
     base, ft, diff, batch = env
     moved = copy.deepcopy(base)  # another change of the same base (stored weights only)

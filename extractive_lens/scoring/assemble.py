@@ -108,6 +108,7 @@ def base_metadata(
     meta.update(
         diff_norms=diff.norms().to_numpy().tolist(),
         diff_other_norm=diff.other_norm(),
+        diff_fingerprint=diff._fingerprint,
         adapter=_adapter(diff),
         versions={
             "torch": torch.__version__,

@@ -158,13 +158,13 @@ def _skipped(
                     "batch's. Pass linear_scores(model, diff, batch) of this batch, or leave "
                     "linear=None to compute them."
                 )
-            if not _same_diff(linear.metadata, diff):
+            other = _other_diff(linear.metadata, diff)
+            if other is not None:
                 raise ValueError(
                     "causal_scores(top_k=..., linear=...): these linear scores were computed for "
-                    "another weight change (their per-component norms of Δ differ from this "
-                    "diff's), so their top components are not this diff's. Pass "
-                    "linear_scores(model, diff, batch) of this diff, or leave linear=None to "
-                    "compute them."
+                    f"another weight change ({other}), so their top components are not this "
+                    "diff's. Pass linear_scores(model, diff, batch) of this diff, or leave "
+                    "linear=None to compute them."
                 )
         if linear is None:
             from extractive_lens.scoring.linear import linear_scores
@@ -184,21 +184,30 @@ def _skipped(
     return skipped
 
 
-def _same_diff(meta: Mapping[str, Any], diff: WeightDiff) -> bool:
-    """Whether a result's recorded Δ norms (per component, and "other") are ``diff``'s: the
-    fingerprint of the diff every result carries (a result without them is not judged)."""
+def _other_diff(meta: Mapping[str, Any], diff: WeightDiff) -> str | None:
+    """How a result's recorded Δ differs from ``diff`` (``None``: the same Δ). Its content
+    fingerprint (``WeightDiff._fingerprint``: projections of each tensor) where it has one; a
+    result saved before fingerprints, by its per-component norms; one with neither, not
+    judged."""
     import math
 
+    from extractive_lens.fingerprint import differs
+
+    recorded = meta.get("diff_fingerprint")
+    if recorded is not None:
+        name = differs(recorded, diff._fingerprint)
+        return None if name is None else f"their Δ[{name}] differs from this diff's"
     norms, other = meta.get("diff_norms"), meta.get("diff_other_norm")
     if norms is None or other is None:
-        return True
+        return None
     mine = torch.as_tensor(diff.norms().to_numpy().copy(), dtype=torch.float64)
     theirs = torch.as_tensor(norms, dtype=torch.float64)
-    return (
+    same = (
         theirs.shape == mine.shape
         and torch.allclose(theirs, mine, rtol=1e-6, atol=1e-12)
         and math.isclose(float(other), diff.other_norm(), rel_tol=1e-6, abs_tol=1e-12)
     )
+    return None if same else "their per-component norms of Δ differ from this diff's"
 
 
 class _RowsKV(Mapping[int, tuple[Tensor, Tensor]]):
