@@ -12,8 +12,14 @@ Two parts, each said plainly in the printed estimate:
   count and length, widths of 8) in the large-model regime (Δ held ``KEEP_LAYERS`` layers at a
   time), making every choice by size as the real model would (``runs.sized_as``: gradients one
   layer at a time, the upstream group), and every layer load is scaled by the real diff's bytes
-  for that layer (``shift.counting``). Which layers a method reads, and how often, then does
-  not depend on widths.
+  for that layer, every tensor read on its own (``W_O``, ``b_O`` where its layer is not loaded)
+  by that tensor's (``shift.counting``). Which layers a method reads, and how often, then does
+  not depend on widths. The real diff's bytes are what crosses for it: a float32 or float64 Δ's
+  own, the finetuned tensors' in their stored dtype for a diff formed on demand (bf16: half),
+  the factors of a low-rank one; a diff formed on demand also reads every tensor once for its
+  norms on its first scoring call. A vocabulary matrix that the real model reads a part at a
+  time is counted whole (the narrow copy's vocabulary is small): the embedding's rows of the
+  batch are less.
 - **Memory** above the weights is a formula over the shapes (listed in ``Estimate.parts``):
   the Δ layers held on the device, one piece's ``W + αΔ`` in the compute dtype (twice: forward
   and the backward's re-formed copy), the embedding's and unembedding's ``W + αΔ``, the logits
@@ -30,6 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from extractive_lens.backend.lazy import LazyDeltas
+from extractive_lens.backend.lowrank import LowRankDeltas
 
 GiB = 2**30
 METHODS = ("linear", "causal", "integrated")
@@ -96,27 +105,31 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
     params = B.parameters(model)
     weights = sum(p.numel() * p.element_size() for p in params.values())
     deltas = diff.deltas
-    delta_bytes = sum(_nbytes(t) for t in deltas.values())
+    stored = {name: stored_bytes(deltas, name) for name in deltas}
+    delta_bytes = sum(stored.values())
     by_group: dict[Any, int] = {}
-    for name, t in deltas.items():
+    for name, b in stored.items():
         g = shift._group_of(name)
-        by_group[g] = by_group.get(g, 0) + _nbytes(t)
-    loads = _counted_loads(model, diff, batch, method, options)
-    read = sum(by_group.get(g, 0) * n for g, n in loads.items())
+        by_group[g] = by_group.get(g, 0) + b
+    moved = _counted(model, diff, batch, method, options)
+    read = sum(by_group.get(g, 0) * n for g, n in moved.by_group.items())
+    read += round(sum(stored.get(n, 0) * share for n, share in moved.reads.items()))
+    if isinstance(deltas, LazyDeltas) and "_norms" not in vars(diff):
+        read += delta_bytes  # its norms (``WeightDiff.norms``), read on its first call
 
     compute = 4  # float32 (the default compute dtype of 16-bit models)
     if any(p.dtype == torch.float64 for p in params.values()):
         compute = 8
     rows, pos = len(batch), batch.n_pos
     d_model, d_mlp, vocab = cfg.d_model, cfg.d_mlp or 0, cfg.d_vocab
-    on_host = next(iter(deltas.values())).device.type == "cpu" if deltas else True
+    on_host = _on_host(deltas)
     model_dev = torch.device(cfg.device) if cfg.device else torch.device("cpu")
-    moved = on_host and model_dev.type != "cpu"
+    moved_to = on_host and model_dev.type != "cpu"
     small = sum(p.numel() for p in params.values()) * 4 <= shift.REUSE_BYTES
     layer_groups = [b for g, b in by_group.items() if isinstance(g, int)]
     layer_delta = max(layer_groups, default=0)
     parts: dict[str, int] = {}
-    if moved:
+    if moved_to:
         held = delta_bytes if small else shift.KEEP_LAYERS * layer_delta
         parts["Δ held on the device"] = (
             held + by_group.get(shift.EMBED, 0) + by_group.get(shift.UNEMBED, 0)
@@ -168,7 +181,7 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
         parts["activations (every layer)"] = per_layer * cfg.n_layers
     return Estimate(
         method=method, device=str(model_dev), weights_bytes=weights, delta_bytes=delta_bytes,
-        parts=parts, delta_read_bytes=read, layer_loads=sum(loads.values()), layerwise=lw,
+        parts=parts, delta_read_bytes=read, layer_loads=moved.loads, layerwise=lw,
     )  # fmt: skip
 
 
@@ -176,14 +189,37 @@ def _nbytes(t: Any) -> int:
     return int(t.numel()) * int(t.element_size())
 
 
-def _counted_loads(
+def stored_bytes(deltas: Any, name: str) -> int:
+    """The bytes a read of ``deltas[name]`` moves (``shift.Traffic``), without forming it: the
+    finetuned tensor's for a diff formed on demand, the factors (and dense part) of a low-rank
+    one, else Δ's own."""
+    if isinstance(deltas, LazyDeltas):
+        return deltas.source_bytes(name)
+    if isinstance(deltas, LowRankDeltas):
+        f, d = deltas.factors.get(name), deltas.dense.get(name)
+        return (0 if f is None else f.nbytes()) + (0 if d is None else _nbytes(d))
+    return _nbytes(deltas[name])
+
+
+def _on_host(deltas: Any) -> bool:
+    """Whether the diff holds its tensors on the host (for one formed on demand: the finetuned)."""
+    if isinstance(deltas, LazyDeltas):
+        held = deltas.finetuned
+    elif isinstance(deltas, LowRankDeltas):
+        held = {n: f.left for n, f in deltas.factors.items()} | deltas.dense
+    else:
+        held = deltas
+    first = next(iter(held), None)
+    return first is None or held[first].device.type == "cpu"
+
+
+def _counted(
     model: Any, diff: Any, batch: Any, method: str, options: dict[str, Any], sized: Any = None
-) -> dict[Any, int]:
-    """Layer loads by group of the same call on a narrow copy (module docstring); ``sized``: the
-    model whose sizes the choices follow (default ``model``)."""
+) -> Any:
+    """``shift.counting()``'s ``Traffic`` of the same call on a narrow copy (module docstring);
+    ``sized``: the model whose sizes the choices follow (default ``model``)."""
     import copy
     import warnings
-    from collections import Counter
 
     from extractive_lens import WeightDiff, make_batch
     from extractive_lens.backend import shift
@@ -215,38 +251,29 @@ def _counted_loads(
         for i in range(len(batch))
     ]  # fmt: skip
     proxy_batch = make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}))
-    counts: Counter[Any] = Counter()
-    original = shift.Shift._load
-
-    def counted(self: Any, group: Any, non_blocking: bool = False) -> Any:
-        counts[group] += 1
-        return original(self, group, non_blocking)
-
     options = {k: v for k, v in options.items() if k not in ("linear", "show_progress")}
     saved = shift.REUSE_BYTES
     try:
         shift.REUSE_BYTES = 0  # the large-model regime: Δ held a few layers at a time
-        shift.Shift._load = counted  # type: ignore[method-assign,assignment]
         with warnings.catch_warnings(), runs.sized_as(sized or model):  # the real model's paths
             warnings.simplefilter("ignore")
             lin = None
             if method != "linear" and options.get("top_k") is not None:
                 lin = linear_scores(narrow, proxy, proxy_batch, show_progress=False)
-                counts.clear()
-            if method == "linear":
-                linear_scores(narrow, proxy, proxy_batch, show_progress=False, **options)
-            elif method == "causal":
-                causal_scores(
-                    narrow, proxy, proxy_batch, linear=lin, show_progress=False, **options
-                )
-            else:
-                integrated_scores(
-                    narrow, proxy, proxy_batch, linear=lin, show_progress=False, **options
-                )
+            with shift.counting() as moved:
+                if method == "linear":
+                    linear_scores(narrow, proxy, proxy_batch, show_progress=False, **options)
+                elif method == "causal":
+                    causal_scores(
+                        narrow, proxy, proxy_batch, linear=lin, show_progress=False, **options
+                    )
+                else:
+                    integrated_scores(
+                        narrow, proxy, proxy_batch, linear=lin, show_progress=False, **options
+                    )
     finally:
-        shift.Shift._load = original  # type: ignore[method-assign]
         shift.REUSE_BYTES = saved
-    return dict(counts)
+    return moved
 
 
 _NARROW = 8

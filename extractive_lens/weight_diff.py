@@ -32,7 +32,7 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.arguments import in_range, indices
-from extractive_lens.backend import ScorableModel, lowrank
+from extractive_lens.backend import ScorableModel, lowrank, traffic
 from extractive_lens.backend.lowrank import LowRankDeltas
 from extractive_lens.diff_sources import checkpoints, files, models
 from extractive_lens.diff_sources import delta_dtype_for as delta_dtype_for
@@ -68,7 +68,7 @@ class WeightDiff:
             raise TypeError(
                 f"signature must be a mapping (model.signature(model)), got {type(self.signature).__name__}."
             )
-        from extractive_lens.backend.checkpoint import LazyDeltas
+        from extractive_lens.backend.lazy import LazyDeltas
         from extractive_lens.backend.lowrank import LowRankDeltas
 
         if isinstance(self.deltas, (LazyDeltas, LowRankDeltas)):
@@ -286,8 +286,12 @@ class WeightDiff:
                 )
 
     def _shape_of(self, name: str) -> tuple[int, ...]:
+        from extractive_lens.backend.lazy import LazyDeltas
+
         if isinstance(self.deltas, LowRankDeltas):  # without forming it
             return self.deltas.shape(name)
+        if isinstance(self.deltas, LazyDeltas):
+            return self.deltas.spec(name)[0]
         return tuple(self.deltas[name].shape)
 
     # ------------------------------------------------------------------ arithmetic
@@ -353,9 +357,18 @@ class WeightDiff:
         """This diff in page-locked host memory (where CUDA is available; else unchanged), so
         that scoring a model on the GPU copies each layer's Δ asynchronously, the next layer's
         while the current one runs. Keep Δ on the host this way when it does not fit the GPU
-        beside the model (an 8B model in bf16 has a 30 GB float32 Δ)."""
+        beside the model (an 8B model in bf16 has a 30 GB float32 Δ).
+
+        A diff formed on demand (``from_models(..., on_demand=True)``, ``from_checkpoints``)
+        pins the finetuned tensors in their stored dtype, no Δ formed (bf16: half a float32
+        Δ's bytes; a checkpoint's tensors are read into host memory once): each layer's Δ is
+        still formed where the base weights are, from a copy that does not block."""
         if not torch.cuda.is_available():
             return self
+        from extractive_lens.backend.lazy import LazyDeltas
+
+        if isinstance(self.deltas, LazyDeltas):
+            return WeightDiff(self.deltas.pinned(), self.signature, self.metadata)
         if isinstance(self.deltas, LowRankDeltas):
             pin = self.deltas.map(
                 lambda f: lowrank.LowRank(f.left.cpu().pin_memory(), f.right.cpu().pin_memory(),
@@ -481,16 +494,17 @@ class WeightDiff:
         n_layers, n_heads, mlp = self._shape()
         sq = torch.zeros(n_layers, n_heads + int(mlp), dtype=torch.float64)
         other = 0.0
-        slices = self.slices()
-        count = {s.name: 0 for s in slices}
-        for s in slices:
-            count[s.name] += 1
-        for s in slices:
-            v = self._part_sum_of_squares(s.name, s.index, count[s.name])
-            if not s.owners:
-                other += v
-            for c in s.owners:
-                sq[c.layer, n_heads if c.head is None else c.head] += v
+        by_name: dict[str, list[B.ParamSlice]] = {}
+        for s in self.slices():
+            by_name.setdefault(s.name, []).append(s)
+        for name, parts in by_name.items():
+            d = None if self._factored(name) else traffic.read_where_held(self.deltas, name)
+            for s in parts:  # each tensor read once for all its slices
+                v = self._part_sum_of_squares(name, s.index, len(parts), d)
+                if not s.owners:
+                    other += v
+                for c in s.owners:
+                    sq[c.layer, n_heads if c.head is None else c.head] += v
         return sq.sqrt(), other**0.5
 
     @functools.cached_property
@@ -513,13 +527,20 @@ class WeightDiff:
     def norm(self) -> float:
         return float(sum(self._part_sum_of_squares(n) for n in self.deltas) ** 0.5)
 
-    def _part_sum_of_squares(self, name: str, index: int | None = None, n: int = 1) -> float:
-        """``‖Δ[name][index]‖²``; from the factors of a purely low-rank tensor."""
-        if isinstance(self.deltas, LowRankDeltas):
-            f = self.deltas.factors.get(name)
-            if f is not None and name not in self.deltas.dense:
-                return lowrank.sum_of_squares(f, index, n)
-        d = self.deltas[name]
+    def _factored(self, name: str) -> bool:
+        """Whether ``name``'s Δ is purely low-rank (its norms come from the factors)."""
+        d = self.deltas
+        return isinstance(d, LowRankDeltas) and name in d.factors and name not in d.dense
+
+    def _part_sum_of_squares(
+        self, name: str, index: int | None = None, n: int = 1, d: Tensor | None = None
+    ) -> float:
+        """``‖Δ[name][index]‖²`` (``d``: Δ[name] already read); from the factors of a purely
+        low-rank tensor."""
+        if self._factored(name):
+            assert isinstance(self.deltas, LowRankDeltas)
+            return lowrank.sum_of_squares(self.deltas.factors[name], index, n)
+        d = self.deltas[name] if d is None else d
         return _sum_of_squares(d if index is None else d[index])
 
     def _shape(self) -> tuple[int, int, bool]:

@@ -194,3 +194,115 @@ def test_grad_at_a_block_at_a_time_is_the_whole_graph_gradient(where, monkeypatc
     monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
     got = runs.grad_at(base, x, start, batch, reward, groups=2)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------ the counter against a spy (#41)
+class _Spy(dict):
+    """A diff's tensors by name that sum the bytes of every tensor handed out while ``on``
+    (``[]``, ``get``, ``values``, ``items``): an independent count of what scoring read."""
+
+    on = False
+    read = 0
+
+    def _seen(self, t):
+        if self.on:
+            self.read += t.numel() * t.element_size()
+        return t
+
+    def __getitem__(self, name):
+        return self._seen(super().__getitem__(name))
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def values(self):
+        return [self[n] for n in self]
+
+    def items(self):
+        return [(n, self[n]) for n in self]
+
+
+def _spied(diff, on_demand: bool):
+    """``diff`` with its held tensors behind a ``_Spy``: Δ's own, or for a diff formed on
+    demand the finetuned tensors it subtracts the base from."""
+    if on_demand:
+        diff.deltas.finetuned = _Spy(diff.deltas.finetuned)
+        return diff, diff.deltas.finetuned
+    spy = _Spy(diff.deltas)
+    return el.WeightDiff(spy, diff.signature), spy
+
+
+_CALLS = {
+    "linear": lambda m, d, b, lin: el.linear_scores(m, d, b, show_progress=False),
+    "exact per component": lambda m, d, b, lin: el.causal_scores(
+        m, d, b, per="component", show_progress=False
+    ),
+    "exact per token top 2": lambda m, d, b, lin: el.causal_scores(
+        m, d, b, top_k=2, linear=lin, show_progress=False
+    ),
+    "integrated": lambda m, d, b, lin: el.integrated_scores(
+        m, d, b, steps=2, top_k=2, linear=lin, show_progress=False
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bf16_pair():
+    from tests.conftest import make_pair
+    from tests.test_linear import small_batch
+
+    torch.set_num_threads(1)
+    base, ft = make_pair("ln_gelu", torch.bfloat16, n_layers=3)  # b_O: a boundary's rows read it
+    batch = small_batch(base)
+    lin = el.linear_scores(base, el.WeightDiff.from_models(base, ft), batch, show_progress=False)
+    return base, ft, batch, lin
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("regime", ["whole graph", "layer at a time", "vocabulary by part"])
+@pytest.mark.parametrize("on_demand", [False, True], ids=["dense", "on demand"])
+@pytest.mark.parametrize("call", list(_CALLS))
+def test_traffic_counts_every_read_of_the_diff(bf16_pair, call, on_demand, regime, monkeypatch):
+    """In the large-model regime (``REUSE_BYTES = 0``: Δ held two layers at a time) every
+    tensor scoring takes from the diff (a layer's load, ``W_O`` and ``b_O`` read on their own,
+    the vocabulary's tangents, the norms of a diff formed on demand) is counted once: the
+    counter equals the bytes a spy on the diff's tensors saw handed out. For a diff formed on
+    demand those are the finetuned bf16 tensors: half the float32 Δ of the dense diff, read
+    the same number of times. Vocabulary by part: only the parts of a held Δ move (the spy
+    sees the whole tensor), so that regime is checked on the diff formed on demand, whose
+    whole finetuned tensor crosses once."""
+    from extractive_lens.backend import vocab
+
+    if regime == "vocabulary by part" and not on_demand:
+        pytest.skip("a held Δ moves only its parts; the spy sees whole tensors")
+    base, ft, batch, lin = bf16_pair
+    monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+    if regime == "layer at a time":
+        monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+    if regime == "vocabulary by part":
+        monkeypatch.setattr(vocab, "SLICE_BYTES", 0)
+        if not vocab.matrices(base):
+            pytest.skip("this backend forms the vocabulary matrices whole")
+    diff, spy = _spied(el.WeightDiff.from_models(base, ft, on_demand=on_demand), on_demand)
+    checks = 0
+    if not on_demand:  # where the diff holds Δ, its norms and shapes are read in place
+        diff.norms()  # (nothing moves, nothing counted); a scoring call checks the shapes
+        spy.on = True
+        diff.check_compatible(base)
+        checks, spy.read = spy.read, 0
+    spy.on = True
+    with shift.counting() as moved:
+        _CALLS[call](base, diff, batch, lin)
+    spy.on = False
+    assert moved.bytes == spy.read - checks > 0
+    if on_demand and regime != "vocabulary by part":  # the dense diff moves only the parts
+        # the same reads as the dense float32 Δ's, at half the bytes (bf16)
+        dense = el.WeightDiff.from_models(base, ft)
+        fresh = el.WeightDiff.from_models(base, ft, on_demand=True)
+        fresh.norms()  # a dense diff reads its norms in place (nothing moves)
+        with shift.counting() as wide:
+            _CALLS[call](base, dense, batch, lin)
+        with shift.counting() as half:
+            _CALLS[call](base, fresh, batch, lin)
+        assert 2 * half.bytes == wide.bytes
+        assert half.by_group == wide.by_group and half.reads == wide.reads

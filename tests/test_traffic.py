@@ -169,14 +169,21 @@ def _delta_bytes(diff) -> int:
 
 def test_linear_reads_each_layer_of_delta_at_most_twice(deep4, monkeypatch):
     """Forward once, backward once: at most two loads per layer whatever the depth (the last
-    layer is still loaded when the backward sweep starts), the embedding and unembedding once
-    each (the unembedding's ``W + αΔ`` is formed again in backward from what is loaded), and
-    in all at most twice the bytes of Δ."""
+    layer is still loaded when the backward sweep starts), the embedding and unembedding twice
+    each (the finetuned run, then informative's forward-mode pass of "other", after the sweep;
+    the unembedding's ``W + αΔ`` is formed again in backward from what is loaded), ``W_O``
+    and ``b_O`` taken from the layer loaded (a TransformerBridge, whose loaded Δ is in its own
+    layout: read on their own once per layer), and in all at most twice the bytes of Δ."""
+    from extractive_lens.backend import backend_for
+
     base, diff, batch = deep4
     L = base.cfg.n_layers
     moved = _reads(lambda: linear_scores(base, diff, batch, show_progress=False), monkeypatch)
     assert [moved.by_group[layer] for layer in range(L)] == [2] * (L - 1) + [1]
-    assert moved.by_group["embed"] == 1 and moved.by_group["unembed"] == 1
+    assert moved.by_group["embed"] == 2 and moved.by_group["unembed"] == 2
+    if backend_for(base).NAME == "hooked_transformer":
+        assert moved.reads == {}
+    assert all(n <= 1 for n in moved.reads.values())
     assert moved.bytes <= 2 * _delta_bytes(diff)
 
 

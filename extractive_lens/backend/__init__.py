@@ -213,10 +213,10 @@ def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor])
 
 
 def jvp_raw(
-    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor | LowRank]
+    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Any]
 ) -> tuple[Any, Any]:
     """``jvp`` along ``tangents`` already in the model's own parameter names (as
-    ``shift.tangents`` gives them)."""
+    ``shift.tangents`` gives them: a vocabulary matrix's may be a function reading a part)."""
     return compute.jvp(model, fn, args, tangents, deferred=lambda p: vocab.by_part(model, p))
 
 

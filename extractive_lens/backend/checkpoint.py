@@ -12,7 +12,7 @@ held in memory beyond the one layer being read:
   views of the Hugging Face tensors it stores: the same view of the file's tensor.
 
 Both read the files ``transformers`` would load, with plain reads that refuse a file changed on
-disk since it was opened (``weight_files``).
+disk since it was opened (``weight_files``). The Δ mapping over them is ``lazy.LazyDeltas``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from extractive_lens.backend.lazy import LazyDeltas as LazyDeltas
 from extractive_lens.backend.names import layer_of
 from extractive_lens.backend.weight_files import SafetensorsFiles
 
@@ -219,46 +220,15 @@ class BridgeViews(Mapping[str, Tensor]):
         flat = whole.reshape(-1)
         return flat.as_strided(t.size(), t.stride(), t.storage_offset())
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype ``self[name]`` has (the file's), without reading it."""
+        src = self.source[name]
+        if src is None:
+            return self.params[name].dtype
+        return self.files.where[src].entries[src][0]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.params)
 
     def __len__(self) -> int:
         return len(self.params)
-
-
-class LazyDeltas(Mapping[str, Tensor]):
-    """``Δ[name] = finetuned[name] - base[name]`` in ``dtype``, formed when asked for and not
-    kept (``WeightDiff.from_checkpoints``). ``device``: where each Δ tensor is put."""
-
-    def __init__(
-        self, base: Mapping[str, Tensor], finetuned: Mapping[str, Tensor], dtype: torch.dtype,
-        device: str | torch.device | None = None, names: list[str] | None = None,
-    ) -> None:  # fmt: skip
-        self.base, self.finetuned, self.dtype, self.device = base, finetuned, dtype, device
-        self.names = list(base) if names is None else names
-        extra = sorted(set(base) ^ set(finetuned))
-        if extra:
-            raise ValueError(f"Parameter names differ between base and finetuned: {extra[:5]}")
-
-    def __getitem__(self, name: str) -> Tensor:
-        if name not in self.base:
-            raise KeyError(name)
-        b, f = self.base[name], self.finetuned[name]
-        if tuple(b.shape) != tuple(f.shape):
-            raise ValueError(f"{name}: base shape {tuple(b.shape)} != finetuned {tuple(f.shape)}")
-        d = f.to(device=b.device, dtype=self.dtype) - b.detach().to(self.dtype)
-        if not torch.isfinite(d).all():
-            raise ValueError(f"{name}: Δ contains NaN or inf (check the finetuned weights).")
-        return d if self.device is None else d.to(self.device)
-
-    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """The shape and dtype ``self[name]`` will have, without reading it."""
-        shapes = getattr(self.base, "shapes", None)
-        shape = shapes[name] if shapes is not None else tuple(self.base[name].shape)
-        return tuple(shape), self.dtype
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)

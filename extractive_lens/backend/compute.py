@@ -364,16 +364,17 @@ def frozen_parameters(model: Any) -> Iterator[None]:
         yield
 
 
-_DEFERRED: contextvars.ContextVar[dict[int, Tensor | LowRank]] = contextvars.ContextVar(
+_DEFERRED: contextvars.ContextVar[dict[int, Any]] = contextvars.ContextVar(
     "extractive_lens_deferred_tangents",
     default={},  # noqa: B039 - never mutated, only replaced
 )
 
 
-def deferred_tangent(p: Tensor) -> Tensor | LowRank | None:
+def deferred_tangent(p: Tensor) -> Any:
     """Inside ``jvp``, the tangent of the stored tensor ``p`` where ``jvp`` left it to the piece
-    that reads ``p`` (a vocabulary matrix read a part at a time: ``deferred``; any low-rank
-    tangent); ``None`` otherwise."""
+    that reads ``p`` (a vocabulary matrix read a part at a time: ``deferred``, its tangent
+    whole or a function reading a part, ``vocab.Tangent``; any low-rank tangent); ``None``
+    otherwise."""
     return _DEFERRED.get().get(id(p))
 
 
@@ -409,7 +410,7 @@ def plus_low_rank(out: Tensor, x: Tensor, part: tuple[LowRank | None, float, Low
 
 
 def jvp(
-    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor | LowRank],
+    model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Any],
     deferred: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Forward-mode derivative of ``fn(model, *args)`` along a weight direction.

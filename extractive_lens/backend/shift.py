@@ -16,22 +16,29 @@ are moved to the model's device when that layer first runs (``non_blocking`` fro
 memory) and the next layer's are prefetched on a side stream on CUDA; at most ``KEEP_LAYERS``
 layers of Δ are on the device at once. A diff whose tensors are formed on demand
 (``WeightDiff.from_checkpoints``) is read the same way, one layer at a time.
+
+Every read of Δ while scoring goes through here and is counted (``traffic.counting``): a layer's
+load, a vocabulary matrix's part (``Shift.part``), a tensor read on its own (``read``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections import Counter, OrderedDict
+import functools
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from extractive_lens.backend import vocab
+from extractive_lens.backend import traffic, vocab
+from extractive_lens.backend.lazy import LazyDeltas
 from extractive_lens.backend.lowrank import LowRank, LowRankDeltas, low_rank_factors
 from extractive_lens.backend.names import layer_of
+from extractive_lens.backend.traffic import Traffic as Traffic
+from extractive_lens.backend.traffic import counting as counting
 
 KEEP_LAYERS = 2
 """Layers of Δ kept on the device at once (the one running and the next, prefetched)."""
@@ -58,44 +65,6 @@ _SHIFTS: contextvars.ContextVar[tuple[Shift, ...]] = contextvars.ContextVar(
 )
 
 
-class Traffic:
-    """What the shifts inside ``counting()`` read of Δ: ``bytes`` of Δ tensors brought to where
-    the pieces run (moved to the device on a GPU; on the CPU the same reads, counted alike) in
-    ``loads`` layer loads. A layer's Δ read twice counts twice: the figure is what a GPU run
-    would move over the bus."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.loads = 0
-        self.by_group: Counter[Group] = Counter()  # layer loads by group (a block, EMBED, UNEMBED)
-
-    def __repr__(self) -> str:
-        return f"Traffic({self.bytes / 2**20:.1f} MiB in {self.loads} layer loads)"
-
-
-_TRAFFIC: contextvars.ContextVar[Traffic | None] = contextvars.ContextVar(
-    "extractive_lens_traffic", default=None
-)
-
-
-@contextlib.contextmanager
-def counting() -> Iterator[Traffic]:
-    """Count the Δ bytes read by every shift inside the block (``Traffic``).
-
-    >>> import extractive_lens as el
-    >>> with counting() as moved:
-    ...     _ = el.linear_scores(model, diff, batch, show_progress=False)
-    >>> moved.bytes > 0
-    True
-    """
-    traffic = Traffic()
-    token = _TRAFFIC.set(traffic)
-    try:
-        yield traffic
-    finally:
-        _TRAFFIC.reset(token)
-
-
 class Store:
     """Δ where the pieces run, one layer at a time: the layers loaded (at most ``KEEP_LAYERS``
     for a large model), those being prefetched and the vocabulary matrices' whole Δ. Shared by
@@ -107,6 +76,9 @@ class Store:
         self.loaded: OrderedDict[Group, dict[int, Offset]] = OrderedDict()
         self.pending: dict[Group, tuple[Any, dict[int, Offset]]] = {}
         self.whole: dict[int, Offset | None] = {}
+        self.formed: set[int] = set()  # vocabulary matrices whose whole Δ was formed in place
+        # tensors read on their own (``Shift.read``) while their layer is loaded, kept with it
+        self.alone: dict[Group, dict[str, Offset]] = {}
         self.last: Group | None = None  # the group read last (a backward sweep prefetches down)
 
 
@@ -148,6 +120,7 @@ class Shift:
             if id(p) in large:
                 self.by_part[id(p)] = (*self.by_part.get(id(p), ()), (name, transposed))
         self.parted = {name for names in self.by_part.values() for name, _ in names}
+        self.part_params = {id(p): p for p in vocab.matrices(model) if id(p) in self.by_part}
         self._whole = store.whole
         self._pending = store.pending
         self.store = store
@@ -164,29 +137,77 @@ class Shift:
     def part(self, p: Tensor, dim: int, index: Tensor | slice) -> Offset | None:
         """Δ of the vocabulary matrix ``p`` (``vocab.matrices``) restricted to ``index`` along
         ``dim``, on ``p``'s device (``None`` where Δ is zero); only that part is moved."""
-        if id(p) not in self.by_part:  # not read by part: restrict the loaded Δ
+        counted = id(p) in self.by_part and id(p) not in self.store.formed
+        if id(p) not in self.by_part:  # not read by part: restrict the loaded Δ (counted then)
             d = self.offset(p)
         else:
             if id(p) not in self._whole:  # in p's layout, a view: the diff's tensor is not copied
-                factors = low_rank_factors(self.diff.deltas, self.backend)
-                self._whole[id(p)] = vocab.stored_delta(
-                    self.diff.deltas, self.by_part[id(p)], factors
-                )  # the dense Δ only where there are no factors
+                self._whole[id(p)] = self._whole_of(id(p))
+                counted = id(p) not in self.store.formed
             d = self._whole[id(p)]
         if d is None:
             return None
-        traffic = _TRAFFIC.get()
         if isinstance(d, LowRank):
-            d = vocab.restricted(d, dim, index).to(p.device)
-            if traffic is not None:
-                traffic.bytes += d.nbytes()
-            return d
+            part = vocab.restricted(d, dim, index).to(p.device)
+            if counted:
+                traffic.count(part.nbytes(), self._name(p), part.nbytes() / d.nbytes())
+            return part
         if isinstance(index, Tensor):
             index = index.to(d.device)
-        d = (d[index] if dim == 0 else d[:, index]).to(p.device)
-        if traffic is not None:
-            traffic.bytes += _nbytes(d)
-        return d
+        out = (d[index] if dim == 0 else d[:, index]).to(p.device)
+        if counted:
+            traffic.count(traffic.nbytes(out), self._name(p), out.numel() / max(d.numel(), 1))
+        return out
+
+    def _name(self, p: Tensor) -> str:
+        """The TransformerLens name a part of the vocabulary matrix ``p`` is counted under."""
+        return self.by_part[id(p)][0][0]
+
+    def _whole_of(self, i: int) -> Offset | None:
+        """The whole Δ of the stored vocabulary matrix ``i`` where the diff holds it, in its
+        stored layout (``vocab.stored_delta``: a view, or the factors), its parts counted as
+        they are read; a diff formed on demand forms it where the base weight is, its finetuned
+        tensor counted once (``Store.formed``: the parts then move nothing)."""
+        factors = low_rank_factors(self.diff.deltas, self.backend)
+        deltas = self.diff.deltas
+        if isinstance(deltas, LazyDeltas) and not any(n in factors for n, _ in self.by_part[i]):
+            self.store.formed.add(i)
+            deltas = traffic.CountedReads(deltas)
+        return vocab.stored_delta(deltas, self.by_part[i], factors)
+
+    def read(self, name: str) -> Offset | None:
+        """Δ of the TransformerLens-named tensor ``name`` (``None`` where Δ is zero), on the
+        device its layer runs on, for the scores that read a tensor on their own (``W_O``,
+        ``b_O``): taken from the store where its layer is loaded and the model stores it under
+        that name (a ``HookedTransformer``: no read of its own), else read alone, counted
+        (``Traffic.reads``) and kept while its layer stays loaded (a ``TransformerBridge``'s
+        loaded Δ is in its own layout: one read per layer load). Factors stay factors."""
+        deltas = self.diff.deltas
+        if name not in deltas:
+            return None
+        g = _group_of(name)
+        loaded = g in self._loaded or g in self._pending
+        i = self.raw_names.get(name)
+        if loaded and i is not None and i not in self.by_part and self.group[i] == g:
+            found = self._layer(g).get(i)
+            if found is not None:
+                return found
+        kept = self.store.alone.get(g, {}) if g in self._loaded else {}
+        if name in kept:
+            return kept[name]
+        dev = self._device_of(g)
+        out: Offset
+        f = low_rank_factors(deltas, self.backend, any_backend=True).get(name)
+        if f is not None:
+            traffic.count(f.nbytes(), name)
+            out = f.to(dev) if dev is not None else f
+        else:
+            d, moved = traffic.formed(deltas, name)
+            traffic.count(moved, name)
+            out = d.to(dev) if dev is not None else d
+        if g in self._loaded:
+            self.store.alone.setdefault(g, {})[name] = out
+        return out
 
     def value(self, p: Tensor, dtype: torch.dtype) -> Tensor:
         """``p + alpha·Δ`` in ``dtype`` (``p`` upcast first: no rounding to the stored dtype)."""
@@ -221,6 +242,7 @@ class Shift:
             while not self.small and len(self._loaded) > KEEP_LAYERS:
                 gone, _ = self._loaded.popitem(last=False)
                 self._values.pop(gone, None)
+                self.store.alone.pop(gone, None)
             after = self._next(g, backwards=isinstance(g, int) and isinstance(
                 self.store.last, int) and g < self.store.last)  # fmt: skip
             if after is not None:
@@ -235,11 +257,19 @@ class Shift:
     def tangents(self, g: Group) -> dict[str, Offset]:
         """The group's Δ as a direction for ``compute.jvp`` (the model's own parameter names),
         from what is loaded: a forward-mode pass while the layer runs reads no Δ of its own.
-        Low-rank factors stay factors: the pieces add ``(x L) R`` to the derivative."""
+        Low-rank factors stay factors: the pieces add ``(x L) R`` to the derivative. A
+        vocabulary matrix read a part at a time (``vocab.matrices``) gets a function of
+        ``(dim, index)`` giving that part of Δ (``part``: only the part moves, counted), which
+        the piece reading it calls (``vocab.rows``, ``vocab.logits``)."""
         names: dict[int, str] = {}
         for name, i in self.raw_names.items():
             names.setdefault(i, name)
-        return {names[i]: d for i, d in self._layer(g).items()}
+        out: dict[str, Any] = {names[i]: d for i, d in self._layer(g).items()}
+        for i, tl in self.by_part.items():  # a vocabulary matrix's: read a part at a time
+            mine = [n for n, _ in tl if _group_of(n) == g and n in self.diff.deltas]
+            if mine and i in names:  # (tied: the embedding's and the unembedding's group)
+                out[names[i]] = functools.partial(self.part, self.part_params[i])
+        return out
 
     def _next(self, g: Group, backwards: bool = False) -> Group | None:
         """The group that runs after ``g`` (the one to prefetch): the layer before it in a
@@ -252,30 +282,30 @@ class Shift:
             return g + 1 if g + 1 < self.model.cfg.n_layers else UNEMBED
         return None
 
+    def _device_of(self, g: Group) -> torch.device | None:
+        """Where group ``g`` runs (a block's own device: models split over ``n_devices``)."""
+        if isinstance(g, int):
+            first = next(iter(self.model.blocks[g].parameters()), None)
+            if first is not None:
+                return first.device
+        return self.device
+
     def _load(self, g: Group, non_blocking: bool = False) -> dict[int, Offset]:
         names = [n for n in self.names_by_group.get(g, []) if n not in self.parted]
         if not names:
             return {}
-        traffic = _TRAFFIC.get()
-        if traffic is not None:
-            traffic.loads += 1
-            traffic.by_group[g] += 1
+        traffic.count_load(g)
         values: dict[str, Tensor] = {}
         low_rank: dict[int, Offset] = {}
-        block_dev = None
-        if isinstance(g, int):  # where that block lives (models split over devices: n_devices)
-            block_dev = next(iter(self.model.blocks[g].parameters()), None)
-            block_dev = None if block_dev is None else block_dev.device
+        block_dev = self._device_of(g) if isinstance(g, int) else None
         factors = low_rank_factors(self.diff.deltas, self.backend)
         for n in names:
             if n in factors:  # kept as factors: W + αΔ is formed from them (value)
                 low_rank[self.raw_names[n]] = factors[n].to(block_dev or self.device)
-                if traffic is not None:
-                    traffic.bytes += factors[n].nbytes()
+                traffic.count(factors[n].nbytes())
                 continue
             if isinstance(self.diff.deltas, LowRankDeltas) and n in self.diff.deltas.factors:
-                if traffic is not None:
-                    traffic.bytes += _factor_bytes(self.diff.deltas, n)
+                traffic.count(traffic.factor_bytes(self.diff.deltas, n))
                 # a TransformerBridge: the factors of a stored nn.Linear weight, which its
                 # pieces add at the module's output (raw_low_rank); else Δ formed where it runs
                 raw = None
@@ -286,9 +316,8 @@ class Shift:
                 else:
                     values[n] = self.diff.deltas.formed_on(n, block_dev or self.device)
                 continue
-            d = self.diff.deltas[n]
-            if traffic is not None:
-                traffic.bytes += _nbytes(d)
+            d, moved = traffic.formed(self.diff.deltas, n)
+            traffic.count(moved)
             dev = block_dev or self.device or d.device
             blocking = not (non_blocking and d.device.type == "cpu" and d.is_pinned())
             values[n] = d.to(dev, non_blocking=not blocking)
@@ -315,16 +344,6 @@ class Shift:
             for part in (t.left, t.right) if isinstance(t, LowRank) else (t,):
                 part.record_stream(current)
         return values
-
-
-def _nbytes(t: Any) -> int:
-    return int(t.numel()) * int(t.element_size())
-
-
-def _factor_bytes(deltas: LowRankDeltas, name: str) -> int:
-    """Bytes of ``name``'s factors and dense part (what moves to form its Δ on the device)."""
-    d = deltas.dense.get(name)
-    return deltas.factors[name].nbytes() + (0 if d is None else _nbytes(d))
 
 
 def _group_of(name: str) -> Group:
@@ -397,10 +416,16 @@ def store_of(model: Any, diff: Any) -> Store:
     return found[2]
 
 
-def tangents(model: Any, diff: Any, g: Group) -> dict[str, Offset]:
+def tangents(model: Any, diff: Any, g: Group) -> dict[str, Any]:
     """Δ of group ``g`` as a forward-mode direction (``Shift.tangents``), read through the
     store of ``model`` and ``diff``: counted, and not read again while that layer is loaded."""
     return Shift(model, diff, 1.0, store_of(model, diff)).tangents(g)
+
+
+def read(model: Any, diff: Any, name: str) -> Offset | None:
+    """Δ of the tensor ``name`` read on its own (``Shift.read``), through the store of
+    ``model`` and ``diff``: from the loaded layer where it is there, else counted."""
+    return Shift(model, diff, 1.0, store_of(model, diff)).read(name)
 
 
 @contextlib.contextmanager
@@ -469,11 +494,7 @@ def W_O_shift(model: Any, layer: int) -> Offset | None:
     s = for_model(model)
     if s is None:
         return None
-    name = f"blocks.{layer}.attn.W_O"
-    f = low_rank_factors(s.diff.deltas, s.backend, any_backend=True).get(name)
-    if f is not None:
-        return f if s.alpha == 1.0 else f.scaled(s.alpha)
-    d = s.diff.deltas.get(name)
-    if d is None:
-        return None
-    return d if s.alpha == 1.0 else s.alpha * d
+    d = s.read(f"blocks.{layer}.attn.W_O")  # counted (from the loaded layer where it is there)
+    if d is None or s.alpha == 1.0:
+        return d
+    return d.scaled(s.alpha) if isinstance(d, LowRank) else s.alpha * d

@@ -17,12 +17,13 @@ as a transposed view where the layouts differ, never copied whole.
 
 Δ of these matrices is read a part at a time as well (``shift.Shift.part``), and under
 forward-mode differentiation (``compute.jvp``) their tangent is taken per part: the rows or
-columns of Δ. The parts add ``W`` and ``αΔ`` element by element as ``Shift.value`` does, so
+columns of Δ (``Tangent``: a function reading that part, so that only it moves, counted). The parts add ``W`` and ``αΔ`` element by element as ``Shift.value`` does, so
 the numbers are those of the whole matrix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,10 @@ Llama 3's 128256 × 4096 is 2 GiB) is read a part at a time."""
 
 COLUMNS = 16384
 """Columns of the unembedding per slice (256 MiB in float32 at ``d_model`` 4096)."""
+
+Tangent = Tensor | LowRank | Callable[[int, Any], "Tensor | LowRank | None"]
+"""A vocabulary matrix's tangent: whole (dense or low-rank), or a function of ``(dim, index)``
+reading that part of it (``shift.Shift.tangents``)."""
 
 
 def named(model: Any) -> dict[str, tuple[Tensor, bool]]:
@@ -62,25 +67,25 @@ def by_part(model: Any, p: Tensor) -> bool:
     return any(p is q for q in matrices(model))
 
 
-def rows(p: Tensor, index: Tensor, dtype: torch.dtype, s: Any, t: Tensor | LowRank | None
+def rows(p: Tensor, index: Tensor, dtype: torch.dtype, s: Any, t: Tangent | None
          ) -> Tensor:  # fmt: skip
     """``(W + α·Δ)[index]`` for the stored ``[d_vocab, d_model]`` matrix ``p``, in ``dtype``,
     under the shift ``s`` (``shift.active(p)``; ``None``: W), with the tangent ``t[index]``
     where ``t`` is given (``compute.deferred_tangent(p)``: inside ``compute.jvp``)."""
     out = _part(p, s, dtype, 0, index)
-    if t is not None:
+    part = None if t is None else _tangent_part(t, 0, index)
+    if part is not None:
         import torch.autograd.forward_ad as fwAD
 
-        if isinstance(t, LowRank):  # the rows of a low-rank tangent: its left factor's rows
-            part = restricted(t, 0, index)
+        if isinstance(part, LowRank):  # the rows of a low-rank tangent: its left factor's rows
             d = part.left.to(dtype) @ part.right.to(device=part.left.device, dtype=dtype)
         else:
-            d = t[index.to(t.device)]
+            d = part
         out = fwAD.make_dual(out, d.to(device=out.device, dtype=dtype))
     return out
 
 
-def logits(p: Tensor, x: Tensor, dtype: torch.dtype, s: Any, t: Tensor | LowRank | None,
+def logits(p: Tensor, x: Tensor, dtype: torch.dtype, s: Any, t: Tangent | None,
            dim: int = 1) -> Tensor:  # fmt: skip
     """``x @ (W + α·Δ)`` for the stored ``[d_model, d_vocab]`` matrix ``p`` (``dim=0``: stored
     ``[d_vocab, d_model]``, ``x @ (W + α·Δ)ᵀ``), ``COLUMNS`` vocabulary entries at a time
@@ -94,16 +99,16 @@ def logits(p: Tensor, x: Tensor, dtype: torch.dtype, s: Any, t: Tensor | LowRank
     for a in range(0, n, COLUMNS):
         cols = slice(a, min(a + COLUMNS, n))
         w = _columns(_part(p, s, dtype, dim, cols), dim)
-        if isinstance(t, LowRank):  # the tangent x @ Δ[:, cols] as (x L) R[:, cols]
+        part = None if t is None else _tangent_part(t, dim, cols)  # in p's layout
+        if isinstance(part, LowRank):  # the tangent x @ Δ[:, cols] as (x L) R[:, cols]
             from extractive_lens.backend.lowrank import primal, tangent_only
 
-            part = restricted(t, dim, cols)
             part = part if dim == 1 else _transposed(part)
             u = part.to(w.device).apply(primal(x))
             parts.append(x @ w + tangent_only(u))
             continue
-        if t is not None:
-            d = t[:, cols] if dim == 1 else t[cols].T
+        if part is not None:
+            d = part if dim == 1 else part.T
             w = fwAD.make_dual(w, d.to(device=w.device, dtype=dtype))
         parts.append(x @ w)
     return torch.cat(parts, -1)
@@ -167,6 +172,17 @@ def _part(p: Tensor, s: Any, dtype: torch.dtype, dim: int, index: Tensor | slice
     # as Shift.value: αΔ in Δ's dtype, widened, then W added (the same rounding, element-wise)
     out = (d if s.alpha == 1.0 else s.alpha * d).to(device=w.device, dtype=wide, copy=True)
     return out.add_(w).to(dtype)
+
+
+def _tangent_part(t: Tangent, dim: int, index: Tensor | slice) -> Tensor | LowRank | None:
+    """The tangent ``t`` restricted to ``index`` along ``dim`` (``None``: zero)."""
+    if isinstance(t, LowRank):
+        return restricted(t, dim, index)
+    if not isinstance(t, Tensor):  # a function reading the part (counted, only it moves)
+        return t(dim, index)
+    if isinstance(index, Tensor):
+        index = index.to(t.device)
+    return t[index] if dim == 0 else t[:, index]
 
 
 def restricted(d: Any, dim: int, index: Tensor | slice) -> Any:

@@ -39,7 +39,7 @@ def from_models(
         raise ValueError(f"Parameter names differ between base and finetuned: {missing[:5]}")
     meta = {"base": base.cfg.model_name, "finetuned": finetuned.cfg.model_name}
     if on_demand:
-        from extractive_lens.backend.checkpoint import LazyDeltas
+        from extractive_lens.backend.lazy import LazyDeltas
 
         for name, b in base_params.items():
             f = ft[name]

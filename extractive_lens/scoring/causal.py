@@ -35,6 +35,7 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.arguments import in_range
+from extractive_lens.backend import shift
 from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
@@ -322,8 +323,8 @@ class CausalChunk:
         part = "post" if (group == "mlp" or self.parallel or not self.has_mlp) else "mid"
         stream = base.post[layer] if part == "post" else base.mid[layer]
         if group == "heads":
-            d_bO = self.diff.deltas.get(B.attn_out_names(layer)[1])
-            if d_bO is not None:
+            d_bO = shift.read(self.model, self.diff, B.attn_out_names(layer)[1])  # counted
+            if isinstance(d_bO, Tensor):  # a bias: never low-rank
                 stream = stream + d_bO.to(device=stream.device, dtype=stream.dtype)
         return stream, part
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend import shift
-from extractive_lens.backend.lowrank import LowRank, LowRankDeltas, low_rank_factors
+from extractive_lens.backend.lowrank import LowRank
 from extractive_lens.scoring.runs import head_grad, head_out, layerwise, wide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +41,7 @@ def linear(chunk: LinearChunk) -> Tensor:
     take one pass; large ones (``runs.layerwise``) one per layer, so that one layer's Δ and duals
     exist at a time.
     """
-    model, deltas = chunk.model, chunk.deltas
+    model = chunk.model
     L = model.cfg.n_layers
     dtype, device = chunk.dtype, model.cfg.device
     blocks = chunk.informative_blocks
@@ -55,24 +55,20 @@ def linear(chunk: LinearChunk) -> Tensor:
         groups = [[l] for l in range(L)] if layerwise(model, chunk.batch) else [list(range(L))]
         for group in groups:
             layer_linear(chunk, group, inf, other)
-    by_layer: dict[int | None, list[str]] = {}
-    for n in deltas:
-        if B.param_role(n).part in ("embed", "final"):
-            by_layer.setdefault(B.layer_of(n), []).append(n)
     base = chunk.base
     tokens = chunk.batch.tokens.to(device)
-    ends = by_layer.get(None, [])
     # the embedding and the unembedding ("other"): together on small models, else one at a time
-    # (a vocabulary-sized weight and its Δ are the largest tensors there are)
+    # (a vocabulary-sized weight and its Δ are the largest tensors there are); their tangents
+    # read through the store like the layers' (a vocabulary matrix's a part at a time)
     post_final = cast(Tensor, base.post_final)
-    sides = [("embed", cast(Tensor, base.g_embed), lambda m: B.embed(m, tokens)),
-             ("final", cast(Tensor, base.g_logits), lambda m: B.unembed(m, post_final))]  # fmt: skip
-    tangent = _tangents(model, deltas, device)
+    sides = [(shift.EMBED, cast(Tensor, base.g_embed), lambda m: B.embed(m, tokens)),
+             (shift.UNEMBED, cast(Tensor, base.g_logits), lambda m: B.unembed(m, post_final))]  # fmt: skip
     for together in [[side] for side in sides] if layerwise(model, chunk.batch) else [sides]:
-        names = {part for part, _, _ in together}
-        tang = {n: tangent(n) for n in ends if B.param_role(n).part in names}
+        tang = {
+            n: t for g, _, _ in together for n, t in shift.tangents(model, chunk.diff, g).items()
+        }
         with torch.no_grad():
-            _, dots = B.jvp(model, lambda m: [f(m) for _, _, f in together], (), tang)
+            _, dots = B.jvp_raw(model, lambda m: [f(m) for _, _, f in together], (), tang)
         for (_, g, _), d in zip(together, dots):
             other += (wide(g) * wide(d)).sum((-1, -2))
     chunk.other = other
@@ -104,23 +100,6 @@ def layer_linear(chunk: LinearChunk, group: list[int], inf: Tensor, other: Tenso
         _layer_scores(chunk, layer, dots[layer], inf, other)
 
 
-def _tangents(model: Any, deltas: Any, device: Any) -> Any:
-    """Each tensor's tangent: its low-rank factors where the backend's pieces take them (the
-    pieces add ``(x L) R`` to the derivative: ``B @ A`` is never formed), else Δ, on the
-    device (formed there from factors the pieces do not take: a TransformerBridge's)."""
-    factors = low_rank_factors(deltas, B.backend_for(model))
-
-    def tangent(name: str) -> Tensor | LowRank:
-        f = factors.get(name)
-        if f is not None:
-            return f.to(device)
-        if isinstance(deltas, LowRankDeltas):  # formed on the device from the factors
-            return deltas.formed_on(name, device)
-        return deltas[name].to(device)
-
-    return tangent
-
-
 def _W_O_grad(g_attn: Tensor, d: Tensor | LowRank) -> Tensor:
     """``ŷ ΔW_O[h]^T`` per head (``head_grad`` with ``ΔW_O``); for low-rank factors
     (``heads_in``: ``ΔW_O`` is ``(head d_head) d_model``) as ``(ŷ R^T) L^T``."""
@@ -135,24 +114,25 @@ def _layer_scores(chunk: LinearChunk, layer: int, dot: dict[str, Any], inf: Tens
                   other: Tensor) -> None:  # fmt: skip
     """One layer's informative scores from its forward-mode tangents (``dot``), into ``inf``;
     ``b_O``'s share into ``other``."""
-    model, base, deltas = chunk.model, chunk.base, chunk.deltas
+    model, base = chunk.model, chunk.base
     H, has_mlp, authors = model.cfg.n_heads, B.has_mlp(model), chunk.options.authors
-    dtype, device = chunk.dtype, model.cfg.device
+    dtype = chunk.dtype
     if authors:  # Q credited at the query position, K and V at the key position
         g = base.g_captured[layer]
         per = sum((wide(g[n]) * wide(dot["cap"][n])).sum(-1) for n in ("q", "k", "v"))
     else:
         per = (chunk.g_z[layer] * wide(dot["cap"]["z"])).sum(-1)
     inf[:, layer, :H] = per.transpose(1, 2)  # type: ignore[union-attr]
+    # ΔW_O and Δb_O from the layer loaded (``shift.read``: counted where read on their own)
     W_O_name, b_O_name = B.attn_out_names(layer)
-    if W_O_name in deltas:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
-        # the factors on any backend (TransformerLens's layout: ``_W_O_grad`` takes them)
-        f = low_rank_factors(deltas, B.backend_for(model), any_backend=True).get(W_O_name)
-        d_WO = f.to(device) if f is not None else _tangents(model, deltas, device)(W_O_name)
+    d_WO = shift.read(model, chunk.diff, W_O_name)
+    if d_WO is not None:  # <ŷ, z_h ΔW_O[h]> = <ŷ ΔW_O[h]^T, z_h>, at the output position
         w_o = (_W_O_grad(wide(base.g_attn[layer]), d_WO) * wide(base.z[layer])).sum(-1)
         inf[:, layer, :H] += w_o.transpose(1, 2)
-    if b_O_name in deltas:
-        d_bO = deltas[b_O_name].to(device=device, dtype=dtype)
+    d_bO = shift.read(model, chunk.diff, b_O_name)
+    if d_bO is not None:
+        assert isinstance(d_bO, Tensor)  # a bias has no low-rank factors
+        d_bO = d_bO.to(device=base.g_attn[layer].device, dtype=dtype)
         other += (wide(base.g_attn[layer]).sum(1) * d_bO).sum(-1)
     if has_mlp:
         inf[:, layer, H] = (wide(base.g_mlp[layer]) * wide(dot["mlp"])).sum(-1)

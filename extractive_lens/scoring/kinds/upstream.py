@@ -350,10 +350,10 @@ def _entry(model: Any, diff: WeightDiff, base: Run, layer: int, part: str
     enters the finetuned model at."""
     if part == "mlp":
         return base.post[layer], (layer, "post")
-    d_bO = diff.deltas.get(B.attn_out_names(layer)[1])
+    d_bO = shift.read(model, diff, B.attn_out_names(layer)[1])  # counted
     sequential = B.has_mlp(model) and not B.parallel(model)
     source = base.mid[layer] if sequential else base.post[layer]
-    if d_bO is not None:
+    if isinstance(d_bO, Tensor):  # a bias: never low-rank
         source = source + d_bO.to(device=source.device, dtype=source.dtype)
     return source, ((layer, "mid") if sequential else (layer, "post"))
 
