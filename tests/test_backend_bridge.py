@@ -368,6 +368,45 @@ def test_tied_and_unstored_weights_are_clear_errors(checkpoints):
         el.linear_scores(bb, bad, _batch(bb), kinds="informative", show_progress=False)
 
 
+def test_integrated_in_the_large_model_regime_equals_the_small(checkpoints, monkeypatch):
+    """A bridge scored as a large model (Δ held two layers at a time, ``W + αΔ`` formed in each
+    piece, gradients one layer at a time) gives the small model's integrated scores (float64,
+    1e-12). Llama stores no MLP biases (TransformerLens shows zeros): ``from_models`` gives
+    zero Δ there, a diff of the changed tensors only has none; both score alike in both
+    regimes, and a change there is refused in both."""
+    from extractive_lens.backend import shift
+    from extractive_lens.scoring import runs
+
+    arch = checkpoints[0]
+    bb, bf = _bridge_pair(checkpoints)
+    diff = el.WeightDiff.from_models(bb, bf)
+    changed = el.WeightDiff(
+        {n: d for n, d in diff.deltas.items() if bool(d.ne(0).any())}, diff.signature
+    )
+    dropped = set(diff.deltas) - set(changed.deltas)  # b_U; Llama's MLP biases too
+    assert "unembed.b_U" in dropped and ("blocks.0.mlp.b_in" in dropped) == (arch == "llama")
+    batch = _batch(bb, n=2)
+    kw = dict(steps=2, show_progress=False)
+    want = el.integrated_scores(bb, diff, batch, **kw)
+    assert want.values.abs().max() > 1e-4
+    bad = None
+    if arch == "llama":
+        b_in = diff.deltas["blocks.0.mlp.b_in"]
+        bad = el.WeightDiff(dict(diff.deltas, **{"blocks.0.mlp.b_in": b_in + 1}), diff.signature)
+    for regime in ("small", "large"):
+        if regime == "large":
+            monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+            monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+            assert runs.layerwise(bb, batch)
+        for d in (diff, changed):
+            got = el.integrated_scores(bb, d, batch, **kw)
+            torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
+            torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
+        if bad is not None:
+            with pytest.raises(ValueError, match="not a stored weight"):
+                el.integrated_scores(bb, bad, batch, **kw)
+
+
 def test_finetune_bridge_restores_and_trains_only_the_selection(checkpoints):
     bb, _ = _bridge_pair(checkpoints, torch.float32)
     before = {n: t.clone() for n, t in B.parameters(bb).items()}
