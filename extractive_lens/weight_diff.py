@@ -284,6 +284,7 @@ class WeightDiff:
                     f"{name}: Δ has shape {shape} but the model's parameter has "
                     f"{tuple(params[name].shape)}."
                 )
+        B.check_shared(model, self.deltas)
 
     def _shape_of(self, name: str) -> tuple[int, ...]:
         from extractive_lens.backend.lazy import LazyDeltas

@@ -346,7 +346,17 @@ def test_kv_prefix_path_equals_whole_sequences(checkpoints, monkeypatch):
         assert torch.allclose(fast[kind], slow[kind], atol=1e-10), kind
 
 
-def test_tied_and_unstored_weights_are_clear_errors(checkpoints):
+@pytest.mark.parametrize("regime", ["small", "large"])
+def test_tied_and_unstored_weights_are_clear_errors(checkpoints, regime, monkeypatch):
+    """Refused whatever the model's size: as a large model (gradients one layer at a time, the
+    vocabulary matrices read a part at a time) the embedding's and the unembedding's Δ were
+    read in two passes that never met, and tied ones that differ were scored silently."""
+    from extractive_lens.backend import shift
+    from extractive_lens.scoring import runs
+
+    if regime == "large":
+        monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+        monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
     arch = checkpoints[0]
     bb, bf = _bridge_pair(checkpoints)
     diff = el.WeightDiff.from_models(bb, bf)
@@ -364,8 +374,9 @@ def test_tied_and_unstored_weights_are_clear_errors(checkpoints):
         with bad.applied(bb):
             pass
     assert all(torch.equal(before[n], t) for n, t in B.parameters(bb).items())
-    with pytest.raises(ValueError, match=match):
-        el.linear_scores(bb, bad, _batch(bb), kinds="informative", show_progress=False)
+    for fn in (el.linear_scores, el.integrated_scores):
+        with pytest.raises(ValueError, match=match):
+            fn(bb, bad, _batch(bb), kinds="informative", show_progress=False)
 
 
 def test_integrated_in_the_large_model_regime_equals_the_small(checkpoints, monkeypatch):

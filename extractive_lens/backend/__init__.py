@@ -107,6 +107,7 @@ class Backend(Protocol):
         self, model: Any, tangents: dict[str, Tensor], dtype: torch.dtype
     ) -> dict[str, Tensor]: ...
     def raw_low_rank(self, model: Any, name: str, f: LowRank) -> tuple[str, LowRank] | None: ...
+    def check_shared(self, model: Any, deltas: Mapping[str, Any]) -> None: ...
     def kv_prefix(self, model: Any) -> bool: ...
     def raw_masks(
         self, model: Any, masks: dict[str, Tensor | None]
@@ -202,6 +203,14 @@ def parameters(model: Any) -> dict[str, Tensor]:
 def write_parameters(model: Any, values: dict[str, Tensor]) -> None:
     """Set parameters (TransformerLens names) to ``values`` in the model's stored weights."""
     backend_for(model).write_parameters(model, values)
+
+
+def check_shared(model: Any, deltas: Mapping[str, Any]) -> None:
+    """Refuse Δ that the model's stored weights cannot hold: different changes for names that
+    share one stored tensor (a TransformerBridge of tied GPT-2: ``W_E`` and ``W_U``). Checked
+    once per call, before scoring: a large model's pieces read those names apart (a vocabulary
+    matrix a part at a time, the embedding and the unembedding in two passes) and never met."""
+    backend_for(model).check_shared(model, deltas)
 
 
 def jvp(model: Any, fn: Any, args: tuple[Any, ...], tangents: dict[str, Tensor]) -> tuple[Any, Any]:

@@ -182,6 +182,23 @@ def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) ->
     return out
 
 
+def check_shared(model: Any, deltas: Any) -> None:
+    """Names that share one stored tensor (tied ``W_E`` and ``W_U``; GPT-2's fused ``c_attn``
+    under ``W_Q W_K W_V``) must be given changes that agree where their views overlap: formed
+    together into that tensor as ``raw_tangents`` does (only those names, one group at a time)."""
+    params = parameters(model)
+    groups: dict[int, list[str]] = {}
+    for name in deltas:
+        t = params.get(name)
+        if t is not None:
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    for names in groups.values():
+        if len(names) > 1:
+            values = {n: deltas[n] for n in names}
+            dtype = torch.promote_types(next(iter(values.values())).dtype, torch.float32)
+            _to_storage(model, values, dtype, strict=False)
+
+
 _View = tuple[str, tuple[int, ...], tuple[int, ...], int]  # raw name, shape, stride, offset
 _LINEAR_VIEWS: weakref.WeakKeyDictionary[nn.Module, dict[str, _View]] = weakref.WeakKeyDictionary()
 

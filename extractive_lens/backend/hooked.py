@@ -441,6 +441,10 @@ def write_parameters(model: Any, values: dict[str, Tensor]) -> None:
             p.copy_(value.to(device=p.device, dtype=p.dtype))
 
 
+def check_shared(model: Any, deltas: Any) -> None:
+    """Nothing to refuse: a ``HookedTransformer`` stores each TransformerLens parameter apart."""
+
+
 def raw_tangents(model: Any, tangents: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """A weight direction in the model's own parameter names (they are TransformerLens's)."""
     return tangents
