@@ -150,6 +150,31 @@ def test_linear_sweep_keeps_no_stream_per_layer_beyond_the_base_run(deep64, monk
     assert widths and set(widths) == {1}  # y* one layer at a time
 
 
+def test_linear_sweep_drops_the_final_streams_before_its_backward_pass(deep64, monkeypatch):
+    """The final stream of every row of a sweep (``2L + 1`` copies of the batch) is read by the
+    reward alone: the backward pass through the layers runs without it."""
+    import weakref
+
+    base, diff, batch = deep64
+    _large(monkeypatch)
+    finals: list = []
+    alive: list[bool] = []
+    readout, layer_back = upstream.readout, upstream._layer_back
+
+    def reading(model, resid, *a, **kw):
+        finals.append(weakref.ref(resid))
+        return readout(model, resid, *a, **kw)
+
+    def back(*a, **kw):
+        alive.append(finals[-1]() is not None)
+        return layer_back(*a, **kw)
+
+    monkeypatch.setattr(upstream, "readout", reading)
+    monkeypatch.setattr(upstream, "_layer_back", back)
+    linear_scores(base, diff, batch, show_progress=False, upstream_group=None)
+    assert alive and not any(alive)
+
+
 def _reads(call, monkeypatch) -> shift.Traffic:
     _large(monkeypatch)
     with shift.counting() as moved:

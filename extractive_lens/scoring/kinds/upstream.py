@@ -276,11 +276,14 @@ def _one_sweep(
     groups = x.shape[0] // b
     with torch.enable_grad():
         xf = x.detach().requires_grad_(bool(order))
-        R, _, x_read = readout(model, xf, chunk, reward_fn, groups=groups)
+        R, logits, x_read = readout(model, xf, chunk, reward_fn, groups=groups)
         g = torch.autograd.grad(R.sum(), [xf])[0][lead:] if order else None
-    if run is not None:
+    if run is not None:  # copies: a view would keep every row's stream (a custom reward's)
         run.W_O = LayerW_O(model, shift.for_model(model))
-        run.reward, run.post_final = R[:b].detach(), x_read[:b].detach()
+        run.reward, run.post_final = R[:b].detach().clone(), x_read[:b].detach().clone()
+    # every row's final stream (2L + 1 copies of the batch; the graph's outputs hold it too):
+    # the backward pass through the layers runs without it
+    del x, xf, R, logits, x_read
     for layer in reversed(range(start, L)):
         if g is None:
             break
