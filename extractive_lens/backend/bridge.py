@@ -186,13 +186,16 @@ def check_shared(model: Any, deltas: Any) -> None:
     """Names that share one stored tensor (tied ``W_E`` and ``W_U``; GPT-2's fused ``c_attn``
     under ``W_Q W_K W_V``) must be given changes that agree where their views overlap: formed
     together into that tensor as ``raw_tangents`` does (only those names, one group at a time)."""
-    params = parameters(model)
+    params, matrices = parameters(model), vocab_matrices(model)
     groups: dict[int, list[str]] = {}
     for name in deltas:
         t = params.get(name)
         if t is not None:
             groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
     for names in groups.values():
+        if len(names) > 1 and all(n in matrices for n in names):  # compared a part at a time:
+            vocab.stored_delta(deltas, tuple((n, matrices[n][1]) for n in names), {})  # no
+            continue  # vocabulary-sized tensor formed
         if len(names) > 1:
             values = {n: deltas[n] for n in names}
             dtype = torch.promote_types(next(iter(values.values())).dtype, torch.float32)
