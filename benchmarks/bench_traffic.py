@@ -7,7 +7,7 @@ Which layers a method reads, and how often, does not depend on widths: the call 
 narrow copy (32 heads of 8 with 8 key/value heads, gated SiLU MLP, RMS norms, rotary) that makes
 the 8B model's choices by size (``runs.sized_as``: gradients one layer at a time, the upstream
 group), in the large-model regime (Δ held ``shift.KEEP_LAYERS`` layers at a time), and each
-layer load is scaled by a float32 Δ of the real shape (``budget._counted_loads``, what
+layer load is scaled by a float32 Δ of the real shape (``budget._counted``, what
 ``el.estimate`` reports). The figure is what a GPU run moves to the device, as a multiple of Δ.
 """
 
@@ -45,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import extractive_lens as el
     from extractive_lens import backend as B
-    from extractive_lens.budget import _counted_loads
+    from extractive_lens.budget import _counted
 
     prompts, tokens = (int(v) for v in args.batch.split("x"))
     narrow = el.tiny_model(dict(
@@ -76,7 +76,7 @@ def main() -> None:
         if args.kinds and method != "causal":
             options = {**options, "kinds": tuple(args.kinds)}
         t0 = time.perf_counter()
-        loads = _counted_loads(narrow, diff, batch, method, options, sized=sized)
+        loads = _counted(narrow, diff, batch, method, options, sized=sized).by_group
         layers = sum(n for g, n in loads.items() if isinstance(g, int))
         read = (
             layers * layer_bytes
