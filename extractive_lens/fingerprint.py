@@ -45,9 +45,9 @@ def fingerprint(deltas: Mapping[str, Any]) -> dict[str, list[float]]:
     for name in deltas:
         f, d = factors.get(name), dense.get(name) if name in dense else None
         if f is not None and d is None:
-            out[name] = _low_rank(name, f)
+            out[name] = of_factors(name, f)
         else:
-            out[name] = _dense(name, deltas[name])  # formed once (a factor plus a dense part)
+            out[name] = of_tensor(name, deltas[name])  # formed once (a factor plus a dense part)
     return out
 
 
@@ -81,7 +81,8 @@ def _kron(vectors: list[Tensor]) -> Tensor:
     return out
 
 
-def _dense(name: str, d: Tensor, chunk: int = 2**22) -> list[float]:
+def of_tensor(name: str, d: Tensor, chunk: int = 2**22) -> list[float]:
+    """The projections and norm of one tensor ``name`` of Δ, a slice of rows at a time."""
     d = d.detach()
     shape = tuple(d.shape)
     if d.ndim == 0:
@@ -100,8 +101,8 @@ def _dense(name: str, d: Tensor, chunk: int = 2**22) -> list[float]:
     return [*sums.cpu().tolist(), math.sqrt(sq)]
 
 
-def _low_rank(name: str, f: LowRank) -> list[float]:
-    """The same projections from the factors: ``Δ = to_layout(L R)``, so a probe of Δ's axes is
+def of_factors(name: str, f: LowRank) -> list[float]:
+    """``of_tensor`` of a low-rank change, from its factors: ``Δ = to_layout(L R)``, so a probe of Δ's axes is
     ``xᵀ (L R) y`` with ``x``, ``y`` the probe's vectors on the product's rows and columns."""
     from extractive_lens.backend.lowrank import sum_of_squares
 

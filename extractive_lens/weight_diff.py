@@ -490,33 +490,44 @@ class WeightDiff:
         """Norm of Δ on parameters no component owns (embeddings, ``b_O``, unembedding)."""
         return self._norms[1]
 
-    @functools.cached_property
+    @property
     def _norms(self) -> tuple[Tensor, float]:
+        return self._read_once[:2]
+
+    @property
+    def _fingerprint(self) -> dict[str, list[float]]:
+        """What Δ holds, in a few numbers per tensor (``extractive_lens.fingerprint``): seeded
+        projections of each tensor and its norm. Results carry it (``metadata
+        ["diff_fingerprint"]``), so that scores of one diff are not taken for another's (rows
+        swapped or a sign flipped leave the norms as they were)."""
+        return self._read_once[2]
+
+    @functools.cached_property
+    def _read_once(self) -> tuple[Tensor, float, dict[str, list[float]]]:
+        """The norms (per component, and "other") and the content fingerprint, from one read of
+        each tensor per diff (a purely low-rank one's from its factors)."""
+        from extractive_lens import fingerprint
+
         n_layers, n_heads, mlp = self._shape()
         sq = torch.zeros(n_layers, n_heads + int(mlp), dtype=torch.float64)
         other = 0.0
-        by_name: dict[str, list[B.ParamSlice]] = {}
+        by_name: dict[str, list[B.ParamSlice]] = {n: [] for n in self.deltas}
         for s in self.slices():
             by_name.setdefault(s.name, []).append(s)
+        prints: dict[str, list[float]] = {}
         for name, parts in by_name.items():
             d = None if self._factored(name) else traffic.read_where_held(self.deltas, name)
+            if d is None:
+                prints[name] = fingerprint.of_factors(name, self.deltas.factors[name])  # type: ignore[attr-defined]
+            else:
+                prints[name] = fingerprint.of_tensor(name, d)
             for s in parts:  # each tensor read once for all its slices
                 v = self._part_sum_of_squares(name, s.index, len(parts), d)
                 if not s.owners:
                     other += v
                 for c in s.owners:
                     sq[c.layer, n_heads if c.head is None else c.head] += v
-        return sq.sqrt(), other**0.5
-
-    @functools.cached_property
-    def _fingerprint(self) -> dict[str, list[float]]:
-        """What Δ holds, in a few numbers per tensor (``extractive_lens.fingerprint``): seeded
-        projections of each tensor and its norm, read once per diff. Results carry it
-        (``metadata["diff_fingerprint"]``), so that scores of one diff are not taken for
-        another's (rows swapped or a sign flipped leave the norms as they were)."""
-        from extractive_lens.fingerprint import fingerprint
-
-        return fingerprint(self.deltas)
+        return sq.sqrt(), other**0.5, prints
 
     @property
     def component_labels(self) -> tuple[str, ...]:
