@@ -31,7 +31,7 @@ for large models: ``runs.layerwise``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -48,7 +48,7 @@ from extractive_lens.scoring.ablation import table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
 from extractive_lens.scoring.causal import CausalChunk, _Context, _skipped, mark_uncomputed
 from extractive_lens.scoring.kinds import KINDS
-from extractive_lens.scoring.nodes import Entry, layer_major
+from extractive_lens.scoring.late_paths import LatePath, patch_groups, run_layer_major
 from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
 from extractive_lens.scoring.runs import (
     Run,
@@ -322,7 +322,11 @@ def _run(
         cc = CausalChunk(model, diff, chunk, base, plan[i][1], table, options)
         # where gradients go one layer at a time, every row that runs a shifted model (the
         # nodes, the finetuned run, upstream's finetuned-late paths) in one layer-major pass
-        done = _layer_major(cc, options, skipped, xs, ws) if layerwise(model, chunk) else None
+        done = (
+            run_layer_major(cc, options, options.path, skipped, xs, ws)
+            if layerwise(model, chunk)
+            else None
+        )
         for k, kind in enumerate(kinds):
             if kind == "informative":
                 if done is not None:
@@ -347,106 +351,13 @@ def _run(
     return res
 
 
-@dataclass
-class _Done:
-    """The layer-major pass's results for one chunk: informative's ``(Σ, other, R(W') -
-    R(W))`` (``None`` without it) and upstream's finetuned-late paths by ``(layer, group)``."""
-
-    informative: Any
-    late: dict[tuple[int, str], _LatePath]
-
-
-def _layer_major(
-    cc: CausalChunk, options: IntegratedOptions, skipped: dict[str, list[str]], xs: list[float],
-    ws: list[float],
-) -> _Done:  # fmt: skip
-    """The informative nodes, the finetuned run (downstream's patches read it) and upstream's
-    finetuned-late paths in one layer-major pass (``nodes.layer_major``: each layer's Δ read
-    once forward, once backward for all of them)."""
-    from extractive_lens.scoring.linear import LinearOptions
-
-    kinds = options.score_kinds
-    late: dict[tuple[int, str], _LatePath] = {}
-    if "upstream" in kinds:
-        for layer, group, d, _ in _patch_groups(cc, "upstream", skipped.get("upstream", [])):
-            late[(layer, group)] = _LatePath(cc, layer, group, d, options, xs, ws)
-    informative = "informative" in kinds
-    lin_options = LinearOptions(kinds=("informative",), reward=options.reward_fn,
-                                ablation=options.ablation, rows=None)  # fmt: skip
-    done = layer_major(
-        cc.model, cc.diff, cc.batch, options.reward_fn, xs=xs if informative else (),
-        ws=ws if informative else (), options=lin_options, finetuned="downstream" in kinds,
-        entries=[e for path in late.values() for e in path.entries],
-    )  # fmt: skip
-    ft = done.finetuned
-    if ft is not None:
-        cc.cached("finetuned_run", lambda: ft)
-    result = None
-    if informative:
-        assert ft is not None
-        change = wide(cast(Tensor, ft.reward)) - wide(cast(Tensor, cc.base.reward))
-        result = (done.informative, done.other, change)
-    return _Done(result, late)
-
-
-class _LatePath:
-    """A group's path integral in the finetuned-late context as rows of the layer-major pass
-    (``nodes.Entry``): the path's rows ``x + x_iδ_p`` (with their gradient), the endpoints
-    ``x + δ_p`` and the context's ``x``, entering the finetuned model at the group's boundary;
-    ``result()`` after the pass is ``_path_integral``'s."""
-
-    def __init__(self, cc: CausalChunk, layer: int, group: str, delta: Tensor,
-                 options: IntegratedOptions, xs: list[float], ws: list[float]) -> None:  # fmt: skip
-        x0, part = cc.finetuned_entry(layer, group)
-        d = delta.to(x0.dtype)
-        if options.path == "layer":
-            d = d.sum(2, keepdim=True)
-        b = x0.shape[0]
-        self.delta, self.d, self.ws, self.path = delta, d, ws, options.path
-        paths = d.shape[2]
-        per_pass = max(1, options.max_batch // b)
-        jobs = [(i, p) for i in range(len(xs)) for p in range(paths)]
-        start = cast(Any, (layer, part))  # "mid" or "post"
-
-        def rows(part: list[tuple[float, int]]) -> Any:
-            return lambda: torch.cat([x0 + a * d[:, :, p] for a, p in part])
-
-        self.jobs = [jobs[j : j + per_pass] for j in range(0, len(jobs), per_pass)]
-        self.grads = [Entry(start, len(part), rows([(xs[i], p) for i, p in part]), True)
-                      for part in self.jobs]  # fmt: skip
-        ends = [list(range(j, min(j + per_pass, paths))) for j in range(0, paths, per_pass)]
-        self.ends = [(ps, Entry(start, len(ps), rows([(1.0, p) for p in ps]), False))
-                     for ps in ends]  # fmt: skip
-        self.context = Entry(start, 1, lambda: x0, False)
-        self.entries = [*self.grads, *(e for _, e in self.ends), self.context]
-
-    def result(self) -> tuple[Tensor, Tensor]:
-        """``(integrand [batch, comp, pos], endpoint differences)`` as ``_path_integral``."""
-        b, pos, n_comp, _ = self.delta.shape
-        g0 = cast(Tensor, self.grads[0].g)
-        integrand = torch.zeros(b, n_comp, pos, dtype=wide(g0).dtype, device=g0.device)
-        for part, e in zip(self.jobs, self.grads):
-            g = cast(Tensor, e.g)
-            for r, (i, p) in enumerate(part):
-                gi = wide(g[r * b : (r + 1) * b])
-                if self.path == "layer":
-                    integrand += self.ws[i] * torch.einsum("bpd,bpcd->bcp", gi, wide(self.delta))
-                else:
-                    integrand[:, p] += self.ws[i] * (gi * wide(self.d[:, :, p])).sum(-1)
-        R0 = wide(cast(Tensor, self.context.reward))
-        ends = torch.zeros(b, self.d.shape[2], dtype=R0.dtype, device=R0.device)
-        for ps, e in self.ends:
-            ends[:, ps] = wide(cast(Tensor, e.reward)).reshape(len(ps), b).T - R0[:, None]
-        return integrand, (ends[:, 0] if self.path == "layer" else ends)
-
-
 def _informative(
     model: Any, diff: WeightDiff, chunk: PromptBatch, options: IntegratedOptions, base: Any,
     xs: list[float], ws: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Run]:  # fmt: skip
     """Σ_i w_i · (linear informative at ``W + x_i Δ``), its "other" share, R(W') - R(W) and
     the finetuned run, node after node through the whole graph (where gradients go one layer
-    at a time the nodes run in the layer-major pass instead: ``_layer_major``)."""
+    at a time the nodes run in the layer-major pass instead: ``late_paths.run_layer_major``)."""
     from extractive_lens.scoring.linear import LinearChunk, LinearOptions
 
     lin_options = LinearOptions(kinds=("informative",), reward=options.reward_fn,
@@ -469,18 +380,18 @@ def _informative(
 
 def _along_patches(
     cc: CausalChunk, kind: str, skip: list[str], options: IntegratedOptions, xs: list[float],
-    ws: list[float], sums: list[float], late: dict[tuple[int, str], _LatePath] | None = None,
+    ws: list[float], sums: list[float], late: dict[tuple[int, str], LatePath] | None = None,
 ) -> Tensor:  # fmt: skip
     """``[batch, layer, comp, pos]``: the kind's score from path integrals of its patches in each
     of its contexts, combined as the exact score combines patch effects. ``late``: the
-    finetuned-late contexts' paths already run (``_layer_major``)."""
+    finetuned-late contexts' paths already run (``late_paths.run_layer_major``)."""
     model = cc.model
     L, H = model.cfg.n_layers, model.cfg.n_heads
     b, pos = cc.batch.tokens.shape
     out = torch.zeros(b, L, H + cc.has_mlp, pos, dtype=wide(cc.base.pre[0]).dtype,
                       device=cc.base.pre[0].device)  # fmt: skip
     spec = KINDS[kind]
-    for layer, group, d, idx in _patch_groups(cc, kind, skip):
+    for layer, group, d, idx in patch_groups(cc, kind, skip):
         effects, ends = {}, {}
         for name in spec.CONTEXTS:
             if name == "finetuned_late" and late is not None:
@@ -495,29 +406,6 @@ def _along_patches(
         sums[1] += float(whole_end.abs().sum())
         out[:, layer, idx.to(out.device)] = tok.to(out.dtype)
     return out
-
-
-def _patch_groups(
-    cc: CausalChunk, kind: str, skip: list[str]
-) -> Iterator[tuple[int, str, Tensor, Tensor]]:
-    """Per layer and component group with a component to score: ``(layer, group, the kept
-    components' patches [batch, pos, comp, d_model], their component indices)``."""
-    model = cc.model
-    L, H = model.cfg.n_layers, model.cfg.n_heads
-    skip_set = set(skip)
-    spec = KINDS[kind]
-    for layer in range(L):
-        labels = [f"L{layer}H{h}" for h in range(H)] + ([f"L{layer}MLP"] if cc.has_mlp else [])
-        if all(lab in skip_set for lab in labels):
-            continue
-        dh, dm = spec.patch_values(cc, layer)
-        groups = [("heads", dh, 0)]
-        if dm is not None:
-            groups.append(("mlp", dm[:, :, None], H))
-        for group, delta, offset in groups:
-            keep = [j for j in range(delta.shape[2]) if labels[offset + j] not in skip_set]
-            if keep:
-                yield layer, group, delta[:, :, keep], torch.tensor(keep) + offset
 
 
 def _path_integral(
