@@ -7,8 +7,11 @@ Which layers a method reads, and how often, does not depend on widths: the call 
 narrow copy (32 heads of 8 with 8 key/value heads, gated SiLU MLP, RMS norms, rotary) that makes
 the 8B model's choices by size (``runs.sized_as``: gradients one layer at a time, the upstream
 group), in the large-model regime (Δ held ``shift.KEEP_LAYERS`` layers at a time), and each
-layer load is scaled by a float32 Δ of the real shape (``budget._counted``, what
-``el.estimate`` reports). The figure is what a GPU run moves to the device, as a multiple of Δ.
+layer load is scaled by a float32 Δ of the real shape, each tensor read on its own (``W_O``
+where its layer is not loaded) by that tensor's (``budget._counted``, what ``el.estimate``
+reports). The figure is what a GPU run moves to the device, as a multiple of Δ; a diff formed
+on demand from bf16 finetuned weights (``from_models(..., on_demand=True)``,
+``from_checkpoints``) makes the same reads at half the bytes (the GiB in brackets).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import extractive_lens as el
     from extractive_lens import backend as B
+    from extractive_lens.backend.names import expected_shape
     from extractive_lens.budget import _counted
 
     prompts, tokens = (int(v) for v in args.batch.split("x"))
@@ -70,20 +74,33 @@ def main() -> None:
     batch = el.make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}))
     layer_bytes, vocab_bytes = 4 * BLOCK, 4 * VOCAB * D_MODEL
     total = args.depth * layer_bytes + 2 * vocab_bytes
-    print(f"Llama-3-8B shape, {args.depth} layers, {args.batch}; float32 Δ {total / 2**30:.1f} GiB")
+    real = dict(n_layers=args.depth, d_model=D_MODEL, n_heads=HEADS, n_key_value_heads=KV,
+                d_head=D_HEAD, d_mlp=D_MLP, d_vocab=VOCAB)  # fmt: skip
+
+    def tensor_bytes(name: str) -> int:  # a float32 Δ of the real shape
+        shape = expected_shape(name, real)
+        assert shape, name
+        return 4 * int(torch.Size(shape).numel())
+
+    print(f"Llama-3-8B shape, {args.depth} layers, {args.batch}; float32 Δ {total / 2**30:.1f} GiB"
+          f" (bf16 finetuned weights {total / 2**31:.1f} GiB)")  # fmt: skip
     for name in args.calls:
         method, options = CALLS[name]
         if args.kinds and method != "causal":
             options = {**options, "kinds": tuple(args.kinds)}
         t0 = time.perf_counter()
-        loads = _counted(narrow, diff, batch, method, options, sized=sized).by_group
+        moved = _counted(narrow, diff, batch, method, options, sized=sized)
+        loads = moved.by_group
         layers = sum(n for g, n in loads.items() if isinstance(g, int))
+        alone = sum(share * tensor_bytes(n) for n, share in moved.reads.items())
         read = (
             layers * layer_bytes
             + sum(n for g, n in loads.items() if not isinstance(g, int)) * vocab_bytes
+            + alone
         )
         print(f"{name:18s} layer loads {layers:5d}  embed/unembed {loads.get('embed', 0)}/"
-              f"{loads.get('unembed', 0)}  Δ read {read / 2**30:7.0f} GiB = {read / total:5.1f}x"
+              f"{loads.get('unembed', 0)}  read alone {alone / 2**30:5.1f} GiB"
+              f"  Δ read {read / 2**30:7.0f} GiB ({read / 2**31:6.0f}) = {read / total:5.2f}x"
               f"  ({time.perf_counter() - t0:.0f} s to count)", flush=True)  # fmt: skip
 
 
