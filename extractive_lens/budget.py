@@ -114,8 +114,8 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
     moved = _counted(model, diff, batch, method, options)
     read = sum(by_group.get(g, 0) * n for g, n in moved.by_group.items())
     read += round(sum(stored.get(n, 0) * share for n, share in moved.reads.items()))
-    if isinstance(deltas, LazyDeltas) and "_norms" not in vars(diff):
-        read += delta_bytes  # its norms (``WeightDiff.norms``), read on its first call
+    if isinstance(deltas, LazyDeltas) and "_read_once" not in vars(diff):
+        read += delta_bytes  # its norms and fingerprint (``WeightDiff._read_once``), first call
 
     compute = 4  # float32 (the default compute dtype of 16-bit models)
     if any(p.dtype == torch.float64 for p in params.values()):

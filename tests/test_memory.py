@@ -306,3 +306,29 @@ def test_traffic_counts_every_read_of_the_diff(bf16_pair, call, on_demand, regim
             _CALLS[call](base, fresh, batch, lin)
         assert 2 * half.bytes == wide.bytes
         assert half.by_group == wide.by_group and half.reads == wide.reads
+
+
+def test_estimate_counts_a_diff_formed_on_demand(setting, monkeypatch):
+    """A diff formed on demand: the estimate scales the narrow copy's reads by the finetuned
+    tensors' bytes (float32 here: half the float64 Δ) and adds the first call's read for the
+    norms and fingerprint; the real first call is counted directly."""
+    import copy
+
+    from extractive_lens.backend.lazy import LazyDeltas
+
+    model, diff, batch = setting
+    ft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ft.parameters():
+            p.add_(1e-3)
+    held = {n: p.detach() for n, p in B.parameters(ft).items()}
+    lazy = el.WeightDiff(
+        LazyDeltas(B.parameters(model), held, torch.float64, names=list(diff.deltas)),
+        diff.signature,
+    )
+    e = el.estimate(model, lazy, batch, "linear")
+    assert e.delta_bytes * 2 == _delta_bytes(diff)  # float32 finetuned tensors, float64 Δ
+    monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+    with shift.counting() as moved:
+        el.linear_scores(model, lazy, batch, show_progress=False)
+    assert e.delta_read_bytes == moved.bytes
