@@ -199,3 +199,32 @@ def test_on_demand_diff_holds_the_finetuned_weights_and_forms_the_dense_delta(fa
     got = linear_scores(base64, WeightDiff.from_models(base64, ft64, on_demand=True), batch,
                         show_progress=False)  # fmt: skip
     torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-12)
+
+
+def test_pinned_on_demand_diff_pins_the_finetuned_tensors_not_delta(monkeypatch):
+    """``pinned()`` on a diff formed on demand pins the finetuned tensors in their stored dtype
+    (bf16: half a float32 Δ) and forms no Δ; each Δ is still formed when read, equal to the
+    dense one. (No CUDA here: page-locking is stood in for by a copy.)"""
+    from extractive_lens.backend.lazy import LazyDeltas
+
+    base, ft = make_pair("ln_gelu", torch.bfloat16)
+    dense = WeightDiff.from_models(base, ft)
+    lazy = WeightDiff.from_models(base, ft, on_demand=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    copied: list[torch.dtype] = []
+
+    def pin(t):
+        copied.append(t.dtype)
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    pinned = lazy.pinned()
+    assert isinstance(pinned.deltas, LazyDeltas)
+    assert copied and set(copied) == {torch.bfloat16}  # the stored dtype, no float32 Δ formed
+    held = pinned.deltas.finetuned
+    assert all(t.dtype == torch.bfloat16 for t in held.values())
+    assert sum(t.numel() * t.element_size() for t in held.values()) * 2 == sum(
+        d.numel() * d.element_size() for d in dense.deltas.values()
+    )
+    for name, d in dense.deltas.items():
+        assert torch.equal(pinned.deltas[name], d), name
