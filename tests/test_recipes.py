@@ -106,7 +106,9 @@ def test_the_scoring_method_recipe_matches_its_worked_example():
         "extractive_lens.scoring.integrated.integrated_scores"
         in (ROOT / "docs" / "api.md").read_text()
     )
-    engine = (ROOT / "extractive_lens" / "scoring" / "integrated.py").read_text()
+    scoring = ROOT / "extractive_lens" / "scoring"
+    engine = "".join((scoring / f).read_text() for f in ("integrated.py", "late_paths.py"))
+    assert "`late_paths.py`" in (ROOT / "CONTRIBUTING.md").read_text()
     for used in ("KINDS", ".patch_values(", ".exact(", "assemble(", "B.shifted("):
         assert used in engine, used
     recipe = (ROOT / "CONTRIBUTING.md").read_text()
