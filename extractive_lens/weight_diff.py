@@ -117,7 +117,8 @@ class WeightDiff:
                 finetuned one on the host, the host holds the finetuned weights (bf16: half of
                 a float32 Δ) and each layer's Δ is formed on the GPU as scoring reads it, as
                 ``from_checkpoints`` does from files. Do not change either model while the
-                diff is in use.
+                diff is in use: a finetuned weight changed in place is refused when read
+                (make the diff again).
         """
         return cls(
             *models.from_models(base, finetuned, device=device, dtype=dtype, on_demand=on_demand)

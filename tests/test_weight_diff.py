@@ -228,3 +228,28 @@ def test_pinned_on_demand_diff_pins_the_finetuned_tensors_not_delta(monkeypatch)
     )
     for name, d in dense.deltas.items():
         assert torch.equal(pinned.deltas[name], d), name
+
+
+def test_on_demand_diff_refuses_a_finetuned_model_changed_in_place():
+    """An on-demand diff reads the finetuned model's own tensors: a weight changed in place
+    afterwards is refused when read (not scored as a new Δ under the old norms and fingerprint),
+    naming the tensor and what to do; an untouched tensor is still read."""
+    from extractive_lens import linear_scores
+    from extractive_lens.backend import backend_for
+    from tests.test_linear import small_batch
+
+    base, ft = make_pair("ln_gelu", torch.float64)
+    if backend_for(ft).NAME != "hooked_transformer":
+        pytest.skip("a TransformerBridge's TransformerLens view of its weights is formed")
+    lazy = WeightDiff.from_models(base, ft, on_demand=True)
+    batch = small_batch(base)
+    before = linear_scores(base, lazy, batch, show_progress=False)
+    with torch.no_grad():
+        ft.blocks[1].attn.W_Q.add_(0.5)
+    torch.testing.assert_close(lazy.deltas["blocks.0.attn.W_Q"], parameters(ft)[
+        "blocks.0.attn.W_Q"].detach() - parameters(base)["blocks.0.attn.W_Q"].detach())  # fmt: skip
+    with pytest.raises(ValueError, match=r"blocks\.1\.attn\.W_Q.*changed in place.*make the diff"):
+        linear_scores(base, lazy, batch, show_progress=False)
+    again = linear_scores(base, WeightDiff.from_models(base, ft, on_demand=True), batch,
+                          show_progress=False)  # fmt: skip
+    assert not torch.allclose(again.values, before.values)  # a diff made again reads the edit

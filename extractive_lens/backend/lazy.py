@@ -29,6 +29,11 @@ class LazyDeltas(Mapping[str, Tensor]):
         self.base, self.finetuned, self.dtype, self.device = base, finetuned, dtype, device
         self.names = list(base) if names is None else names
         self._known = set(self.names)
+        # a loaded model's own tensors (``from_models``): their version counters now, so that a
+        # weight changed in place afterwards is refused instead of silently read as a new Δ
+        self._versions = (
+            {n: t._version for n, t in finetuned.items()} if isinstance(finetuned, dict) else None
+        )
         extra = sorted(set(base) ^ set(finetuned))
         if extra:
             raise ValueError(f"Parameter names differ between base and finetuned: {extra[:5]}")
@@ -39,6 +44,13 @@ class LazyDeltas(Mapping[str, Tensor]):
         if name not in self._known:
             raise KeyError(name)
         b, f = self.base[name], self.finetuned[name]
+        if self._versions is not None and f._version != self._versions[name]:
+            raise ValueError(
+                f"{name}: the finetuned model's weight was changed in place after this diff was "
+                "made (WeightDiff.from_models(..., on_demand=True) reads the finetuned model's "
+                "own tensors, and its norms and fingerprint were taken before): make the diff "
+                "again, or make a dense one (on_demand=False) before editing the model."
+            )
         if tuple(b.shape) != tuple(f.shape):
             raise ValueError(f"{name}: base shape {tuple(b.shape)} != finetuned {tuple(f.shape)}")
         # moved in its stored dtype, then widened where the base weight is (from page-locked
