@@ -196,6 +196,8 @@ def test_top_k_refuses_linear_scores_of_another_diff_on_the_same_prompts(env):
                 base, diff, batch, kinds=("downstream",)))  # fmt: skip
     lin = linear_scores(base, diff, batch, kinds=("downstream",))  # its own: accepted
     causal_scores(base, diff, batch, kinds=("downstream",), top_k=2, linear=lin, per="component")
+    with pytest.raises(ValueError, match=r"no upstream scores to rank.*kinds=\('downstream',\)"):
+        causal_scores(base, diff, batch, kinds=("downstream", "upstream"), top_k=2, linear=lin)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning either
         causal_scores(base, diff, batch, kinds=("downstream",), top_k=2, linear=lin,

@@ -167,6 +167,14 @@ def _skipped(
                     "diff's. Pass linear_scores(model, diff, batch) of this diff, or leave "
                     "linear=None to compute them."
                 )
+            missing = [k for k in options.kinds if k not in linear.kinds]
+            if missing:
+                raise ValueError(
+                    f"causal_scores(top_k=..., linear=...): these linear scores have no "
+                    f"{', '.join(missing)} scores to rank components by (they have "
+                    f"{', '.join(linear.kinds)}). Pass kinds={tuple(linear.kinds)!r}, linear "
+                    "scores of every kind asked for, or leave linear=None to compute them."
+                )
         if linear is None:
             from extractive_lens.scoring.linear import linear_scores
 
