@@ -466,6 +466,12 @@ def test_score_estimate_prints_each_method_and_writes_nothing(checkpoints, tmp_p
         assert f"{method} on cpu" in res.output
     assert res.output.count("Δ read") == 3
     assert not out.exists()  # stopped before scoring
+    one = runner.invoke(app, [*args, "--method", "integrated", "--steps", "2", "--estimate",
+                              "--kinds", "informative"])  # fmt: skip
+    assert one.exit_code == 0, one.output
+    read = [line for line in one.output.splitlines() if "Δ read" in line]
+    every = [line for line in res.output.splitlines() if "Δ read" in line]
+    assert len(read) == 1 and read[0] not in every  # --kinds shapes the estimate too
 
 
 def _demo(argv, capsys):

@@ -197,7 +197,9 @@ def score(
             from extractive_lens import estimate as estimate_call
 
             for m in methods:
-                extra = {} if m == "linear" else {"per": per, "layers": layer_list, "top_k": top_k}
+                extra: dict[str, Any] = {"kinds": kind_list}  # which kinds shape the traffic
+                if m != "linear":
+                    extra.update(per=per, layers=layer_list, top_k=top_k)
                 if m == "integrated":
                     extra["steps"] = n_steps
                 echo(str(estimate_call(base_m, delta, batch, m, **extra)))
