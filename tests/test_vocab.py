@@ -64,26 +64,27 @@ def test_pieces_by_part_match_under_shift_jvp_and_backward(monkeypatch):
     model, diff, batch = _setting(make_pair("ln_gelu", torch.float64))
     tokens = batch.tokens
 
-    def run():
-        with shift.shifted(model, diff, alpha=0.3):
-            x = B.embed(model, tokens).detach().requires_grad_(True)
-            logits = B.unembed(model, x)
-            (dx,) = torch.autograd.grad(logits.pow(2).sum(), x)
-        with torch.no_grad():
-            tang = {n: diff.deltas[n] for n in ("embed.W_E", "unembed.W_U")}
-            _, dots = B.jvp(
-                model, lambda m: [B.embed(m, tokens), B.unembed(m, x.detach())], (), tang
-            )
-        return logits.detach(), dx, dots
-
-    whole = run()
+    whole = vocab_pieces(model, diff, tokens)
     _sliced(monkeypatch)
-    parts = run()
-    for a, b in zip(whole[:2], parts[:2]):
+    parts = vocab_pieces(model, diff, tokens)
+    for a, b in zip(whole[1:3], parts[1:3]):  # logits, dR/dx
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    for a, b in zip(whole[2], parts[2]):
+    for a, b in zip(whole[3:], parts[3:]):  # the tangents
         assert a.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def vocab_pieces(model, diff, tokens) -> list[torch.Tensor]:
+    """``[x, logits, dR/dx, *tangents]`` of embed/unembed at α = 0.3 (``R = Σ logits²``; the
+    forward-mode tangents along the vocabulary matrices' Δ): what the by-part path must keep."""
+    with shift.shifted(model, diff, alpha=0.3):
+        x = B.embed(model, tokens).detach().requires_grad_(True)
+        logits = B.unembed(model, x)
+        (dx,) = torch.autograd.grad(logits.pow(2).sum(), x)
+    with torch.no_grad():
+        tang = {n: diff.deltas[n] for n in ("embed.W_E", "unembed.W_U")}
+        _, dots = B.jvp(model, lambda m: [B.embed(m, tokens), B.unembed(m, x.detach())], (), tang)
+    return [x.detach(), logits.detach(), dx, *dots]
 
 
 def test_no_vocabulary_sized_weight_is_formed(monkeypatch):

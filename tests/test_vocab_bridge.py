@@ -15,7 +15,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import extractive_lens as el
-from extractive_lens import backend as B
 from extractive_lens.backend import shift, vocab
 
 transformers = pytest.importorskip("transformers")
@@ -108,21 +107,11 @@ def test_pieces_by_part_match_under_shift_jvp_and_backward(setting, monkeypatch)
     _, model, diff, batch = setting
     tokens = batch.tokens
 
-    def run():
-        with shift.shifted(model, diff, alpha=0.3):
-            x = B.embed(model, tokens).detach().requires_grad_(True)
-            logits = B.unembed(model, x)
-            (dx,) = torch.autograd.grad(logits.pow(2).sum(), x)
-        with torch.no_grad():
-            tang = {n: diff.deltas[n] for n in ("embed.W_E", "unembed.W_U")}
-            _, dots = B.jvp(
-                model, lambda m: [B.embed(m, tokens), B.unembed(m, x.detach())], (), tang
-            )
-        return [x.detach(), logits.detach(), dx, *dots]
+    from tests.test_vocab import vocab_pieces
 
-    whole = run()
+    whole = vocab_pieces(model, diff, tokens)
     _sliced(monkeypatch)
-    for a, b in zip(whole, run()):
+    for a, b in zip(whole, vocab_pieces(model, diff, tokens)):
         assert a.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
