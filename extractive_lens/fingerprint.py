@@ -39,16 +39,15 @@ product, is about 1e-7 of it; another Δ differs by about ``‖Δ‖``)."""
 
 def fingerprint(deltas: Mapping[str, Any]) -> dict[str, list[float]]:
     """``{name: [projection, …, ‖Δ‖]}`` for every tensor of ``deltas`` (a ``WeightDiff``'s)."""
-    factors = deltas.factors if isinstance(deltas, LowRankDeltas) else {}
-    dense = deltas.dense if isinstance(deltas, LowRankDeltas) else deltas
-    out = {}
-    for name in deltas:
-        f, d = factors.get(name), dense.get(name) if name in dense else None
-        if f is not None and d is None:
-            out[name] = of_factors(name, f)
-        else:
-            out[name] = of_tensor(name, deltas[name])  # formed once (a factor plus a dense part)
-    return out
+    return {name: of_delta(deltas, name) for name in deltas}
+
+
+def of_delta(deltas: Mapping[str, Any], name: str, read: Tensor | None = None) -> list[float]:
+    """One tensor's: from its factors where it is purely low-rank, else of the tensor (``read``:
+    the tensor already read; a factor plus a dense part is formed once)."""
+    if isinstance(deltas, LowRankDeltas) and name in deltas.factors and name not in deltas.dense:
+        return of_factors(name, deltas.factors[name])
+    return of_tensor(name, deltas[name] if read is None else read)
 
 
 def differs(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> str | None:

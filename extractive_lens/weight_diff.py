@@ -518,10 +518,7 @@ class WeightDiff:
         prints: dict[str, list[float]] = {}
         for name, parts in by_name.items():
             d = None if self._factored(name) else traffic.read_where_held(self.deltas, name)
-            if d is None:
-                prints[name] = fingerprint.of_factors(name, self.deltas.factors[name])  # type: ignore[attr-defined]
-            else:
-                prints[name] = fingerprint.of_tensor(name, d)
+            prints[name] = fingerprint.of_delta(self.deltas, name, d)
             for s in parts:  # each tensor read once for all its slices
                 v = self._part_sum_of_squares(name, s.index, len(parts), d)
                 if not s.owners:
