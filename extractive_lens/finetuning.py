@@ -33,7 +33,10 @@ from extractive_lens.weight_diff import WeightDiff, weights_set
 class FinetuneConfig:
     """How to finetune. ``trainable``: ``"all"`` or component labels; ``layers``: only these
     blocks; ``parameters``: only these parameters (full names, e.g. for "every block but the first
-    two, plus the unembedding"). The three restrictions combine."""
+    two, plus the unembedding"). The three restrictions combine. ``delta_dtype``: the returned
+    Δ's dtype (``"auto"``: float64 for float32 weights, so ``W + Δ`` reproduces ``W'`` bit for
+    bit; ``"float32"`` halves its memory, 0.65 GB instead of 1.3 for a 163M-parameter model, at
+    a rounding of ``W'`` by at most one float32 unit where ``W' - W`` is not exact)."""
 
     lr: float = 1e-3
     epochs: int = 20
@@ -46,6 +49,7 @@ class FinetuneConfig:
     layers: tuple[int, ...] | None = None
     parameters: tuple[str, ...] | None = None
     seed: int = 0
+    delta_dtype: Literal["auto", "float32", "float64"] = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,6 +64,10 @@ class FinetuneConfig:
             raise ValueError(f"schedule must be 'constant' or 'linear', got {self.schedule!r}")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError("warmup_frac must be in [0, 1)")
+        if self.delta_dtype not in ("auto", "float32", "float64"):
+            raise ValueError(
+                f"delta_dtype must be 'auto', 'float32' or 'float64', got {self.delta_dtype!r}"
+            )
         if self.layers is not None:
             object.__setattr__(
                 self, "layers", indices("FinetuneConfig.layers", self.layers, "layer")
@@ -213,9 +221,9 @@ def _train(
         for i in range(0, n, cfg.batch_size):
             mb = data.subset(order[i : i + cfg.batch_size]).to(model.cfg.device)
             loss = -answer_logprob(model(mb.tokens), mb).mean()
-            opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)  # no gradients held between steps and in callbacks
             sched.step()
             _reset_frozen(params, masks, snapshot)
             total_loss += float(loss.detach()) * len(mb)
@@ -248,7 +256,7 @@ def _diff(
     cfg: FinetuneConfig,
     losses: list[float] | None = None,
 ) -> WeightDiff:
-    current = {n: p.detach().clone() for n, p in params.items()}
+    current = {n: p.detach() for n, p in params.items()}  # Δ is a new tensor: no copy needed
     meta = {
         "finetune": {
             k: (list(v) if isinstance(v, tuple) else v)
@@ -258,9 +266,10 @@ def _diff(
         "base": model.cfg.model_name,
         "losses": list(losses or []),
     }
+    dtype = None if cfg.delta_dtype == "auto" else getattr(torch, cfg.delta_dtype)
     return WeightDiff.from_state_dicts(
         M.tl_view(model, snapshot), M.tl_view(model, current), signature=M.signature(model),
-        metadata=meta,
+        dtype=dtype, metadata=meta,
     )  # fmt: skip
 
 

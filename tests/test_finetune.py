@@ -147,3 +147,25 @@ def test_losses_recorded_and_shown_in_the_bar(capsys):
     finetune(base, data, cfg, show_progress=True)
     err = capsys.readouterr().err
     assert "finetune" in err and "loss=" in err
+
+
+def test_delta_dtype_float32_holds_the_same_update_in_half_the_bytes():
+    """``delta_dtype="float32"``: Δ in float32 (half of the default float64 for float32
+    weights), and ``W + Δ`` the default's trained weights to within one float32 unit."""
+    base, _ = make_pair("ln_gelu", torch.float32)
+    data = _facts(base)
+    cfg = FinetuneConfig(lr=1e-3, epochs=2, batch_size=4, seed=3)
+    wide = finetune(base, data, cfg)
+    narrow = finetune(base, data, FinetuneConfig(**{**cfg.__dict__, "delta_dtype": "float32"}))
+    assert {d.dtype for d in wide.deltas.values()} == {torch.float64}
+    assert {d.dtype for d in narrow.deltas.values()} == {torch.float32}
+    assert narrow.metadata["finetune"]["delta_dtype"] == "float32"
+    params = dict(base.named_parameters())
+    for n, d in narrow.deltas.items():
+        w = params[n].detach()
+        trained = (w.double() + wide.deltas[n]).float()  # W' exactly (float64 Δ)
+        ulp = torch.finfo(torch.float32).eps * torch.maximum(w.abs(), trained.abs())
+        assert ((w + d) - trained).abs().le(ulp).all(), n
+        assert torch.equal(d, wide.deltas[n].float())  # the same update, rounded once
+    with pytest.raises(ValueError, match="delta_dtype"):
+        FinetuneConfig(delta_dtype="float16")  # type: ignore[arg-type]
