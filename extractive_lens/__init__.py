@@ -63,6 +63,7 @@ _SUBMODULES = (
     "results",
     "rewards",
     "scoring",
+    "stats",
     "types",
     "weight_diff",
     "world",

@@ -42,6 +42,9 @@ from extractive_lens import (
     scoring as scoring,
 )
 from extractive_lens import (
+    stats as stats,
+)
+from extractive_lens import (
     types as types,
 )
 from extractive_lens import (

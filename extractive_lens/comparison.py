@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from extractive_lens.results import ComponentScores
 from extractive_lens.scoring.integrated import COMPLETENESS_WARN
@@ -66,6 +67,19 @@ class ScoreComparison:
     ) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """The compared values ``(linear, exact, labels)`` for one kind and part."""
         lin, ex = self.linear, self.exact
+        maps = (lin.totals, ex.totals) if self.level == "component" else (lin.values, ex.values)
+        a, b, keep, cells = self._layout(kind, part, maps)
+        a, b = a[0], b[0]
+        keep = keep & np.isfinite(a) & np.isfinite(b)  # NaN: a cell a result never computed
+        return a[keep], b[keep], [c for c, k in zip(cells, keep) if k]
+
+    def _layout(
+        self, kind: ScoreKind, part: Part, maps: tuple[Any, Any]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+        """``maps`` (both results' ``values`` or ``totals``, as ``level`` reads them, with an
+        optional leading resample axis) flattened to ``[r, cell]`` for one kind and part, the
+        cells neither result skipped, and their labels."""
+        lin, ex = self.linear, self.exact
         li, ei = lin.kind_index(kind), ex.kind_index(kind)
         comps = list(range(len(lin.component_labels)))
         if part == "heads":
@@ -73,28 +87,17 @@ class ScoreComparison:
         elif part == "mlp":
             comps = [i for i, c in enumerate(lin.component_labels) if c == "MLP"]
         skipped = set(_skipped(lin, kind)) | set(_skipped(ex, kind))
-        if self.level == "component":
-            a = lin.totals[li][:, comps]
-            b = ex.totals[ei][:, comps]
-            cells = [
-                (f"L{layer}{lin.component_labels[c]}", "")
-                for layer in range(a.shape[0])
-                for c in comps
-            ]
-        else:
-            a = lin.values[li][:, comps]
-            b = ex.values[ei][:, comps]
-            cells = [
-                (f"L{layer}{lin.component_labels[c]}", f"@{p}")
-                for layer in range(a.shape[0])
-                for c in comps
-                for p in lin.position_labels
-            ]
-        av, bv = a.flatten().double().numpy(), b.flatten().double().numpy()
-        keep = np.array([comp not in skipped for comp, _ in cells], dtype=bool)
-        keep &= np.isfinite(av) & np.isfinite(bv)  # NaN: a cell one of the results never computed
-        labels = [comp + at for (comp, at), k in zip(cells, keep) if k]
-        return av[keep], bv[keep], labels
+        at = [""] if self.level == "component" else [f"@{p}" for p in lin.position_labels]
+        comp_labels = [
+            f"L{layer}{lin.component_labels[c]}" for layer in range(lin.n_layers) for c in comps
+        ]
+        cells = [comp + p for comp in comp_labels for p in at]
+        keep = np.repeat([comp not in skipped for comp in comp_labels], len(at))
+        flat = []
+        for m, i in zip(maps, (li, ei)):
+            t = m if m.dim() == (4 if self.level == "component" else 5) else m[None]
+            flat.append(t[:, i][:, :, comps].reshape(t.shape[0], -1).double().numpy())
+        return flat[0], flat[1], keep, cells
 
     def worst(
         self, kind: ScoreKind, n: int = 5, part: Part = "all"
@@ -103,6 +106,47 @@ class ScoreComparison:
         a, b, labels = self.cells(kind, part)
         idx = np.argsort(-np.abs(a - b))[:n]
         return [(labels[i], float(a[i]), float(b[i])) for i in idx]
+
+    def ci(
+        self, *, level: float = 0.95, n_boot: int = 1000, seed: int = 0,
+        statistics_: tuple[str, ...] | None = None,
+    ) -> Any:  # fmt: skip
+        """Bootstrap intervals over prompts of every row's statistics: a DataFrame with one row
+        per (kind, part, statistic): ``estimate`` (the row's value), ``low``, ``high``.
+
+        Each resample draws the prompts with replacement (``stats.draws``), forms both results'
+        role-aligned maps from their per-prompt scores and recomputes the statistics on them:
+        no new passes. ``topk_overlap`` is left out where the row has none (NaN)."""
+        import pandas as pd
+
+        from extractive_lens import stats
+
+        n = self.linear.n_prompts
+        w = stats.counts(n, n_boot, seed)
+        lin_maps = _resampled_maps(self.linear, self.level, w)
+        ex_maps = _resampled_maps(self.exact, self.level, w)
+        chosen = self.exact.metadata.get("top_k") is not None
+        recs = []
+        for row in self.rows:
+            kind, part = row["kind"], row["part"]
+            a_r, b_r, keep, _ = self._layout(kind, part, (lin_maps, ex_maps))
+            draws_ = []
+            for a, b in zip(a_r, b_r):
+                k = keep & np.isfinite(a) & np.isfinite(b)
+                got = statistics(a[k], b[k], self.k, overlap_known=not chosen) if k.any() else {}
+                draws_.append(got)
+            for name in statistics_ or INTERVAL_STATISTICS:
+                est = row.get(name, float("nan"))
+                if est != est:
+                    continue
+                vals = torch.tensor(
+                    [d.get(name, float("nan")) for d in draws_], dtype=torch.float64
+                )
+                iv = stats.percentile_interval(
+                    torch.tensor(est), vals, level=level, n_boot=n_boot, seed=seed, n=n
+                )
+                recs.append((kind, part, name, *iv.item()))
+        return pd.DataFrame(recs, columns=["kind", "part", "statistic", "estimate", "low", "high"])
 
     @property
     def methods(self) -> tuple[str, str]:
@@ -178,6 +222,18 @@ class ScoreComparison:
         return comparison_plot(self, **kwargs)
 
 
+def _resampled_maps(scores: ComponentScores, level: str, weights: Any) -> Any:
+    """Each resample's role-aligned ``values`` (``[r, kind, layer, component, pos]``) or
+    ``totals`` (``[r, kind, layer, component]``) of ``scores``, for prompt ``weights`` ``[r, batch]``."""
+    from extractive_lens import stats
+
+    if level == "component":
+        x = scores.prompt_totals.detach().cpu().double().transpose(0, 1)
+        return torch.einsum("rb,b...->r...", weights / scores.n_prompts, x)
+    x, present = scores.role_aligned()
+    return stats.role_means(x, present, weights)
+
+
 def _fmt(x: Any) -> str:
     if isinstance(x, float) and x != x:
         return "n/a"
@@ -187,6 +243,8 @@ def _fmt(x: Any) -> str:
 AGREE_PEARSON, AGREE_TOPK, PARTLY_PEARSON = 0.9, 0.6, 0.6
 AGREE_REL_ERROR = 0.2
 """Values agree when ``‖judged - exact‖ / ‖exact‖`` is at most this (it bounds |slope - 1|)."""
+INTERVAL_STATISTICS = ("pearson", "spearman", "slope", "topk_overlap", "rel_error")
+"""The statistics ``ScoreComparison.ci`` gives intervals for by default."""
 SIGNAL_FRACTION = 0.01
 """A cell carries signal when either result is at least this fraction of the row's max |exact|."""
 

@@ -304,6 +304,19 @@ def mean_rank(model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | Non
     return float(ranks(model, batch, diff).float().mean())
 
 
+def mean_rank_interval(
+    model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | None = None, *,
+    level: float = 0.95, n_boot: int = 1000, seed: int = 0,
+) -> Any:  # fmt: skip
+    """``mean_rank`` with a bootstrap interval over the prompts (``stats.Interval``; one
+    forward, as ``mean_rank``): ``mean_rank_interval(model, batch, diff).item()`` is
+    ``(mean rank, low, high)``."""
+    from extractive_lens import stats
+
+    per_prompt = ranks(model, batch, diff).double()
+    return stats.bootstrap(per_prompt, level=level, n_boot=n_boot, seed=seed)
+
+
 def ranks(
     model: M.ScorableModel, batch: PromptBatch, diff: WeightDiff | None = None
 ) -> torch.Tensor:
@@ -439,4 +452,6 @@ def ranks_from_logits(logits: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
     return ((cl > ans) & valid).sum(-1)
 
 
-__all__: Sequence[str] = ("FinetuneConfig", "finetune", "mean_rank", "ranks", "rank_trajectory")
+__all__: Sequence[str] = (
+    "FinetuneConfig", "finetune", "mean_rank", "mean_rank_interval", "ranks", "rank_trajectory",
+)  # fmt: skip

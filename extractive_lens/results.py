@@ -240,6 +240,56 @@ class ComponentScores:
 
     linearization_note = additivity_note  # the name before the check was called additivity
 
+    def ci(
+        self,
+        of: Literal["values", "totals"] = "values",
+        *,
+        level: float = 0.95,
+        n_boot: int = 1000,
+        seed: int = 0,
+    ) -> Any:
+        """Bootstrap intervals over prompts (``stats.Interval``) of every score: ``of="values"``
+        gives ``[kind, layer, component, pos]`` (the role-aligned means), ``"totals"``
+        ``[kind, layer, component]``. The prompts are resampled (``stats.draws(n_prompts,
+        n_boot, seed)``), never the cells, and each resample's map is the role-aligned mean of
+        its prompts, from the per-prompt scores this result holds: no new passes.
+
+        >>> lo, hi = scores.ci().low, scores.ci().high    # same shape as scores.values
+        """
+        from extractive_lens import stats
+
+        if of not in ("values", "totals"):
+            raise ValueError(f"ci(of=...) takes 'values' or 'totals', got {of!r}.")
+        n = self.n_prompts
+        w = stats.counts(n, n_boot, seed)
+        if of == "totals":
+            x = self.prompt_totals.double().transpose(0, 1)  # [batch, kind, layer, component]
+            resampled = torch.einsum("rb,b...->r...", w / n, x)
+            return stats.percentile_interval(
+                x.mean(0), resampled, level=level, n_boot=n_boot, seed=seed, n=n
+            )
+        x, present = self.role_aligned()
+        resampled = stats.role_means(x, present, w)
+        estimate = stats.role_means(x, present, torch.ones(1, n, dtype=torch.float64))[0]
+        return stats.percentile_interval(
+            estimate, resampled, level=level, n_boot=n_boot, seed=seed, n=n
+        )
+
+    def role_aligned(self) -> tuple[Tensor, Tensor]:
+        """Per prompt, the scores on the role axis: ``[batch, kind, layer, component, role]``
+        (0 where the prompt lacks the role) and ``[batch, role]`` (1 where it has it), in
+        float64; ``values`` is their mean over the prompts that have each role."""
+        k, b, n_layer, n_comp, _ = self.prompt_values.shape
+        index = {r: i for i, r in enumerate(self.position_labels)}
+        x = torch.zeros(b, k, n_layer, n_comp, len(index), dtype=torch.float64)
+        present = torch.zeros(b, len(index), dtype=torch.float64)
+        pv = self.prompt_values.detach().cpu().double()
+        for i, roles in enumerate(self.prompt_roles):
+            cols = torch.tensor([index[r] for r in roles], dtype=torch.long)
+            x[i].index_add_(3, cols, pv[:, i, :, :, : len(roles)])
+            present[i, cols] = 1.0
+        return x, present
+
     def position_tokens(self) -> dict[str, tuple[str, ...]]:
         """The distinct tokens found at each position role, over all prompts, in order of first
         appearance (``{"{name}[-1]": ("T0", "T1", ...), "lives": ("lives",)}``); empty tuples when
