@@ -44,6 +44,7 @@ _EXPORTS = {
     "FinetuneConfig": "extractive_lens.finetuning",
     "finetune": "extractive_lens.finetuning",
     "mean_rank": "extractive_lens.finetuning",
+    "Trajectory": "extractive_lens.trajectory",
     "estimate": "extractive_lens.budget",
     "Estimate": "extractive_lens.budget",
 }

@@ -93,6 +93,7 @@ from extractive_lens.rewards import (
 from extractive_lens.scoring.causal import causal_scores as causal_scores
 from extractive_lens.scoring.integrated import integrated_scores as integrated_scores
 from extractive_lens.scoring.linear import linear_scores as linear_scores
+from extractive_lens.trajectory import Trajectory as Trajectory
 from extractive_lens.types import Component as Component
 from extractive_lens.types import iter_components as iter_components
 from extractive_lens.weight_diff import WeightDiff as WeightDiff

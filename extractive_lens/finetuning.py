@@ -15,6 +15,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -25,6 +26,7 @@ from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model, state_change
 from extractive_lens.rewards import answer_logprob
 from extractive_lens.scoring.options import check_arguments
+from extractive_lens.trajectory import Keep, Recorder
 from extractive_lens.types import Component, parse_components
 from extractive_lens.weight_diff import WeightDiff, weights_set
 
@@ -122,6 +124,8 @@ def finetune(
     *,
     callback: Callable[[int, WeightDiff], None] | None = None,
     show_progress: bool | None = None,
+    keep: Keep | None = None,
+    trajectory: str | Path | None = None,
 ) -> WeightDiff:
     """Finetune on ``data`` (answer tokens only) and return the weight change.
 
@@ -133,6 +137,11 @@ def finetune(
             its original weights (so ``diff_so_far.applied(model)`` evaluates the checkpoint).
         show_progress: a bar per epoch with the epoch's mean loss (``None``: in a terminal or
             notebook only; see ``extractive_lens.progress``).
+        keep: record the trajectory: a checkpoint after every epoch (``"epochs"``) or every
+            ``k`` optimiser steps (and the last), each written to disk as it is taken (one Δ in
+            memory at a time); ``diff.metadata["trajectory"]`` is the folder, which
+            ``Trajectory.load`` reads (``extractive_lens.trajectory``).
+        trajectory: the folder to write it into (default: a new temporary folder).
 
     ``diff.metadata["losses"]`` holds the mean training loss of each epoch (nats per answer).
     """
@@ -169,11 +178,25 @@ def finetune(
                     p.copy_(snapshot[name])
                     p.grad = grads[name]
 
+    recorder = None
+    if keep is not None:
+        recorder = Recorder(trajectory, keep, M.signature(model),
+                            {"base": model.cfg.model_name, "finetune": _config_meta(cfg)})  # fmt: skip
+    elif trajectory is not None:
+        raise ValueError(
+            "finetune(trajectory=...) names a folder for the trajectory, but keep is None: pass "
+            "keep='epochs' (or keep=k optimiser steps) to record it."
+        )
     with (
         guarded(model),
         state_change(change, restore),
     ):  # weights and .grad restored, interrupts or not
-        return _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress)
+        diff = _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress,
+                      recorder)  # fmt: skip
+    if recorder is None:
+        return diff
+    return WeightDiff(diff.deltas, diff.signature,
+                      {**diff.metadata, "trajectory": str(recorder.folder)})  # fmt: skip
 
 
 def _train(
@@ -186,6 +209,7 @@ def _train(
     snapshot: dict,
     callback: Callable[[int, WeightDiff], None] | None,
     show_progress: bool | None,
+    recorder: Recorder | None = None,
 ) -> WeightDiff:
     """The training loop of ``finetune`` (which restores the model afterwards)."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -215,6 +239,7 @@ def _train(
 
     epochs = bar(range(cfg.epochs), desc="finetune", enabled=show_progress)
     losses: list[float] = []  # mean training loss of each epoch (nats per answer)
+    step, since = 0, [0.0, 0]  # optimiser steps; loss summed and prompts since the last kept
     for epoch in epochs:
         order = torch.randperm(n, generator=gen).tolist()
         total_loss = 0.0
@@ -227,6 +252,15 @@ def _train(
             sched.step()
             _reset_frozen(params, masks, snapshot)
             total_loss += float(loss.detach()) * len(mb)
+            step += 1
+            since[0] += float(loss.detach()) * len(mb)
+            since[1] += len(mb)
+            if recorder is not None and recorder.wants(
+                step, i + cfg.batch_size >= n, step == total
+            ):
+                at = epoch + min(i + cfg.batch_size, n) / n
+                recorder.write(step, at, since[0] / since[1], _diff(model, params, snapshot, cfg))
+                since = [0.0, 0]
         losses.append(total_loss / n)
         if hasattr(epochs, "set_postfix"):
             epochs.set_postfix(loss=f"{losses[-1]:.4f}")
@@ -258,11 +292,7 @@ def _diff(
 ) -> WeightDiff:
     current = {n: p.detach() for n, p in params.items()}  # Δ is a new tensor: no copy needed
     meta = {
-        "finetune": {
-            k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in cfg.__dict__.items()
-            if k != "extra"
-        },
+        "finetune": _config_meta(cfg),
         "base": model.cfg.model_name,
         "losses": list(losses or []),
     }
@@ -271,6 +301,11 @@ def _diff(
         M.tl_view(model, snapshot), M.tl_view(model, current), signature=M.signature(model),
         dtype=dtype, metadata=meta,
     )  # fmt: skip
+
+
+def _config_meta(cfg: FinetuneConfig) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()
+            if k != "extra"}  # fmt: skip
 
 
 def rank_trajectory(
