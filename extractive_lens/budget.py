@@ -41,7 +41,6 @@ from extractive_lens.backend.lazy import LazyDeltas
 from extractive_lens.backend.lowrank import LowRankDeltas
 
 GiB = 2**30
-METHODS = ("linear", "causal", "integrated")
 
 
 @dataclass
@@ -56,6 +55,7 @@ class Estimate:
     delta_read_bytes: int = 0
     layer_loads: int = 0
     layerwise: bool = False
+    gradients: bool = True
 
     @property
     def device_bytes(self) -> int:
@@ -74,7 +74,7 @@ class Estimate:
             f"Δ read: {_size(self.delta_read_bytes)} in {self.layer_loads} layer loads "
             f"= {self.delta_read_bytes / max(self.delta_bytes, 1):.1f}× the diff "
             f"({_size(self.delta_bytes)})"
-            + ("" if self.method == "causal" else "; gradients " + (
+            + ("" if not self.gradients else "; gradients " + (
                 "one layer at a time" if self.layerwise else "through the whole graph"))
         )  # fmt: skip
         return "\n".join(lines)
@@ -91,15 +91,20 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
     """Memory and Δ traffic of ``<method>_scores(model, diff, batch, **options)`` before running it.
 
     Args:
-        method: ``"linear"``, ``"causal"`` (exact) or ``"integrated"``.
+        method: a method of the table (``scoring/methods.py``): ``"linear"``, ``"causal"``
+            (exact), ``"integrated"``, ...
         options: the scoring call's keyword arguments (``kinds``, ``per``, ``top_k``, ``steps``,
-            ``layers``, …); they shape the counted traffic.
+            ``layers``, …); they shape the counted traffic and the method's memory
+            (``Method.memory``).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     from extractive_lens import backend as B
     from extractive_lens.backend import shift
     from extractive_lens.scoring import runs
+    from extractive_lens.scoring.costs import Shapes
+    from extractive_lens.scoring.methods import method as method_entry
+
+    entry = method_entry(method)
+    built = entry.options(**{k: v for k, v in options.items() if k != "linear"})
 
     cfg = model.cfg
     params = B.parameters(model)
@@ -139,49 +144,16 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
     vocab_matrix = vocab * d_model * compute
     parts["embedding and unembedding W + αΔ"] = 2 * vocab_matrix
     parts["logits (value, log-softmax, gradient)"] = 3 * rows * pos * vocab * compute
-    per_layer = rows * pos * (d_model * 12 + d_mlp * 5) * compute
-    lw = method != "causal" and runs.layerwise(model, batch)
-    if lw:
-        parts["activations (boundaries; one layer's graph)"] = (
-            rows * pos * d_model * compute * 4 * cfg.n_layers + per_layer
-        )
-        block = rows * pos * d_model * compute  # one [batch, pos, d_model] stream
-        kinds = options.get("kinds", ("informative", "upstream", "downstream"))
-        kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
-        L = cfg.n_layers
-        if (
-            method == "linear"
-            and "upstream" in kinds
-            and options.get("convention") != "authors_code"
-        ):
-            from extractive_lens.scoring.kinds import upstream
-
-            boundaries = (2 if d_mlp else 1) * L * (L - 1) // 2 * block
-            group = options.get("upstream_group", "auto")
-            cap = boundaries if group is None or isinstance(group, int) else upstream.SWEEP_BYTES
-            parts["boundary streams kept by the sweep (upstream)"] = min(boundaries, cap)
-        if method == "integrated" and "informative" in kinds:
-            steps = options.get("steps", 4)
-            steps = 4 if steps == "auto" else int(steps)  # 'auto' doubles: one pass at a time
-            parts["each node's stream entering each layer"] = steps * L * block
-        if method == "integrated" and "upstream" in kinds:
-            from extractive_lens.scoring.kinds import upstream
-
-            steps = options.get("steps", 4)
-            steps = 4 if steps == "auto" else int(steps)
-            per_layer = 1 if options.get("path") == "layer" else cfg.n_heads
-            top_k = options.get("top_k")
-            paths = top_k if top_k is not None else L * (per_layer + (1 if d_mlp else 0))
-            # upstream's finetuned-late paths in the layer-major pass (``nodes.layer_major``):
-            # each node's rows of each path kept at every layer after its boundary
-            parts["upstream paths' rows kept by the pass"] = min(
-                steps * paths * L * block, upstream.SWEEP_BYTES
-            )
-    else:
-        parts["activations (every layer)"] = per_layer * cfg.n_layers
+    lw = entry.gradients and runs.layerwise(model, batch)
+    shapes = Shapes(
+        rows=rows, pos=pos, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=d_model,
+        d_mlp=d_mlp, d_vocab=vocab, compute=compute, layerwise=lw,
+    )  # fmt: skip
+    parts.update(entry.memory(shapes, built))
     return Estimate(
         method=method, device=str(model_dev), weights_bytes=weights, delta_bytes=delta_bytes,
         parts=parts, delta_read_bytes=read, layer_loads=moved.loads, layerwise=lw,
+        gradients=entry.gradients,
     )  # fmt: skip
 
 
@@ -219,15 +191,15 @@ def _counted(
     """``shift.counting()``'s ``Traffic`` of the same call on a narrow copy (module docstring);
     ``sized``: the model whose sizes the choices follow (default ``model``)."""
     import copy
+    import dataclasses
     import warnings
 
     from extractive_lens import WeightDiff, make_batch
     from extractive_lens.backend import shift
     from extractive_lens.model import tiny_model
     from extractive_lens.scoring import runs
-    from extractive_lens.scoring.causal import causal_scores
-    from extractive_lens.scoring.integrated import integrated_scores
     from extractive_lens.scoring.linear import linear_scores
+    from extractive_lens.scoring.methods import method as method_entry
 
     narrow = tiny_model(_narrow_config(model), seed=0)  # which layers are read: not backend-bound
     g = torch.Generator().manual_seed(0)
@@ -258,19 +230,14 @@ def _counted(
         with warnings.catch_warnings(), runs.sized_as(sized or model):  # the real model's paths
             warnings.simplefilter("ignore")
             lin = None
-            if method != "linear" and options.get("top_k") is not None:
+            entry = method_entry(method)
+            takes_linear = "linear" in {f.name for f in dataclasses.fields(entry.options)}
+            if takes_linear and options.get("top_k") is not None:
                 lin = linear_scores(narrow, proxy, proxy_batch, show_progress=False)
+            if lin is not None:
+                options["linear"] = lin
             with shift.counting() as moved:
-                if method == "linear":
-                    linear_scores(narrow, proxy, proxy_batch, show_progress=False, **options)
-                elif method == "causal":
-                    causal_scores(
-                        narrow, proxy, proxy_batch, linear=lin, show_progress=False, **options
-                    )
-                else:
-                    integrated_scores(
-                        narrow, proxy, proxy_batch, linear=lin, show_progress=False, **options
-                    )
+                entry.engine(narrow, proxy, proxy_batch, show_progress=False, **options)
     finally:
         shift.REUSE_BYTES = saved
     return moved

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from extractive_lens.results import ComponentScores
+from extractive_lens.scoring import methods as method_table
 from extractive_lens.scoring.integrated import COMPLETENESS_WARN
 from extractive_lens.types import ScoreKind
 
@@ -198,7 +199,7 @@ class ScoreComparison:
         says = "".join(
             f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in self.verdicts.items()
         )
-        a, b = (_METHOD_NAMES.get(m, m) for m in self.methods)
+        a, b = (method_table.shown(m) for m in self.methods)
         return (
             f"<div><b>ScoreComparison</b> ({a} vs {b}, {self.level} level, top-{self.k} overlap)"
             f"<table><tr>{head}</tr>{body}</table><ul>{says}</ul></div>"
@@ -209,7 +210,7 @@ class ScoreComparison:
         import textwrap
 
         table = self.summary[list(COLUMNS)].to_string(index=False, float_format="{:.3f}".format)
-        a, b = (_METHOD_NAMES.get(m, m) for m in self.methods)
+        a, b = (method_table.shown(m) for m in self.methods)
         says = [
             textwrap.fill(f"{k}: {v}", 100, initial_indent="- ", subsequent_indent="  ")
             for k, v in self.verdicts.items()
@@ -254,29 +255,6 @@ COLUMNS = (
     "slope", "rel_error", "max_abs_err",
 )  # fmt: skip
 """The columns shown by ``repr``, the notebook table and the report (``rows`` has more)."""
-
-_METHOD_NAMES = {"causal": "exact", "linear": "linear", "integrated": "integrated"}
-
-INFORMATIVE_TOTALS = {
-    "causal": "informative: each component's weights finetuned alone, the rest at W",
-    "linear": "informative: first-order estimates of exact's (one component finetuned alone)",
-    "integrated": "informative: shares of R(W') - R(W) along the joint path W + αΔ, not exact's",
-}
-"""What one method's whole-component informative scores are, in a few words (for printouts)."""
-
-_TOTALS = {
-    ("integrated", "informative"): (
-        "Integrated informative shares R(W') - R(W) out along the joint path W + αΔ (every "
-        "component changing at once); exact informative patches one component's weights alone, "
-        "the rest at W. They are different quantities, so their totals differ by design "
-        "(docs/scores.md §12)."
-    ),
-    ("linear", "informative"): (
-        "Linear informative is the first-order estimate of exact informative (one component's "
-        "weights changed alone)."
-    ),
-}
-"""What a method's totals mean where they are not estimates of the exact scores' values."""
 
 
 def signal_mask(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -340,11 +318,9 @@ def verdict(
     overlap ≥ 60% where measured) *and* the values (relative error ≤ ``AGREE_REL_ERROR``);
     ranking without values is "ranking only"; an integrated result past ``COMPLETENESS_WARN``
     is never a stand-in."""
-    method, against = (_METHOD_NAMES.get(m, m) for m in methods)
+    method, against = (method_table.shown(m) for m in methods)
     pearson, spearman, overlap = row["pearson"], row["spearman"], row["topk_overlap"]
     slope, rel = row.get("slope", float("nan")), row.get("rel_error", float("nan"))
-    fix = f"confirm the top components with causal_scores(..., kinds=({kind!r},), top_k=...)"
-    ig = f"integrated_scores(model, diff, batch, kinds=({kind!r},))"
     lead = f"{scope}, " if scope else ""
     done = (
         f"; completeness error {completeness:.1%}"
@@ -360,7 +336,8 @@ def verdict(
         and completeness == completeness
         and (completeness > COMPLETENESS_WARN)
     )
-    meaning = _TOTALS.get((method, kind), "")
+    entry = method_table.METHODS.get(methods[0])
+    meaning = entry.totals_note if entry and kind == "informative" else ""
     meaning = f" {meaning}" if meaning and against == "exact" else ""
     if incomplete:
         return (
@@ -384,24 +361,15 @@ def verdict(
             f"{lead}{method} {kind} ranks as {against} does but its values are {slope:.2f}× "
             f"{against}'s ({stats_}): ranking only; read {against} for values.{meaning}"
         )
-    if method == "integrated":
-        more = f"more steps (steps=16, or steps='auto'), and {fix}"
-    elif method == "linear":
-        more = f"{ig}, which follows exact where linear does not (docs/scores.md §12), or {fix}"
-    else:
-        more = fix
+    more = method_table.remedy(methods[0], kind)
     if pearson == pearson and pearson >= PARTLY_PEARSON:
         ov = f", top-k overlap {overlap:.0%}" if overlap == overlap else ""
         return (
             f"{lead}{method} {kind} roughly agrees with {against} here ({stats_}{ov}): "
             f"trust the ranking more than the values; use {more}.{meaning}"
         )
-    if method == "integrated":
-        why = " The path has too few nodes for how curved it is."
-    elif kind == "upstream":
-        why = " Upstream is linear in y - y*, not in the weight change, so a large ablation step can flip it."
-    else:
-        why = " The weight change is too large for its first-order description."
+    why = method_table.why(methods[0], kind)
+    why = f" {why}" if why else ""
     return (
         f"{lead}{method} {kind} disagrees with {against} here ({stats_}): do not read it on "
         f"its own; use {more}.{why}"
@@ -438,7 +406,7 @@ def setting_differences(linear: ComponentScores, exact: ComponentScores) -> list
     keys = list(SETTINGS)
     if "upstream" in linear.kinds and "upstream" in exact.kinds:
         keys += [k for k in UPSTREAM_SETTINGS if k != "seed" or a.get("ablation") == "resample"]
-    na, nb = (_METHOD_NAMES.get(m, m) for m in (linear.method, exact.method))
+    na, nb = (method_table.shown(m) for m in (linear.method, exact.method))
     if na == nb:
         na, nb = "first", "second"
     out = [f"{k} ({na} {a.get(k)!r}, {nb} {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)]

@@ -31,7 +31,8 @@ def score_and_compare(
     import warnings
 
     from extractive_lens import causal_scores, compare, integrated_scores, linear_scores
-    from extractive_lens.comparison import INFORMATIVE_TOTALS, SIGNAL_FRACTION
+    from extractive_lens.comparison import SIGNAL_FRACTION
+    from extractive_lens.scoring.methods import method as entry
 
     with warnings.catch_warnings():  # the demo prints the additivity check itself
         warnings.simplefilter("ignore", UserWarning)
@@ -43,7 +44,7 @@ def score_and_compare(
         echo(f"\ntop 3 components by |{s.method} score| (whole component, mean over {what}):")
         for kind in s.kinds:
             echo(f"  {kind:<12} " + ", ".join(f"{lab} {v:+.3f}" for _, lab, v in s.top(3, kind)))
-        echo(f"  ({INFORMATIVE_TOTALS[s.method]})")
+        echo(f"  ({entry(s.method).informative_totals})")
     for cmp in cmps:
         echo(
             f"\n{cmp.methods[0]} vs exact (per token; Spearman and sign agreement on the cells "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -96,7 +96,7 @@ def process_group(
 
 
 def distributed_scores(
-    method: Literal["linear", "integrated", "causal"],
+    method: str,
     model: Any,
     diff: Any,
     batch: PromptBatch,
@@ -104,36 +104,33 @@ def distributed_scores(
     shard: Literal["auto", "prompts", "layers"] = "auto",
     **kwargs: Any,
 ) -> ComponentScores:
-    """``linear_scores``, ``integrated_scores`` or ``causal_scores`` spread over the processes of
-    the default group (prompts, or for the exact and integrated scores also layers, per rank)."""
+    """A method of the table (``scoring/methods.py``: ``"linear"``, ``"integrated"``,
+    ``"causal"``, ...) spread over the processes of the default group: prompts, or for a method
+    whose entry lists ``"layers"`` in its ``shards`` (exact, integrated) also layers, per rank."""
     import torch.distributed as dist
 
-    if method not in ("linear", "integrated", "causal"):
-        raise ValueError(f"method must be 'linear', 'integrated' or 'causal', got {method!r}")
+    from extractive_lens.scoring.linear import AdditivityWarning
+    from extractive_lens.scoring.methods import method as method_entry
+
+    entry = method_entry(method)
     if shard not in ("auto", "prompts", "layers"):
         raise ValueError(f"shard must be 'auto', 'prompts' or 'layers', got {shard!r}")
-
-    from extractive_lens.scoring.causal import causal_scores
-    from extractive_lens.scoring.integrated import integrated_scores
-    from extractive_lens.scoring.linear import AdditivityWarning, linear_scores
-
-    fns: dict[str, Callable[..., ComponentScores]] = {
-        "linear": linear_scores, "integrated": integrated_scores, "causal": causal_scores
-    }  # fmt: skip
-    fn = fns[method]
+    fn = entry.engine
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn(model, diff, batch, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
     _same_inputs_everywhere(inputs_digest(method, model, diff, batch, kwargs), rank, world)
     top_k = kwargs.get("top_k") is not None  # chosen over all the layers: not per layer shard
     if shard == "auto":
-        shard = "prompts" if (method == "linear" or top_k or len(batch) >= 2 * world) else "layers"
+        by_layer = "layers" in entry.shards and not top_k and len(batch) < 2 * world
+        shard = "layers" if by_layer else "prompts"
     if shard == "layers" and top_k:
         raise ValueError("top_k picks components over all layers: shard='prompts' with top_k.")
     if shard == "layers":
-        if method == "linear":
+        if "layers" not in entry.shards:
             raise ValueError(
-                "layer sharding is for exact and integrated scores; linear scores shard prompts."
+                f"{method} scores shard prompts only (its entry in scoring/methods.py lists "
+                f"shards={entry.shards}): pass shard='prompts'."
             )
         all_layers = kwargs.pop("layers", None) or list(range(model.cfg.n_layers))
         mine = all_layers[rank::world]
@@ -159,8 +156,8 @@ def distributed_scores(
             "prompts_digest": prompts_digest(batch),
             "layers": sorted(all_layers),
         }
-        other = template.other if method == "integrated" else None  # the same on every rank
-        result = _rebuild(template, pv, pt, other, template.prompt_roles, meta)
+        # ``other`` is not split by layer: the same on every rank
+        result = _rebuild(template, pv, pt, template.other, template.prompt_roles, meta)
         partial = len(set(all_layers)) < model.cfg.n_layers
         meta["skipped"] = {k: result.uncomputed(k) for k in result.kinds} if partial else None
         return result
@@ -168,14 +165,9 @@ def distributed_scores(
     with warnings.catch_warnings():  # checked once below, over every prompt, on rank 0
         warnings.simplefilter("ignore", AdditivityWarning)
         part = fn(model, diff, batch, rows=rows, **kwargs) if rows else None
-    changes = (
-        None if part is None else (part.metadata.get("additivity") or {}).get("prompt_changes")
-    )
-    done = None if part is None else (part.metadata.get("integrated") or {}).get("completeness")
+    extra = None if part is None or entry.gathered is None else entry.gathered(part)
     payload = (
-        None
-        if part is None
-        else (rows, part.prompt_values, part.prompt_totals, part.other, changes, done)
+        None if part is None else (rows, part.prompt_values, part.prompt_totals, part.other, extra)
     )
     gathered = [None] * world
     dist.all_gather_object(gathered, payload)
@@ -198,20 +190,8 @@ def distributed_scores(
     meta.pop("prompt_tokens", None)
     meta["prompts_digest"] = prompts_digest(batch)
     result = _rebuild(template, pv, pt, other, roles, meta)
-    if parts[0][5] is not None:  # integrated: the worst completeness error of any shard
-        meta["integrated"] = {
-            **meta["integrated"],
-            "completeness": {k: max(g[5][k] for g in parts) for k in parts[0][5]},
-            "completeness_per_rank": [g[5] for g in parts],
-        }
-    if parts[0][4] is not None:  # the additivity check over every prompt, not one shard
-        from extractive_lens.scoring.linear import additivity_check
-
-        meta["additivity"] = additivity_check(
-            result,
-            torch.tensor([c for g in parts for c in g[4]], dtype=torch.float64),
-            warn=rank == 0,
-        )
+    if entry.merged is not None:  # checks over every prompt, not one shard (additivity, ...)
+        entry.merged(result, [g[4] for g in parts], rank)
     return result
 
 
@@ -268,12 +248,10 @@ def _resolved_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
     they do not build (the score call says what is wrong with them)."""
     import dataclasses
 
-    from extractive_lens.scoring.integrated import IntegratedOptions
-    from extractive_lens.scoring.options import CausalOptions, LinearOptions
+    from extractive_lens.scoring.methods import method as method_entry
 
-    cls = {"linear": LinearOptions, "causal": CausalOptions, "integrated": IntegratedOptions}
     try:
-        built = cls[method](**options)
+        built = method_entry(method).options(**options)
     except Exception:  # noqa: BLE001 - refused again, with its message, by the score call
         return dict(sorted(options.items()))
     skip = {"rows", "show_progress", "reward_fn"}  # reward_name says which reward

@@ -67,11 +67,11 @@ def test_score_prints_the_verdicts(pair, tmp_path, method):
         for kind, verdict in cmp.verdicts.items():
             assert f"  - {verdict}\n" in trust, (kind, verdict)
     assert saved[0].additivity_note() in trust
-    from extractive_lens.comparison import INFORMATIVE_TOTALS
+    from extractive_lens.scoring.methods import method as entry
 
     for m in methods:  # beside each method's top components: what its informative totals are
         top = res.output.split(f"|whole-component {m} score|")[1].split("\n\n")[0]
-        assert f"  ({INFORMATIVE_TOTALS[m]})" in top, top
+        assert f"  ({entry(m).informative_totals})" in top, top
 
 
 def test_score_diff_takes_a_file():

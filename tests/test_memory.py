@@ -106,7 +106,7 @@ def test_estimate_counts_the_delta_traffic_of_the_real_call(setting, monkeypatch
 
 def test_estimate_refuses_an_unknown_method(setting):
     model, diff, batch = setting
-    with pytest.raises(ValueError, match="linear, causal, integrated"):
+    with pytest.raises(ValueError, match="linear, integrated, causal"):
         el.estimate(model, diff, batch, "exact")
 
 

@@ -2,16 +2,14 @@
 
 "Add a diff source": a toy source written exactly as the recipe says (a function returning
 ``Parts``, a one-line classmethod) must give a diff that every part of the package takes as
-it is. "Add a scoring method": checked against its worked example, the path-integrated method.
-("Add a model family" is followed by each family's test in tests/test_model.py.)
+it is. ("Add a scoring method" is followed by tests/test_methods.py with a toy method, "Add a
+model family" by each family's test in tests/test_model.py.)
 """
 
 from __future__ import annotations
 
 import copy
-import typing
 from collections.abc import Mapping
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +20,6 @@ from extractive_lens import backend as B
 from extractive_lens.diff_sources import Parts, delta_dtype_for
 from tests.conftest import make_pair
 from tests.test_linear import small_batch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- the recipe, step 1: diff_sources/<source>.py would hold this function ----------------------
@@ -91,25 +87,3 @@ def test_what_the_package_checks_of_a_source_s_parts():
         )  # each tensor's shape against backend.expected_shape
     with pytest.raises(ValueError, match="signature"):
         el.WeightDiff(deltas, {}, metadata).norms()  # a source must hand over the signature
-
-
-def test_the_scoring_method_recipe_matches_its_worked_example():
-    """Each place "Add a scoring method" names holds the path-integrated method."""
-    from extractive_lens.scoring.integrated import IntegratedOptions
-    from extractive_lens.scoring.options import ScoreOptions
-
-    assert "integrated" in typing.get_args(el.types.Method)
-    assert issubclass(IntegratedOptions, ScoreOptions)
-    assert "integrated_scores" in el.__all__
-    assert "integrated_scores" in (ROOT / "extractive_lens" / "__init__.pyi").read_text()
-    assert (
-        "extractive_lens.scoring.integrated.integrated_scores"
-        in (ROOT / "docs" / "api.md").read_text()
-    )
-    scoring = ROOT / "extractive_lens" / "scoring"
-    engine = "".join((scoring / f).read_text() for f in ("integrated.py", "late_paths.py"))
-    assert "`late_paths.py`" in (ROOT / "CONTRIBUTING.md").read_text()
-    for used in ("KINDS", ".patch_values(", ".exact(", "assemble(", "B.shifted("):
-        assert used in engine, used
-    recipe = (ROOT / "CONTRIBUTING.md").read_text()
-    assert "### Add a scoring method" in recipe and "### Add a diff source" in recipe

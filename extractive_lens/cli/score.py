@@ -115,11 +115,12 @@ def score(
     ),
 ) -> None:
     """Score a finetuned model against its base on a dataset, save the scores and an HTML report."""
-    methods = {"both": ("linear", "causal"), "all": ("linear", "integrated", "causal")}.get(
-        method, (method,)
-    )
-    if any(m not in ("linear", "integrated", "causal") for m in methods):
-        raise typer.BadParameter("--method must be linear, integrated, causal, both or all.")
+    from extractive_lens.scoring.methods import METHODS
+    from extractive_lens.scoring.methods import method as entry
+
+    methods = {"both": ("linear", "causal"), "all": tuple(METHODS)}.get(method, (method,))
+    if any(m not in METHODS for m in methods):
+        raise typer.BadParameter(f"--method must be {', '.join(METHODS)}, both or all.")
     if steps != "auto" and not (steps.isdigit() and int(steps) >= 1):
         raise typer.BadParameter(f"--steps takes a positive whole number or 'auto', got {steps!r}.")
     n_steps: int | str = steps if steps == "auto" else int(steps)
@@ -130,7 +131,7 @@ def score(
         "float16",
     ):
         raise typer.BadParameter("--compute-dtype must be float32, float64, bfloat16 or float16.")
-    if convention == "authors_code" and methods != ("linear",):
+    if convention == "authors_code" and any("convention" not in entry(m).cli for m in methods):
         raise typer.BadParameter(
             "exact and integrated scores exist only in the paper convention: use --method "
             "linear with --convention authors_code."
@@ -147,17 +148,15 @@ def score(
          ("--finetuned", checkpoint_dir(finetuned) if finetuned else None)],
     )  # fmt: skip
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
-    layer_list = int_list(layers, "--layers") if layers else None
+    flags: dict[str, Any] = dict(
+        convention=convention, per=per, top_k=top_k, steps=n_steps, force=force_steps,
+        layers=int_list(layers, "--layers") if layers else None,
+    )  # fmt: skip
     common: dict[str, Any] = dict(
-        reward=reward,
-        batch_size=batch_size,
-        compute_dtype=compute_dtype,
-        kinds=kind_list,
+        reward=reward, batch_size=batch_size, compute_dtype=compute_dtype, kinds=kind_list,
         ablation=ablation,
-    )
-    exact: dict[str, Any] = dict(per=per, layers=layer_list, top_k=top_k,
-                                 ablation=ablation or "mean")  # fmt: skip
-    check_options(methods, common, exact, steps=n_steps, force=force_steps, convention=convention)
+    )  # fmt: skip
+    check_options(methods, common, flags)
     from extractive_lens import WeightDiff, make_batch
     from extractive_lens.datasets import load_pairs
     from extractive_lens.distributed import distributed_scores, process_group
@@ -197,44 +196,17 @@ def score(
             from extractive_lens import estimate as estimate_call
 
             for m in methods:
-                extra: dict[str, Any] = {"kinds": kind_list}  # which kinds shape the traffic
-                if m != "linear":
-                    extra.update(per=per, layers=layer_list, top_k=top_k)
-                if m == "integrated":
-                    extra["steps"] = n_steps
-                echo(str(estimate_call(base_m, delta, batch, m, **extra)))
+                echo(str(estimate_call(base_m, delta, batch, m, **options_of(m, common, flags))))
             return
         out.mkdir(parents=True, exist_ok=True)
         results = []
         lin = None
-        if "linear" in methods:
-            lin = distributed_scores(
-                "linear", base_m, delta, batch, convention=convention, **common
-            )
-            results.append(lin)
-        if "integrated" in methods:
-            results.append(
-                distributed_scores(
-                    "integrated",
-                    base_m,
-                    delta,
-                    batch,
-                    steps=n_steps,
-                    force=force_steps,
-                    linear=lin if top_k else None,
-                    **{**common, **exact},
-                )  # fmt: skip
-            )
-        if "causal" in methods:
-            ex = distributed_scores(
-                "causal",
-                base_m,
-                delta,
-                batch,
-                linear=lin if top_k else None,
-                **{**common, **exact},
-            )
-            results.append(ex)
+        for m in methods:  # linear first (``--top-k`` reads it), in the table's order
+            opts = options_of(m, common, flags)
+            if top_k and "linear" in fields_of(m):
+                opts["linear"] = lin
+            results.append(distributed_scores(m, base_m, delta, batch, **opts))
+            lin = results[-1] if m == "linear" else lin
         if rank != 0:
             return
         import uuid
@@ -265,30 +237,38 @@ def describe_adapter(metadata: Any) -> str:
     return adapter_line(metadata) or "?"
 
 
-def check_options(
-    methods: tuple[str, ...], common: dict[str, Any], exact: dict[str, Any], **options: Any
-) -> None:
+def options_of(method: str, common: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``score`` passes to ``method``: the flags every method takes and
+    the ones its entry in ``scoring/methods.py`` lists (``Method.cli``)."""
+    from extractive_lens.scoring.methods import method as method_entry
+
+    return {**common, **{flag: flags[flag] for flag in method_entry(method).cli}}
+
+
+def fields_of(method: str) -> set[str]:
+    """The field names of ``method``'s options class."""
+    import dataclasses
+
+    from extractive_lens.scoring.methods import method as method_entry
+
+    return {f.name for f in dataclasses.fields(method_entry(method).options)}
+
+
+def check_options(methods: tuple[str, ...], common: dict[str, Any], flags: dict[str, Any]) -> None:
     """Each method's options checked by the library's own checks (counts, indices, kinds,
     steps and their bound) before any model is loaded."""
-    from extractive_lens.scoring.integrated import IntegratedOptions
-    from extractive_lens.scoring.options import CausalOptions, LinearOptions
+    from extractive_lens.scoring.methods import method as method_entry
 
-    steps, force, convention = options["steps"], options["force"], options["convention"]
-    made = {
-        "linear": lambda: LinearOptions(convention=convention, **common),
-        "causal": lambda: CausalOptions(**{**common, **exact}),
-        "integrated": lambda: IntegratedOptions(steps=steps, force=force, **{**common, **exact}),
-    }
     for m in methods:
         try:
-            made[m]()
+            method_entry(m).options(**options_of(m, common, flags))
         except (ValueError, TypeError) as e:
             raise typer.BadParameter(str(e).replace("force=True", "--force-steps")) from None
 
 
 def comparisons(results: list[Any]) -> list[Any]:
-    """Each approximation against the exact scores where there are exact ones, else linear
-    against integrated."""
+    """Each approximation against the run's reference (``methods.compared``: the exact scores
+    where there are exact ones, else integrated against linear)."""
     from extractive_lens import compare
 
     by = {r.method: r for r in results}
@@ -297,8 +277,9 @@ def comparisons(results: list[Any]) -> list[Any]:
 
 def compared(methods: tuple[str, ...]) -> list[tuple[str, str]]:
     """The ``(approximation, reference)`` pairs ``comparisons`` makes of these methods."""
-    ref = "causal" if "causal" in methods else "integrated" if "integrated" in methods else None
-    return [(m, ref) for m in methods if ref is not None and m not in (ref, "causal")]
+    from extractive_lens.scoring import methods as table
+
+    return table.compared(methods)
 
 
 def comparison_file(methods: tuple[str, str]) -> str:
@@ -325,6 +306,6 @@ def print_top(scores: Any, k: int = 5) -> None:
         note = f"  ({missing} components not computed)" if missing else ""
         echo(f"  {kind:<12} {items or '-'}{note}")
     if "informative" in scores.kinds:  # what the method's informative totals are (issue 43)
-        from extractive_lens.comparison import INFORMATIVE_TOTALS
+        from extractive_lens.scoring.methods import method as method_entry
 
-        echo(f"  ({INFORMATIVE_TOTALS[scores.method]})")
+        echo(f"  ({method_entry(scores.method).informative_totals})")
