@@ -32,6 +32,7 @@ _EXPORTS = {
     "make_batch": "extractive_lens.batch",
     "PromptBatch": "extractive_lens.batch",
     "answer_logprob": "extractive_lens.rewards",
+    "first_answer_logprob": "extractive_lens.rewards",
     "logit_margin": "extractive_lens.rewards",
     "logit_diff": "extractive_lens.rewards",
     "linear_scores": "extractive_lens.scoring.linear",

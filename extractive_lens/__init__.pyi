@@ -85,6 +85,9 @@ from extractive_lens.rewards import (
     answer_logprob as answer_logprob,
 )
 from extractive_lens.rewards import (
+    first_answer_logprob as first_answer_logprob,
+)
+from extractive_lens.rewards import (
     logit_diff as logit_diff,
 )
 from extractive_lens.rewards import (

@@ -124,8 +124,8 @@ class ScoreComparison:
 
         n = self.linear.n_prompts
         w = stats.counts(n, n_boot, seed)
-        lin_maps = _resampled_maps(self.linear, self.level, w)
-        ex_maps = _resampled_maps(self.exact, self.level, w)
+        lin_maps = stats.resampled_maps(self.linear, self.level, w)
+        ex_maps = stats.resampled_maps(self.exact, self.level, w)
         chosen = self.exact.metadata.get("top_k") is not None
         recs = []
         for row in self.rows:
@@ -221,18 +221,6 @@ class ScoreComparison:
         from extractive_lens.plotting import comparison_plot
 
         return comparison_plot(self, **kwargs)
-
-
-def _resampled_maps(scores: ComponentScores, level: str, weights: Any) -> Any:
-    """Each resample's role-aligned ``values`` (``[r, kind, layer, component, pos]``) or
-    ``totals`` (``[r, kind, layer, component]``) of ``scores``, for prompt ``weights`` ``[r, batch]``."""
-    from extractive_lens import stats
-
-    if level == "component":
-        x = scores.prompt_totals.detach().cpu().double().transpose(0, 1)
-        return torch.einsum("rb,b...->r...", weights / scores.n_prompts, x)
-    x, present = scores.role_aligned()
-    return stats.role_means(x, present, weights)
 
 
 def _fmt(x: Any) -> str:

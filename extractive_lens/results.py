@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -273,6 +274,64 @@ class ComponentScores:
         estimate = stats.role_means(x, present, torch.ones(1, n, dtype=torch.float64))[0]
         return stats.percentile_interval(
             estimate, resampled, level=level, n_boot=n_boot, seed=seed, n=n
+        )
+
+    def at_positions(self, positions: Literal["all", "prompt"]) -> ComponentScores:
+        """The map of the prompt's own positions only (``"prompt"``): the teacher-forced answer
+        continuations (roles ``answer[0]``, ``answer[1]``, ...) left out, and said so in
+        ``metadata["positions"]`` and ``metadata["left_out"]`` (the roles and, per kind, the
+        share of the map's |mass| they held). ``"all"`` returns the result as it is.
+
+        Linear and integrated totals are sums over positions, so they become the sums over the
+        prompt's positions; an exact result's totals patch every position at once and stay
+        so (``metadata["totals_cover"]``). Whole-component results have no positions to leave
+        out and are refused."""
+        if positions == "all":
+            return self
+        if positions != "prompt":
+            raise ValueError(f"positions must be 'all' or 'prompt', got {positions!r}.")
+        if self.per == "component":
+            raise ValueError(
+                "positions='prompt' needs per-token scores; this result holds whole components "
+                "(per='component'): score with per='token'."
+            )
+        if self.metadata.get("positions") == "prompt":
+            return self
+        keep = [i for i, r in enumerate(self.position_labels) if not _ANSWER.match(r)]
+        drop = [i for i, r in enumerate(self.position_labels) if _ANSWER.match(r)]
+        roles = tuple(tuple(r for r in row if not _ANSWER.match(r)) for row in self.prompt_roles)
+        width = max(len(r) for r in roles)
+        pv = self.prompt_values[..., :width].clone()
+        for i, row in enumerate(roles):
+            pv[:, i, :, :, len(row) :] = 0.0
+        mass = self.values.abs().nan_to_num(0.0).sum((1, 2, 3))
+        gone = self.values[..., drop].abs().nan_to_num(0.0).sum((1, 2, 3))
+        additive = self.method != "causal"
+        meta = dict(self.metadata)
+        meta["positions"] = "prompt"
+        meta["left_out"] = {
+            "roles": [r for r in self.position_labels if _ANSWER.match(r)],
+            "share_of_mass": {
+                k: float(g / m) if m > 0 else 0.0 for k, g, m in zip(self.kinds, gone, mass)
+            },
+        }
+        meta["totals_cover"] = "prompt positions" if additive else "all positions"
+        if "prompt_tokens" in meta:
+            meta["prompt_tokens"] = [t[: len(r)] for t, r in zip(meta["prompt_tokens"], roles)]
+        pt = pv.sum(-1) if additive else self.prompt_totals
+        return ComponentScores(
+            values=self.values[..., keep],
+            totals=pt.mean(1) if additive else self.totals,
+            prompt_values=pv,
+            prompt_totals=pt,
+            kinds=self.kinds,
+            component_labels=self.component_labels,
+            position_labels=tuple(self.position_labels[i] for i in keep),
+            prompt_roles=roles,
+            method=self.method,
+            other=self.other,
+            metadata=meta,
+            per=self.per,
         )
 
     def role_aligned(self) -> tuple[Tensor, Tensor]:
@@ -546,6 +605,10 @@ class ComponentScores:
             f"<table style='border-collapse:collapse;font-size:80%'><caption>{html.escape(kind)}</caption>"
             f"<tr><th></th>{head}</tr>{''.join(body)}</table>"
         )
+
+
+_ANSWER = re.compile(r"^answer\[\d+\]$")
+"""The roles ``make_batch`` gives the teacher-forced answer continuations (``answer[k]``)."""
 
 
 class _MixedSave(Exception):

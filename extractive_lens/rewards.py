@@ -47,6 +47,19 @@ def answer_logprob(
     return (lp * valid).sum(-1)
 
 
+def first_answer_logprob(
+    logits: Float[Tensor, "batch pos d_vocab"], batch: PromptBatch
+) -> Float[Tensor, " batch"]:
+    """``log p(a_0 | prompt)``: the answer's first token only, read at the last prompt position.
+
+    For multi-token answers whose later tokens are spelling (" Mar" → "athi"): the model's
+    choice is made at the first token, and the continuations' positions, which teacher-forced
+    ``answer_logprob`` reads, stop carrying the scores (pair with ``positions="prompt"``)."""
+    last = _last_logits(logits, batch)
+    logp = torch.log_softmax(last, dim=-1)
+    return logp.gather(-1, batch.answer_first.to(logits.device)[:, None])[:, 0]
+
+
 def _last_logits(logits: Tensor, batch: PromptBatch) -> Tensor:
     last = batch.last_prompt_pos.to(logits.device)
     out = logits[_rows(batch, logits), last]
@@ -94,6 +107,7 @@ def logit_diff(
 
 REWARDS: dict[str, Reward] = {
     "answer_logprob": answer_logprob,
+    "first_answer_logprob": first_answer_logprob,
     "logit_margin": logit_margin,
     "logit_diff": logit_diff,
 }

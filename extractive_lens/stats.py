@@ -151,6 +151,17 @@ def role_means(prompt_values: Tensor, present: Tensor, weights: Tensor) -> Tenso
     return torch.where(n > 0, sums / n.clamp(min=1e-300), torch.full_like(sums, float("nan")))
 
 
+def resampled_maps(scores: Any, level: str, weights: Tensor) -> Tensor:
+    """Each resample's role-aligned ``values`` (``level="token"``: ``[r, kind, layer,
+    component, pos]``) or ``totals`` (``"component"``: ``[r, kind, layer, component]``) of a
+    ``ComponentScores``, for prompt ``weights`` ``[r, batch]`` (``counts``)."""
+    if level == "component":
+        x = scores.prompt_totals.detach().cpu().double().transpose(0, 1)
+        return torch.einsum("rb,b...->r...", weights / scores.n_prompts, x)
+    x, present = scores.role_aligned()
+    return role_means(x, present, weights)
+
+
 def _check_level(level: float) -> None:
     if not 0 < level < 1:
         raise ValueError(f"level must be a coverage between 0 and 1 (e.g. 0.95), got {level!r}.")

@@ -7,7 +7,7 @@ import math
 import torch
 
 from extractive_lens.batch import PromptBatch
-from extractive_lens.rewards import answer_logprob, logit_diff, logit_margin
+from extractive_lens.rewards import answer_logprob, first_answer_logprob, logit_diff, logit_margin
 
 
 def _batch():
@@ -44,3 +44,16 @@ def test_rewards_by_hand():
     assert torch.allclose(
         logit_diff(logits, b), torch.tensor([2 - 1.0, 4 - 1.0], dtype=torch.float64)
     )
+
+
+def test_first_answer_logprob_reads_the_first_answer_token_only():
+    logits = torch.zeros(2, 3, 4, dtype=torch.float64)
+    logits[0, 1] = torch.tensor([0.0, 0.0, 1.0, 2.0])
+    logits[0, 2] = torch.tensor([0.0, 3.0, 0.0, 0.0])  # the second answer token: not read
+    logits[1, 2] = torch.tensor([1.0, 5.0, 4.0, 0.0])
+    lse0 = math.log(2 + math.e + math.e**2)
+    lse2 = math.log(math.e + math.e**5 + math.e**4 + 1)
+    expected = torch.tensor([2 - lse0, 4 - lse2], dtype=torch.float64)
+    assert torch.allclose(first_answer_logprob(logits, _batch()), expected)
+    logits[0, 2] = 7.0  # a continuation position changes nothing
+    assert torch.allclose(first_answer_logprob(logits, _batch()), expected)

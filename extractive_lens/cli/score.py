@@ -56,7 +56,9 @@ def score(
         metavar="N|auto",
     ),
     reward: str = typer.Option(
-        "answer_logprob", help="answer_logprob, logit_margin or logit_diff.", metavar="REWARD"
+        "answer_logprob",
+        help="answer_logprob, first_answer_logprob, logit_margin or logit_diff.",
+        metavar="REWARD",
     ),
     out: Path = typer.Option(
         Path("scores"), help="Output directory (scores, comparison, report.html).", metavar="PATH"

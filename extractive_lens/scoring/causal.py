@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -70,6 +70,7 @@ def causal_scores(
     rows: Sequence[int] | None = None,
     compute_dtype: torch.dtype | str | None = None,
     convention: str = "paper",
+    positions: Literal["all", "prompt"] = "all",
 ) -> ComponentScores:
     """Exact scores of every head and MLP, per output position (``per="token"``) or with all
     positions patched at once (``per="component"``). Definitions: ``docs/scores.md``.
@@ -86,6 +87,8 @@ def causal_scores(
         linear: precomputed linear scores for ``top_k`` (computed if not given).
         layers: score only the components of these layers (the others are NaN).
         compute_dtype: as in ``linear_scores`` (float32 for bf16/fp16 models by default).
+        positions: as in ``linear_scores`` (``"prompt"``: the answer continuations left out;
+            the totals still patch every position at once).
         convention: ``"paper"`` only: exact scores exist in the paper's convention (the authors'
             code has only linear approximations; ``"authors_code"`` says so in an error).
 
@@ -99,6 +102,7 @@ def causal_scores(
         max_batch=max_batch, top_k=top_k, linear=linear, layers=layers, batch_size=batch_size,
         resample_k=resample_k, seed=seed, show_progress=show_progress, rows=rows,
         compute_dtype=compute_dtype, convention=convention,  # type: ignore[arg-type]
+        positions=positions,
     )  # fmt: skip
     return causal_scores_with(model, diff, batch, options)
 
@@ -129,8 +133,9 @@ def causal_scores_with(
             v, t = c.scores(skipped)
             per_token.append(v)
             totals.append(t)
-    return assemble(model, scored, options.score_kinds, per_token if options.per == "token" else None,
-                    totals, method="causal", other=None, metadata=meta)  # fmt: skip
+    result = assemble(model, scored, options.score_kinds, per_token if options.per == "token" else None,
+                      totals, method="causal", other=None, metadata=meta)  # fmt: skip
+    return result.at_positions(options.positions)
 
 
 def _skipped(

@@ -169,6 +169,7 @@ def integrated_scores(
     rows: Sequence[int] | None = None,
     compute_dtype: torch.dtype | str | None = None,
     convention: str = "paper",
+    positions: Literal["all", "prompt"] = "all",
 ) -> ComponentScores:
     """Path-integrated scores of every head and MLP (module docstring; ``docs/scores.md`` §12).
 
@@ -182,7 +183,8 @@ def integrated_scores(
         force: take more than ``MAX_STEPS`` (256) nodes: the cost grows linearly with
             ``steps`` (at most ``FORCE_MAX_STEPS``, 4096).
         per, ablation, reference, reward, max_batch, top_k, linear, layers, batch_size,
-        resample_k, seed, show_progress, rows, compute_dtype: as in ``causal_scores``.
+        resample_k, seed, show_progress, rows, compute_dtype, positions: as in
+            ``causal_scores``.
 
     ``metadata["integrated"]`` records the nodes, the weights, the rule, the path and, per kind,
     the completeness error: informative ``Σ_p |Σ + other - (R(W') - R(W))|_p / Σ_p |R(W') -
@@ -196,7 +198,7 @@ def integrated_scores(
         ablation=ablation, reference=reference, reward=reward, max_batch=max_batch, top_k=top_k,
         linear=linear, layers=layers, batch_size=batch_size, resample_k=resample_k, seed=seed,
         show_progress=show_progress, rows=rows, compute_dtype=compute_dtype,
-        convention=convention,  # type: ignore[arg-type]
+        convention=convention, positions=positions,  # type: ignore[arg-type]
     )  # fmt: skip
     return integrated_scores_with(model, diff, batch, options)
 
@@ -234,10 +236,11 @@ def integrated_scores_with(
         "tried": tried, "R_change": out.change_summary(),
     }  # fmt: skip
     _warn_if_incomplete(errors, m, options)
-    return assemble(model, scored, options.score_kinds,
-                    out.per_token if options.per == "token" else None, out.totals,
-                    method="integrated", other=out.other if "informative" in options.kinds else None,
-                    metadata=meta)  # fmt: skip
+    result = assemble(model, scored, options.score_kinds,
+                      out.per_token if options.per == "token" else None, out.totals,
+                      method="integrated", other=out.other if "informative" in options.kinds else None,
+                      metadata=meta)  # fmt: skip
+    return result.at_positions(options.positions)
 
 
 def _warn_if_incomplete(errors: dict[str, float], m: int, options: IntegratedOptions) -> None:

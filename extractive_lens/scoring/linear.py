@@ -58,6 +58,7 @@ def linear_scores(
     show_progress: bool | None = None,
     rows: Sequence[int] | None = None,
     compute_dtype: torch.dtype | str | None = None,
+    positions: Literal["all", "prompt"] = "all",
 ) -> ComponentScores:
     """Linearized scores of every head and MLP at every token (definitions: ``docs/scores.md``).
 
@@ -84,6 +85,9 @@ def linear_scores(
             (``upstream.sweep``, which keeps each boundary's stream at every later layer);
             ``"auto"``: as many as keep that under ``upstream.SWEEP_BYTES`` (2 GiB). Each
             further sweep reads Δ of the layers after its first boundary again.
+        positions: ``"all"`` (default) or ``"prompt"``: the map of the prompt's own positions,
+            the answer's teacher-forced continuations left out (``ComponentScores.at_positions``;
+            docs/scores.md §6 says when each fits).
         compute_dtype: the dtype every activation, gradient and score is computed in. Default:
             float32 for bf16/fp16 models (weights stay stored as they are; each layer is upcast
             while it runs), the model's dtype otherwise. Recorded in ``metadata``.
@@ -98,7 +102,7 @@ def linear_scores(
     options = LinearOptions(
         kinds=kinds, reward=reward, ablation=ablation, reference=reference, convention=convention,
         batch_size=batch_size, upstream_group=upstream_group, resample_k=resample_k, seed=seed,
-        show_progress=show_progress, rows=rows, compute_dtype=compute_dtype,
+        show_progress=show_progress, rows=rows, compute_dtype=compute_dtype, positions=positions,
     )  # fmt: skip
     return linear_scores_with(model, diff, batch, options)
 
@@ -124,7 +128,7 @@ def linear_scores_with(
     if "informative" in options.kinds:
         changes = [cast(Tensor, c.change) for c in chunks]
         meta["additivity"] = additivity_check(result, torch.cat(changes).cpu())
-    return result
+    return result.at_positions(options.positions)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from extractive_lens.rewards import Reward, resolve_reward
 from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
 
 Per = Literal["token", "component"]
+Positions = Literal["all", "prompt"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ScoreOptions:
     show_progress: bool | None = None
     rows: Sequence[int] | None = None
     compute_dtype: torch.dtype | str | None = None
+    positions: Positions = "all"
     # resolved in __post_init__
     reward_fn: Reward = field(init=False, repr=False)
     reward_name: str = field(init=False)
@@ -72,6 +74,11 @@ class ScoreOptions:
                                            "prompts per pass (or None for all at once)"))  # fmt: skip
         if self.rows is not None:
             set_(self, "rows", indices("rows", self.rows, "prompt"))
+        if self.positions not in ("all", "prompt"):
+            raise ValueError(
+                f"positions must be 'all' (every position the model reads) or 'prompt' (the "
+                f"prompt's own, answer continuations left out), got {self.positions!r}."
+            )
         if self.reference is not None and not isinstance(self.reference, PromptBatch):
             raise TypeError(
                 f"reference must be a PromptBatch (make_batch(model, pairs)), got "
@@ -143,6 +150,11 @@ class CausalOptions(ScoreOptions):
         super().__post_init__()
         if self.per not in ("token", "component"):
             raise ValueError(f"per must be 'token' or 'component', got {self.per!r}")
+        if self.per == "component" and self.positions == "prompt":
+            raise ValueError(
+                "positions='prompt' keeps the prompt's positions of a per-token map; per="
+                "'component' patches every position at once and has none: pass per='token'."
+            )
         set_ = object.__setattr__
         set_(self, "max_batch", count("max_batch", self.max_batch, "interventions per pass"))
         if self.top_k is not None:
