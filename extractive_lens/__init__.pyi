@@ -21,6 +21,9 @@ from extractive_lens import (
     finetuning as finetuning,
 )
 from extractive_lens import (
+    grafts as grafts,
+)
+from extractive_lens import (
     interrupts as interrupts,
 )
 from extractive_lens import (
@@ -94,6 +97,8 @@ from extractive_lens.rewards import (
     logit_margin as logit_margin,
 )
 from extractive_lens.scoring.causal import causal_scores as causal_scores
+from extractive_lens.scoring.graft import GraftScores as GraftScores
+from extractive_lens.scoring.graft import graft_scores as graft_scores
 from extractive_lens.scoring.integrated import integrated_scores as integrated_scores
 from extractive_lens.scoring.linear import linear_scores as linear_scores
 from extractive_lens.trajectory import Trajectory as Trajectory

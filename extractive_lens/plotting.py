@@ -573,6 +573,39 @@ def table_heatmap(
     return fig
 
 
+def graft_heatmap(scores: Any, *, title: str | None = None, n_boot: int = 1000) -> go.Figure:
+    """A graft map (``graft_scores``): groups × roles, each cell's normalised score (base 0,
+    full finetune 1) with its bootstrap interval over prompts."""
+    import plotly.graph_objects as go
+
+    lo, hi = scores.intervals(n_boot)
+    z = scores.values.double().numpy()
+    text = [[f"{z[i, j]:.2f}<br>[{float(lo[i, j]):.2f}, {float(hi[i, j]):.2f}]"
+             for j in range(z.shape[1])] for i in range(z.shape[0])]  # fmt: skip
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(scores.role_labels),
+            y=list(scores.group_labels),
+            text=text,
+            texttemplate="%{text}",
+            colorscale="RdBu",
+            zmid=0,
+            zmin=-1,
+            zmax=1,
+            colorbar=dict(title=scores.mode),
+            hovertemplate="%{y} at %{x}<br>" + scores.mode + " %{z:.3f}<extra></extra>",
+        )  # fmt: skip
+    )
+    fig.update_layout(
+        title=title or f"{scores.mode}: Δ {'only on' if scores.mode == 'sufficient' else 'removed from'} "
+        f"each set (0 = base, 1 = full finetune; {scores.metadata.get('reward', '')})",
+        xaxis_title="positions", yaxis_title="components", template="plotly_white",
+        yaxis=dict(autorange="reversed"),
+    )  # fmt: skip
+    return fig
+
+
 def report(
     scores: ScoresView | Sequence[ScoresView],
     comparison: ComparisonView | list[ComparisonView] | None = None,

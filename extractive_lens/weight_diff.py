@@ -43,6 +43,9 @@ from extractive_lens.types import Component, component_axis_labels, parse_compon
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
+    from extractive_lens.batch import PromptBatch
+    from extractive_lens.grafts import ComponentSpec, PositionSpec
+
 
 @dataclass(frozen=True)
 class WeightDiff:
@@ -233,6 +236,51 @@ class WeightDiff:
             else self.restricted(components, layers=layers)
         )
         with diff._set(model, diff.deltas, scale):
+            yield model
+
+    @contextlib.contextmanager
+    def grafted(
+        self,
+        model: ScorableModel,
+        components: ComponentSpec = None,
+        positions: PositionSpec = None,
+        *,
+        batch: PromptBatch | None = None,
+    ) -> Iterator[ScorableModel]:
+        """Run the chosen components with ``W + Δ`` only at the chosen positions inside the block.
+
+        >>> with diff.grafted(model, components="mlp", positions=["{name}"], batch=batch):
+        ...     logits = model(batch.tokens)
+        >>> prompt = batch.tokens[:1, : int(batch.prompt_lengths[0])]
+        >>> with diff.grafted(model, positions=["last", "generated"]):
+        ...     tokens = model.generate(prompt, max_new_tokens=3, do_sample=False, verbose=False)
+        >>> tokens.shape
+        torch.Size([1, 14])
+
+        A grafted component's output at a grafted position is what it computes there with its
+        finetuned weights (a head's keys and values at every position it reads included); its
+        base output elsewhere (docs/grafting.md). ``model(...)``, ``run_with_cache`` and
+        ``model.generate`` (with TransformerLens's KV cache or without) run grafted; the model's
+        weights are never written. Components and positions: ``grafts`` (``"attn[0:2]"``,
+        ``"L3MLP"``...; ``"{name}"``, ``"last"``, ``"generated"``, ``-1``...).
+
+        Args:
+            components: ``None`` for every head and MLP (the "other" parameters, embeddings,
+                ``b_O``, final norm and unembedding, are never grafted).
+            positions: ``None`` for every position, generated ones included.
+            batch: the prompts run inside the block (their roles and prompt lengths); without
+                it the first forward inside the block is the prompt, and roles are refused.
+        """
+        from extractive_lens.backend.graft import grafting
+        from extractive_lens.grafts import Where
+
+        self.check_compatible(model)
+        where = Where.of(model, components, positions, batch)
+        if not where.layers:
+            yield model
+            return
+        finish_stale()
+        with grafting(model, self, where):
             yield model
 
     def _set(

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 import extractive_lens.scoring.runs as runs
-from extractive_lens import WeightDiff, causal_scores, integrated_scores, linear_scores
+from extractive_lens import (
+    WeightDiff,
+    causal_scores,
+    graft_scores,
+    integrated_scores,
+    linear_scores,
+)
 from extractive_lens import backend as B
 from tests.conftest import make_pair
 from tests.test_linear import small_batch
@@ -46,7 +52,15 @@ CALLS = {
     "causal_top_k": lambda m, d, b: causal_scores(m, d, b, top_k=3),
     "integrated": lambda m, d, b: integrated_scores(m, d, b, steps=2),
     "integrated_layer_path": lambda m, d, b: integrated_scores(m, d, b, steps=2, path="layer"),
+    "graft_sufficient": lambda m, d, b: graft_scores(m, d, b),
+    "graft_necessary": lambda m, d, b: graft_scores(m, d, b, mode="necessary"),
+    "grafted_forward": lambda m, d, b: _grafted_forward(m, d, b),
 }
+
+
+def _grafted_forward(model, diff, batch):
+    with torch.no_grad(), diff.grafted(model, "all", ["last", "generated"], batch=batch):
+        model(batch.tokens)
 
 
 @pytest.mark.parametrize("call", list(CALLS))
