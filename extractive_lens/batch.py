@@ -15,13 +15,11 @@ Roles (docs/scores.md §6) let prompts of different lengths be aggregated positi
   common suffix;
 - ``roles=`` gives explicit labels, one per prompt token.
 
-One job, prompts into a batch that knows each position's role; over 500 lines because the role
-rules (templates, alignment) and the checks that warn about tokenization are most of it.
+The role rules live in ``roles.py``, text into token ids and its checks in ``tokenizing.py``.
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -32,6 +30,28 @@ from jaxtyping import Int
 from torch import Tensor
 
 from extractive_lens.backend.tokenizer import bos_disagreement
+from extractive_lens.roles import (
+    AlignmentWarning,
+    aligned_roles,
+    merge_role_orders,
+    template_roles,
+    unique,
+    warn_alignment,
+)
+from extractive_lens.tokenizing import (
+    TokenizationWarning,
+    check_ids,
+    encode,
+    token_str,
+    token_strings,
+    warn_tokenization,
+)
+from extractive_lens.tokenizing import bos as bos_token
+
+__all__ = [
+    "ANSWER_ROLE", "AlignmentWarning", "BosWarning", "Pair", "PromptBatch", "TokenizationWarning",
+    "make_batch", "merge_role_orders", "token_strings",
+]  # fmt: skip
 
 ANSWER_ROLE = "answer[{k}]"
 
@@ -161,155 +181,6 @@ class PromptBatch:
         )
 
 
-def merge_role_orders(role_lists: Sequence[Sequence[str]]) -> tuple[str, ...]:
-    """Merge per-prompt role sequences into one order that respects each prompt's order where
-    it can: a new role goes just before the next role its prompt shares with the order so far."""
-    order: list[str] = []
-    for roles in role_lists:
-        pending: list[str] = []
-        prev = -1
-        for r in roles:
-            if r in order:
-                at = max(order.index(r), prev + 1)
-                order[at:at] = pending
-                prev = order.index(r)
-                pending = []
-            else:
-                pending.append(r)
-        order[prev + 1 : prev + 1] = pending
-    return tuple(order)
-
-
-def _unique(labels: Sequence[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    out = []
-    for lab in labels:
-        seen[lab] = seen.get(lab, 0) + 1
-        out.append(lab if seen[lab] == 1 else f"{lab}#{seen[lab]}")
-    return out
-
-
-def _bos(model: Any, explicit: bool = False) -> int | None:
-    tok = getattr(model, "tokenizer", None)
-    if not explicit and not getattr(model.cfg, "default_prepend_bos", True):
-        return None
-    if tok is not None and tok.bos_token_id is not None:
-        return int(tok.bos_token_id)
-    return None
-
-
-def _encode(model: Any, text: str | Sequence[int], what: str, *, offsets: bool = False) -> Any:
-    if not isinstance(text, str):
-        ids = [int(t) for t in text]
-        return (ids, None) if offsets else ids
-    tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        raise ValueError(
-            f"The model has no tokenizer, so the {what} {text!r} cannot be tokenized: pass token "
-            "id lists instead of strings, or a model with a tokenizer."
-        )
-    if offsets and getattr(tok, "is_fast", False):
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-    ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    return (ids, None) if offsets else ids
-
-
-def token_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """The text each token adds to the decoded string, so that ``"".join`` reads as the prompt.
-
-    ``decode([id])`` loses the spaces a word-level tokenizer puts between tokens ("ThepeopleinT0");
-    the text token i adds after token i-1 keeps them, for byte-level BPE tokenizers too.
-    """
-    out: list[str] = []
-    for i, t in enumerate(ids):
-        alone = tokenizer.decode([int(t)])
-        if i == 0:
-            out.append(alone)
-            continue
-        before = tokenizer.decode([int(ids[i - 1])])
-        pair = tokenizer.decode([int(ids[i - 1]), int(t)])
-        out.append(pair[len(before) :] if pair.startswith(before) else alone)
-    return out
-
-
-def _token_str(model: Any, token: int) -> str:
-    tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        return f"t{token}"
-    s = tok.decode([token])
-    return s if s.strip() else repr(s)
-
-
-def _template_roles(model: Any, pair: Pair, ids: list[int], offsets: Any) -> list[str]:
-    """Role of each prompt token from a template with ``{slot}`` fields."""
-    template, slots = pair.template or "", dict(pair.slots or {})
-    pieces: list[tuple[str, str | None]] = []  # (text, slot name or None)
-    pos = 0
-    for m in re.finditer(r"\{(\w+)\}", template or ""):
-        if m.start() > pos:
-            pieces.append((template[pos : m.start()], None))
-        name = m.group(1)
-        if name not in slots:
-            raise ValueError(
-                f"Template {template!r} has slot {{{name}}} but slots={slots} lacks it."
-            )
-        pieces.append((slots[name], name))
-        pos = m.end()
-    if pos < len(template or ""):
-        pieces.append((template[pos:], None))
-    text = "".join(p for p, _ in pieces)
-    if text != pair.prompt:
-        raise ValueError(
-            f"Prompt {pair.prompt!r} is not template {template!r} filled with {slots}."
-        )
-    if offsets is None:
-        raise ValueError("Template roles need a fast tokenizer (offset mapping).")
-    spans, start = [], 0
-    for piece, name in pieces:
-        spans.append((start, start + len(piece), name))
-        start += len(piece)
-    owner: list[str | None] = []
-    for a, b in offsets:
-        mid = a if b == a else a + (1 if text[a : a + 1] == " " and b - a > 1 else 0)
-        hit = next((name for s, e, name in spans if s <= mid < e), None)
-        owner.append(hit)
-    labels: list[str] = []
-    for i, name in enumerate(owner):
-        if name is None:
-            labels.append(_token_str(model, ids[i]).strip() or _token_str(model, ids[i]))
-        else:
-            k = sum(1 for j in range(i, len(owner)) if owner[j] == name and _same_run(owner, i, j))
-            labels.append(f"{{{name}}}[-{k}]")
-    return labels
-
-
-def _same_run(owner: list[str | None], i: int, j: int) -> bool:
-    return all(owner[t] == owner[i] for t in range(i, j + 1))
-
-
-def _aligned_roles(model: Any, token_lists: list[list[int]]) -> list[list[str]]:
-    """Common prefix / differing centre (right-aligned) / common suffix roles."""
-    n_min = min(len(t) for t in token_lists)
-    prefix = 0
-    while prefix < n_min and all(t[prefix] == token_lists[0][prefix] for t in token_lists):
-        prefix += 1
-    suffix = 0
-    while suffix < n_min - prefix and all(
-        t[-1 - suffix] == token_lists[0][-1 - suffix] for t in token_lists
-    ):
-        suffix += 1
-    out = []
-    for t in token_lists:
-        n = len(t)
-        labels = [_token_str(model, x) for x in t[:prefix]]
-        centre = n - prefix - suffix
-        labels += [f"mid[-{centre - i}]" for i in range(centre)]
-        labels += [_token_str(model, x) for x in t[n - suffix :]]
-        out.append(_unique(labels))
-    return out
-
-
 def make_batch(
     model: Any,
     pairs: Sequence[Pair | tuple[Any, Any] | Mapping[str, Any]],
@@ -346,17 +217,17 @@ def make_batch(
     items = [_as_pair(p) for p in pairs]
     if prepend_bos is None and (why := bos_disagreement(model)):
         warnings.warn(why, BosWarning, stacklevel=2)
-    bos = _bos(model, explicit=bool(prepend_bos)) if prepend_bos in (None, True) else None
+    bos = bos_token(model, explicit=bool(prepend_bos)) if prepend_bos in (None, True) else None
     if prepend_bos and bos is None:
         raise ValueError("prepend_bos=True but the model's tokenizer has no BOS token.")
     prompt_ids, answer_ids, offsets = [], [], []
     for p in items:
-        ids, offs = _encode(model, p.prompt, "prompt", offsets=True)
+        ids, offs = encode(model, p.prompt, "prompt", offsets=True)
         if not ids:
             raise ValueError(f"Prompt {p.prompt!r} tokenizes to nothing.")
         prompt_ids.append(ids)
         offsets.append(offs)
-        ans = _encode(model, p.answer, "answer")
+        ans = encode(model, p.answer, "answer")
         if not ans:
             raise ValueError(
                 f"The answer {p.answer!r} of prompt {p.prompt!r} tokenizes to nothing."
@@ -373,17 +244,17 @@ def make_batch(
                 raise ValueError(f"Prompt {p.prompt!r} has {len(ids)} tokens but {len(r)} roles.")
     elif all(p.template is not None for p in items):
         prompt_roles = [
-            _unique(_template_roles(model, p, ids, o))
+            unique(template_roles(model, p, ids, o))
             for p, ids, o in zip(items, prompt_ids, offsets)
         ]
     else:
-        prompt_roles = _aligned_roles(model, prompt_ids)
-        _warn_alignment(items, prompt_roles)
+        prompt_roles = aligned_roles(model, prompt_ids)
+        warn_alignment(items, prompt_roles)
 
-    _warn_tokenization(model, items, prompt_ids, answer_ids)
+    warn_tokenization(model, items, prompt_ids, answer_ids)
     for p, ids, ans in zip(items, prompt_ids, answer_ids):
-        _check_ids(model, ids, f"prompt {p.prompt!r}")
-        _check_ids(model, ans, f"answer {p.answer!r} (prompt {p.prompt!r})")
+        check_ids(model, ids, f"prompt {p.prompt!r}")
+        check_ids(model, ans, f"answer {p.answer!r} (prompt {p.prompt!r})")
     rows, all_roles = [], []
     for ids, ans, r in zip(prompt_ids, answer_ids, prompt_roles):
         pre = [bos] if bos is not None and ids[0] != bos else []  # a chat prompt has its own
@@ -424,7 +295,7 @@ def make_batch(
         if any(c is None for c in cfs):
             raise ValueError("Give a counterfactual answer for every prompt or for none.")
         cf = torch.tensor([_first_token(model, c, p) for c, p in zip(cfs, items)])  # type: ignore[arg-type]
-        _check_ids(model, cf.tolist(), "counterfactual answers")
+        check_ids(model, cf.tolist(), "counterfactual answers")
 
     batch = PromptBatch(
         tokens=tokens,
@@ -441,97 +312,6 @@ def make_batch(
         candidate_tokens=cand_tokens,
     )
     return batch.to(device) if device is not None else batch
-
-
-class TokenizationWarning(UserWarning):
-    """Text that probably does not tokenize the way the user meant."""
-
-
-def _warn_tokenization(
-    model: Any, items: list[Pair], prompt_ids: list[list[int]], answer_ids: list[list[int]]
-) -> None:
-    """One warning per pitfall (with the first example and a count), never an error."""
-    import warnings
-
-    tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        return
-    unk = getattr(tok, "unk_token_id", None)
-    found: dict[str, list[str]] = {}
-    for p, ids, ans in zip(items, prompt_ids, answer_ids):
-        if isinstance(p.prompt, str) and p.prompt.endswith((" ", "\t")) and p.prompt.strip():
-            found.setdefault("trailing", []).append(repr(p.prompt))
-        if (
-            isinstance(p.answer, str)
-            and p.answer
-            and not p.answer[0].isspace()
-            and isinstance(p.prompt, str)
-            and p.prompt == p.prompt.rstrip()
-        ):
-            spaced = list(tok(" " + p.answer, add_special_tokens=False)["input_ids"])
-            if spaced != list(ans):
-                found.setdefault("space", []).append(
-                    f"{p.answer!r} (did you mean {' ' + p.answer!r}?)"
-                )
-        if unk is not None and (unk in ids or unk in ans):
-            found.setdefault("unk", []).append(repr(p.prompt if unk in ids else p.answer))
-    messages = {
-        "trailing": "prompts end with a space, which becomes a token of its own that the model rarely saw before "
-        "an answer; put the space at the start of the answer instead",
-        "space": "answers have no leading space, so they tokenize as a word glued to the prompt's last word",
-        "unk": "texts contain words the tokenizer does not know (mapped to its unknown token)",
-    }
-    for key, examples in found.items():
-        more = f" and {len(examples) - 1} more" if len(examples) > 1 else ""
-        warnings.warn(
-            f"{len(examples)} {messages[key]}: {examples[0]}{more}.",
-            TokenizationWarning,
-            stacklevel=3,
-        )
-
-
-class AlignmentWarning(UserWarning):
-    """Prompts whose positions cannot be lined up so that each means the same in every prompt."""
-
-
-def _warn_alignment(items: list[Pair], prompt_roles: list[list[str]]) -> None:
-    """Plain prompts are aligned by common prefix / differing middle (right-aligned) / common
-    suffix. With neither a common first nor a common last token (prompts of different shapes,
-    e.g. two templates), every position is ``mid[-k]`` and averages different words."""
-    import warnings
-
-    if len({tuple(r) for r in prompt_roles}) <= 1 or not all(prompt_roles):
-        return
-    if not all(r[0].startswith("mid[") and r[-1].startswith("mid[") for r in prompt_roles):
-        return  # a shared first or last token anchors the middle (an entity of any length)
-    warnings.warn(
-        f"These {len(items)} prompts share neither their first nor their last token (e.g. "
-        f"{items[0].prompt!r} and {items[-1].prompt!r}), so without a template every position "
-        "is 'mid[-k]', counted from the end, and averages different words across prompts. Give "
-        "Pair(prompt, answer, template=..., slots=...) (positions become template words and slot "
-        "tokens such as '{name}[-1]') or roles=, or score prompts of one shape together.",
-        AlignmentWarning,
-        stacklevel=3,
-    )
-
-
-def _check_ids(model: Any, ids: Sequence[int], what: str) -> None:
-    """Every token id must index the model's embedding: ``0 <= id < d_vocab``."""
-    d_vocab = model.cfg.d_vocab
-    bad = [t for t in ids if not 0 <= t < d_vocab]
-    if not bad:
-        return
-    tok = getattr(model, "tokenizer", None)
-    hint = (
-        f" The tokenizer has {len(tok)} tokens but the model embeds only {d_vocab}: "
-        f"{tok.decode([bad[0]])!r} is a token the model has no embedding for (a special token added to the "
-        "tokenizer?). Remove it from the text."
-        if tok is not None and bad[0] >= d_vocab and bad[0] < len(tok)
-        else " Token ids must be in 0..d_vocab-1 (padding is handled by make_batch; do not pass -1)."
-    )
-    raise ValueError(
-        f"The {what} has token id {bad[0]}, outside the model's vocabulary 0..{d_vocab - 1}.{hint}"
-    )
 
 
 def _as_pair(p: Any) -> Pair:
@@ -564,7 +344,7 @@ def _first_token(model: Any, answer: str | int | Sequence[int], pair: Pair) -> i
 def _whole(model: Any, answer: str | int | Sequence[int], pair: Pair) -> tuple[int, ...]:
     if isinstance(answer, int):
         return (answer,)
-    ids = _encode(model, answer, "candidate")
+    ids = encode(model, answer, "candidate")
     if not ids:
         raise ValueError(f"Candidate {answer!r} of prompt {pair.prompt!r} tokenizes to nothing.")
     return tuple(int(t) for t in ids)
@@ -587,16 +367,16 @@ def _candidates(
             if w in seen:
                 raise ValueError(
                     f"Candidates {seen[w]!r} and {c!r} (prompt {p.prompt!r}) are the same tokens "
-                    f"{[_token_str(model, t) for t in w]}: ranks cannot tell them apart. Drop one."
+                    f"{[token_str(model, t) for t in w]}: ranks cannot tell them apart. Drop one."
                 )
             seen[w] = c
         ids = {w for c, w in zip(cands, whole) if isinstance(c, int)}  # an id names a first token
         if tuple(ans) not in seen and (ans[0],) not in ids:
             raise ValueError(
                 f"The answer {p.answer!r} of prompt {p.prompt!r} is not among its candidates "
-                f"(its tokens {[_token_str(model, t) for t in ans]} are no candidate's)."
+                f"(its tokens {[token_str(model, t) for t in ans]} are no candidate's)."
             )
-        _check_ids(model, [t for w in whole for t in w], f"candidates of prompt {p.prompt!r}")
+        check_ids(model, [t for w in whole for t in w], f"candidates of prompt {p.prompt!r}")
         rows.append([w[0] for w in whole])
         wholes.append(tuple(whole))
     width = max(len(r) for r in rows)

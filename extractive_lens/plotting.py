@@ -8,8 +8,8 @@
 
 Every figure is an ordinary plotly figure: restyle it with ``fig.update_layout(...)``.
 
-One job, figures from scores; over 500 lines because it holds every figure (each a short
-pure builder) and ``report``, which lays them out on the page from ``report.py``'s blocks.
+Every figure is a short pure builder; ``report`` lays them out on the page from ``report.py``'s
+blocks.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ torch.Size([3, 4, 5, 11])
 >>> scores.to_dataframe().columns.tolist()   # tidy, one row per prompt/kind/layer/component/pos
 ['prompt', 'kind', 'layer', 'component', 'pos', 'role', 'token', 'score']
 
-One job, the result object; over 500 lines because it carries its own checks, views (``top``,
-``to_dataframe``, the notebook summary) and its save/load with their refusals.
+The result object: its own checks, views (``top``, ``to_dataframe``, the notebook summary) and
+its save/load with their refusals.
 """
 
 from __future__ import annotations

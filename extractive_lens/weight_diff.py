@@ -13,8 +13,8 @@ them on exit (never ``+= Δ`` then ``-= Δ``, which is not an exact round trip).
 
 One job, Δ as a value: its algebra, restriction to components, norms and applying it. Where Δ
 comes from (models, state dicts, checkpoints, adapters, files) is ``diff_sources/``; the file
-format is ``diff_sources/files.py``. The module is over 500 lines because each operation has a
-dense path and a low-rank one (a ``from_peft`` diff keeps its factors; ``backend/lowrank.py``).
+format is ``diff_sources/files.py``. Each operation has a dense path and a low-rank one (a
+``from_peft`` diff keeps its factors; ``backend/lowrank.py``).
 """
 
 from __future__ import annotations

@@ -367,7 +367,7 @@ def test_a_bridge_takes_the_factors_of_whole_linear_weights_only(tmp_path):
     stored weight's Δ), which the pieces add at the module's output; GPT-2's fused ``c_attn``
     and Conv1D weights take none (their Δ is formed). A piece whose ``nn.Linear`` with a
     low-rank change does not run is refused, not scored without that change."""
-    from extractive_lens.backend import bridge, shift
+    from extractive_lens.backend import bridge, bridge_lowrank, shift
 
     for arch, mapped in (("llama", 7), ("gpt2", 0)):
         hf = LM.base_checkpoint(arch, tmp_path / arch / "base")
@@ -385,7 +385,7 @@ def test_a_bridge_takes_the_factors_of_whole_linear_weights_only(tmp_path):
     diff = el.WeightDiff.from_peft(llama, tmp_path / "llama" / "adapter")
     block = llama.blocks[0]
     with shift.shifted(llama, diff), pytest.raises(RuntimeError, match="did not run 3 of"):
-        with bridge._low_rank_linears(block, block.mlp):
+        with bridge_lowrank.low_rank_linears(block, block.mlp):
             pass  # gate_proj, up_proj and down_proj never run
 
 

@@ -22,9 +22,11 @@ TransformerLens parameter names all the same:
 
 ``check_scorable`` checks, once per model, that the pieces reproduce the bridge's own logits.
 
-One job, the ``Backend`` protocol for ``TransformerBridge``; over 500 lines because every
-function of the protocol is here (``hooked.py`` has the same set), each mapping a
-TransformerLens name or piece onto the Hugging Face model the bridge wraps.
+The ``Backend`` protocol for ``TransformerBridge``: each function maps a TransformerLens name
+or piece onto the Hugging Face model the bridge wraps. Three of its helpers live beside it:
+``bridge_hooks.py`` (attention's recorded keyword arguments, the key/value prefix, hook points
+captured), ``bridge_vocab.py`` (the vocabulary matrices read a part at a time) and
+``bridge_lowrank.py`` (low-rank changes added at an ``nn.Linear``'s output).
 """
 
 from __future__ import annotations
@@ -37,18 +39,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from extractive_lens.backend import hooked, shift, vocab
+from extractive_lens.backend import bridge_hooks, bridge_lowrank, bridge_vocab, hooked, shift, vocab
+from extractive_lens.backend.bridge_vocab import vocab_matrices
 from extractive_lens.backend.compute import (
     compute_dtype,
     deferred_tangent,
-    low_rank_part,
-    plus_low_rank,
-    substituted,
     this_thread_only,
     upcast_call,
 )
 from extractive_lens.backend.hooked import has_mlp, notes, parallel, weights_processed
-from extractive_lens.backend.lowrank import LowRank, to_layout
+from extractive_lens.backend.lowrank import LowRank
 from extractive_lens.backend.names import ParamSlice, slices_for_names
 
 NAME = "transformer_bridge"
@@ -202,38 +202,10 @@ def check_shared(model: Any, deltas: Any) -> None:
             _to_storage(model, values, dtype, strict=False)
 
 
-_View = tuple[str, tuple[int, ...], tuple[int, ...], int]  # raw name, shape, stride, offset
-_LINEAR_VIEWS: weakref.WeakKeyDictionary[nn.Module, dict[str, _View]] = weakref.WeakKeyDictionary()
-
-
 def raw_low_rank(model: Any, name: str, f: LowRank) -> tuple[str, LowRank] | None:
-    """The low-rank change ``f`` of the TransformerLens parameter ``name`` as a change of the
-    stored weight behind it, ``(raw name, factors)``, where the pieces add it as ``(x L) R``
-    at that weight's module output (``_low_rank_linears``): ``name`` is the whole of an
-    ``nn.Linear``'s ``[out, in]`` weight, laid out as ``f`` says (Llama's ``q_proj`` ...
-    ``down_proj``: ``Δ = (L R)ᵀ``, the ``transposed`` layout). ``None`` elsewhere (GPT-2's
-    fused ``c_attn`` and Conv1D weights, embeddings, a view of part of a weight): Δ is formed."""
-    views = _LINEAR_VIEWS.get(model)
-    if views is None:
-        linears = {id(m.weight) for m in model.modules() if type(m) is nn.Linear}
-        by_storage: dict[int, list[tuple[str, Tensor]]] = {}
-        for raw_name, p in model.named_parameters(remove_duplicate=False):
-            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((raw_name, p))
-        views = {}
-        for tl_name, t in parameters(model).items():
-            owners = by_storage.get(t.untyped_storage().data_ptr(), [])
-            if len({id(p) for _, p in owners}) == 1 and id(owners[0][1]) in linears:
-                # one stored weight, an nn.Linear's: where and how the view reads it
-                views[tl_name] = (owners[0][0], tuple(t.shape), t.stride(), int(t.storage_offset()))
-        _LINEAR_VIEWS[model] = views
-    found = views.get(name)
-    if found is None or tuple(f.shape) != found[1]:
-        return None
-    p = model.get_parameter(found[0])
-    want = to_layout(p.detach().T, f.layout, f.n_heads)  # the view f's layout makes of p
-    if (tuple(want.shape), want.stride(), int(want.storage_offset())) != found[1:]:
-        return None
-    return found[0], LowRank(f.left, f.right, "transposed")
+    """``bridge_lowrank.raw_low_rank``: the low-rank change ``f`` of ``name`` as a change of
+    the stored ``nn.Linear`` weight behind it, or ``None`` where Δ must be formed."""
+    return bridge_lowrank.raw_low_rank(model, name, f, parameters)
 
 
 def raw_masks(model: Any, masks: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
@@ -526,81 +498,6 @@ def _piece(root: nn.Module, parts: tuple[nn.Module | None, ...], fn: Any, *args:
     return upcast_call(root, _names_in(root, *parts, but=but), fn, *args, low_rank=low_rank)
 
 
-@contextlib.contextmanager
-def _low_rank_linears(root: nn.Module, part: nn.Module) -> Iterator[frozenset[str]]:
-    """Inside the block, each ``nn.Linear`` of ``part`` whose weight has a low-rank change or
-    tangent in force (``raw_low_rank``: Llama's ``q_proj`` ... ``down_proj``) adds it to its
-    output as ``(x L) R`` (``compute.plus_low_rank``), as ``peft``'s LoRA layer does: neither
-    ``B @ A`` nor ``W + αΔ`` is formed. Yields those weights' names under ``root``, which
-    ``upcast_call`` substitutes by ``W`` alone. A module that did not run is an error (a piece
-    reading its weight some other way would leave its change out)."""
-    found: dict[int, tuple[nn.Module, tuple[Any, float, Any]]] = {}
-    for m in part.modules():
-        if type(m) is nn.Linear:
-            change, alpha, t = low_rank_part(m.weight)
-            if change is not None or t is not None:  # [out, in] weights: x Δᵀ = (x L) R
-                found[id(m.weight)] = (m, (_plain(change), alpha, _plain(t)))
-    if not found:
-        yield frozenset()
-        return
-    fired: set[int] = set()
-    handles = []
-    try:
-        for i, (m, lr) in found.items():
-
-            def add(_m: Any, inputs: tuple[Any, ...], out: Tensor, i: int = i, lr: Any = lr) -> Any:
-                fired.add(i)
-                return plus_low_rank(out, inputs[0], lr)
-
-            handles.append(m.register_forward_hook(this_thread_only(add)))
-        yield frozenset(n for n, p in root.named_parameters() if id(p) in found)
-    finally:
-        for h in handles:
-            h.remove()
-    if len(fired) < len(found):
-        raise RuntimeError(
-            f"{type(part).__name__} did not run {len(found) - len(fired)} of its nn.Linear "
-            "modules with a low-rank change: this bridge component reads their weights another "
-            "way; score the diff made dense (WeightDiff(dict(diff.deltas), diff.signature))."
-        )
-
-
-def _plain(f: LowRank | None) -> LowRank | None:
-    """A stored ``[out, in]`` weight's change ``(L R)ᵀ`` as what ``nn.Linear`` adds to its
-    output, ``x (L R)``."""
-    return None if f is None else LowRank(f.left, f.right, "plain")
-
-
-def vocab_matrices(model: Any) -> dict[str, tuple[Tensor, bool]]:
-    """The vocabulary matrices ``backend/vocab.py`` may read a part at a time: the wrapped
-    model's token embedding (an ``nn.Embedding``: ``embed.W_E`` as stored) and its output
-    layer (an ``nn.Linear``, ``[d_vocab, d_model]``: ``unembed.W_U`` transposed), the same
-    tensor where they are tied (GPT-2). Others (a processed bridge's own copies, an embedding
-    that renormalises its rows) are run whole."""
-    out: dict[str, tuple[Tensor, bool]] = {}
-    e = getattr(model, "embed", None)
-    emb = getattr(e, "original_component", None)
-    processed = getattr(e, "_use_processed_weights", False)
-    if isinstance(emb, nn.Embedding) and emb.max_norm is None and not processed:
-        out["embed.W_E"] = (emb.weight, False)
-    u = getattr(model, "unembed", None)
-    head = getattr(u, "original_component", None)
-    processed = u is not None and u._parameters.get("_processed_W_U") is not None
-    if type(head) is nn.Linear and not processed:
-        out["unembed.W_U"] = (head.weight, True)
-    return out
-
-
-def _by_part(model: Any, name: str) -> Tensor | None:
-    """The stored matrix of ``name`` where it is read a part at a time, else ``None``."""
-    found = vocab_matrices(model).get(name)
-    return found[0] if found is not None and vocab.by_part(model, found[0]) else None
-
-
-def _name_of(model: Any, p: Tensor) -> str:
-    return next(n for n, q in model.named_parameters() if q is p)
-
-
 class _Entered(Exception):
     """Raised by ``embed``'s hook with what entered the first block: the forward stops there."""
 
@@ -615,7 +512,7 @@ def embed(model: Any, tokens: Tensor) -> Tensor:
     forward of the model at layer 0 too (#42); this hook acts for this thread only."""
     parts = (getattr(model, "embed", None), getattr(model, "pos_embed", None))
     first = model.blocks[0]
-    p = _by_part(model, "embed.W_E")
+    p = bridge_vocab.by_part(model, "embed.W_E")
 
     def stop(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
@@ -628,7 +525,7 @@ def embed(model: Any, tokens: Tensor) -> Tensor:
             handle = first.register_forward_pre_hook(this_thread_only(stop), with_kwargs=True)
             stack.callback(handle.remove)
             if p is not None:  # the batch's rows of W_E + αΔ; the embedding reads its tokens'
-                stack.enter_context(_rows_only(m, p, t))  # places among them
+                stack.enter_context(bridge_vocab.rows_only(m, p, t))  # places among them
             try:
                 m(t)
             except _Entered as entered:
@@ -636,144 +533,6 @@ def embed(model: Any, tokens: Tensor) -> Tensor:
         raise RuntimeError("embed: the forward pass never entered the first block")
 
     return _piece(model, parts, run, tokens, but=p)
-
-
-@contextlib.contextmanager
-def _rows_only(model: Any, p: Tensor, tokens: Tensor) -> Iterator[None]:
-    """Inside the block the wrapped embedding holds only the rows of ``W_E + α·Δ_E`` that
-    ``tokens`` use (``vocab.rows``: Δ read for them only) and is given the tokens renumbered
-    into them: its output is the whole matrix's, the matrix is never formed."""
-    used, inverse = torch.unique(tokens, return_inverse=True)
-    dtype = compute_dtype() or p.dtype
-    rows = vocab.rows(p, used, dtype, shift.active(p), deferred_tangent(p))
-    emb = model.embed.original_component
-
-    def renumber(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if args:
-            return (inverse.to(args[0].device), *args[1:]), kwargs
-        return args, {**kwargs, "input": inverse.to(kwargs["input"].device)}
-
-    handle = emb.register_forward_pre_hook(this_thread_only(renumber), with_kwargs=True)
-    try:
-        with substituted(model, {"model." + _name_of(model, p): rows}):
-            yield
-    finally:
-        handle.remove()
-
-
-class _Prefix:
-    """A Hugging Face cache stand-in holding frozen keys and values of earlier positions:
-    ``update`` returns them followed by the new ones (layout ``[batch, kv_head, pos, d_head]``)."""
-
-    def __init__(self, k: Tensor, v: Tensor) -> None:  # [batch, pos, kv_head, d_head]
-        self.k, self.v = k.transpose(1, 2), v.transpose(1, 2)
-
-    def update(self, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        return (
-            torch.cat([self.k.to(k.dtype), k], dim=2),
-            torch.cat([self.v.to(v.dtype), v], dim=2),
-        )
-
-    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
-        return int(self.k.shape[2])
-
-
-_KWARGS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, str], list[dict[str, Any]]]] = (
-    weakref.WeakKeyDictionary()
-)
-_DROP = {"hidden_states", "past_key_values", "past_key_value", "layer_past", "use_cache",
-         "output_attentions", "cache_position"}  # fmt: skip
-
-
-def _recorded(model: Any, n: int, device: torch.device) -> list[dict[str, Any]]:
-    """Per layer, the keyword arguments the wrapped model passes to attention on ``n`` tokens
-    (causal mask, rotary tables, positions): recorded from one forward pass, once."""
-    cache = _KWARGS.setdefault(model, {})
-    key = (n, str(device))
-    if key not in cache:
-        rec: dict[int, dict[str, Any]] = {}
-
-        def save(layer: int, _m: Any, _args: Any, kwargs: dict[str, Any]) -> None:
-            rec[layer] = {k: v for k, v in kwargs.items() if k not in _DROP}
-
-        handles = [
-            b.attn.register_forward_pre_hook(
-                this_thread_only(lambda m, a, kw, layer=layer: save(layer, m, a, kw)),
-                with_kwargs=True,
-            )
-            for layer, b in enumerate(model.blocks)
-        ]
-        try:
-            with torch.no_grad():
-                model(torch.zeros(1, n, dtype=torch.long, device=device))
-        finally:
-            for h in handles:
-                h.remove()
-        cache[key] = [rec[layer] for layer in range(len(model.blocks))]
-    return cache[key]
-
-
-def _attention_kwargs(model: Any, layer: int, x: Tensor, offset: int) -> dict[str, Any]:
-    """Attention's keyword arguments for the positions ``offset .. offset + x.shape[1]``, with
-    rotary tables in the compute dtype."""
-    n = x.shape[1]
-    kw = dict(_recorded(model, offset + n, x.device)[layer])
-    if "position_embeddings" in kw and hasattr(model, "rotary_emb"):
-        pos = torch.arange(offset + n, device=x.device)[None]
-        with torch.no_grad():
-            kw["position_embeddings"] = model.rotary_emb(x[:1, :1].expand(1, offset + n, -1), pos)
-    if offset:
-        for k, v in list(kw.items()):
-            if k == "position_embeddings" and v is not None:
-                kw[k] = tuple(t[..., offset:, :] for t in v)
-            elif k == "position_ids" and v is not None:
-                kw[k] = v[..., offset:]
-            elif k == "attention_mask" and v is not None and v.ndim == 4:
-                kw[k] = v[..., offset:, :]
-    return kw
-
-
-_HOOK_POINTS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def _hook_point(model: Any, name: str) -> Any:
-    """The hook point behind a TransformerLens hook name (aliases resolved once per model)."""
-    points = _HOOK_POINTS.get(model)
-    if points is None:
-        points = dict(model.hook_dict)
-        _HOOK_POINTS[model] = points
-    return points.get(name)
-
-
-@contextlib.contextmanager
-def _capturing(model: Any, layer: int, capture: tuple[str, ...]) -> Iterator[dict[str, Tensor]]:
-    """The values at attention hook points ``capture`` of ``layer``, in TransformerLens's shapes,
-    kept on the autograd path (each hook returns what it stored)."""
-    captured: dict[str, Tensor] = {}
-    handles = []
-    try:
-        for name in capture:
-            points = [f"hook_{name}"]
-            if name == "k":
-                # keys as a cache holds them, after rotary where it fires (later, so it wins);
-                # per position and head their inner products are those before it (a rotation)
-                points.append("hook_rot_k")
-            for point in points:
-                hp = _hook_point(model, f"blocks.{layer}.attn.{point}")
-                if hp is None:
-                    continue
-                conv = getattr(hp, "hook_conversion", None)
-
-                def hook(_m: Any, _i: Any, out: Tensor, name: str = name, conv: Any = conv) -> Any:
-                    t = out if conv is None else conv.convert(out)
-                    captured[name] = t
-                    return t if conv is None else conv.revert(t)
-
-                handles.append(hp.register_forward_hook(this_thread_only(hook)))
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def attention(
@@ -790,15 +549,16 @@ def attention(
     x = on_block(model, layer, resid_pre)
     offset = 0 if past_kv is None else past_kv[0].shape[1]
     dtype = compute_dtype() or x.dtype
-    kw = _attention_kwargs(model, layer, x.to(dtype), offset)
+    kw = bridge_hooks.attention_kwargs(model, layer, x.to(dtype), offset)
     if past_kv is not None:
-        kw["past_key_values"] = _Prefix(*(on_block(model, layer, t) for t in past_kv))
+        kw["past_key_values"] = bridge_hooks.Prefix(*(on_block(model, layer, t) for t in past_kv))
 
     def run(b: Any, x: Tensor) -> Tensor:
         out = b.attn(b.ln1(x), **kw)
         return out[0] if isinstance(out, tuple) else out
 
-    with _capturing(model, layer, capture) as captured, _low_rank_linears(block, block.attn) as lr:
+    captured_at = bridge_hooks.capturing(model, layer, capture)
+    with captured_at as captured, bridge_lowrank.low_rank_linears(block, block.attn) as lr:
         out = _piece(block, (block.ln1, block.attn), run, x, low_rank=lr)
     return out, captured
 
@@ -806,7 +566,7 @@ def attention(
 def mlp(model: Any, layer: int, mlp_in: Tensor) -> Tensor:
     """Layer ``layer``'s MLP (with its ``ln2``) on its input stream."""
     block = model.blocks[layer]
-    with _low_rank_linears(block, block.mlp) as lr:
+    with bridge_lowrank.low_rank_linears(block, block.mlp) as lr:
         return _piece(block, (block.ln2, block.mlp), lambda b, x: b.mlp(b.ln2(x)),
                       on_block(model, layer, mlp_in), low_rank=lr)  # fmt: skip
 
@@ -814,7 +574,7 @@ def mlp(model: Any, layer: int, mlp_in: Tensor) -> Tensor:
 def unembed(model: Any, resid: Tensor) -> Tensor:
     """Final norm, unembedding and logit soft-capping."""
 
-    p = _by_part(model, "unembed.W_U")
+    p = bridge_vocab.by_part(model, "unembed.W_U")
 
     def run(m: Any, x: Tensor) -> Tensor:
         if getattr(m, "ln_final", None) is not None:
