@@ -48,6 +48,8 @@ _EXPORTS = {
     "finetune": "extractive_lens.finetuning",
     "mean_rank": "extractive_lens.finetuning",
     "Trajectory": "extractive_lens.trajectory",
+    "trajectory_scores": "extractive_lens.scoring.trajectory",
+    "trajectory_integrated": "extractive_lens.scoring.trajectory",
     "estimate": "extractive_lens.budget",
     "Estimate": "extractive_lens.budget",
 }

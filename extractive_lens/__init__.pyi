@@ -101,6 +101,8 @@ from extractive_lens.scoring.graft import GraftScores as GraftScores
 from extractive_lens.scoring.graft import graft_scores as graft_scores
 from extractive_lens.scoring.integrated import integrated_scores as integrated_scores
 from extractive_lens.scoring.linear import linear_scores as linear_scores
+from extractive_lens.scoring.trajectory import trajectory_integrated as trajectory_integrated
+from extractive_lens.scoring.trajectory import trajectory_scores as trajectory_scores
 from extractive_lens.trajectory import Trajectory as Trajectory
 from extractive_lens.types import Component as Component
 from extractive_lens.types import iter_components as iter_components

@@ -1,0 +1,337 @@
+"""Scores along a finetune's trajectory (``extractive_lens.trajectory``; docs/trajectory.md).
+
+>>> maps = trajectory_scores(base, traj, batch)       # linear, D_k at every checkpoint  # doctest: +SKIP
+>>> along = trajectory_integrated(base, traj, batch)  # informative, along the path     # doctest: +SKIP
+>>> along.metadata["integrated"]["completeness"]      # how far Σ misses R(W_T) - R(W_0)  # doctest: +SKIP
+
+Two views of a finetune that is a path ``W_0 → W_1 → … → W_T`` rather than one straight line:
+
+- **Maps over time** (``trajectory_scores``): any scoring method of ``D_k = W_k - W_0`` at each
+  checkpoint ``k``: how much of the change made by then each component carries.
+- **The trajectory integral** (``trajectory_integrated``, as Loss Change Allocation does per
+  parameter): segment ``k`` runs ``W_{k-1} → W_k`` along ``Δ_k = W_k - W_{k-1}``. At each
+  quadrature node ``x_i`` of the segment, the linear informative split (per component and
+  token, and "other") of ``Δ_k`` at the model ``W_{k-1} + x_i Δ_k``: its ``ŷ`` and its
+  forward-mode derivative along ``Δ_k`` both there. Segment ``k``'s score is
+  ``Σ_i w_i · Ī(W_{k-1} + x_i Δ_k; Δ_k)``: the straight-line integrated informative score of the
+  segment. Summed over segments they add up to ``R(W_T) - R(W_0)`` (the fundamental theorem of
+  calculus on each segment); the completeness error is recorded, per segment and in all.
+  Beside it ``integrated_scores(base, traj.final, batch, kinds="informative")`` integrates
+  the straight line ``W_0 → W_T``: both add up to the same change, and where they differ per
+  component, the component took up (or gave back) its share along the way.
+
+The model's weights are never written: each node's point ``D_{k-1} + x_i Δ_k`` is a diff
+supplied to the pieces while they run (``backend.shifted``), its tensors formed a layer at a
+time from the checkpoints' files, and the tangent ``Δ_k`` is read the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, cast
+
+import torch
+from torch import Tensor
+
+from extractive_lens import backend as B
+from extractive_lens.batch import PromptBatch
+from extractive_lens.interrupts import guarded, one_call_per_model
+from extractive_lens.results import ComponentScores
+from extractive_lens.rewards import Reward
+from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
+from extractive_lens.scoring.integrated import DEFAULT_STEPS, IntegratedOptions, Rule, nodes
+from extractive_lens.scoring.kinds import KINDS
+from extractive_lens.scoring.runs import forward_run, head_grad, wide
+from extractive_lens.trajectory import Trajectory
+from extractive_lens.types import SCORE_KINDS, ScoreKind
+
+Method = Literal["linear", "causal", "integrated"]
+COMPLETENESS_TARGET = 0.02
+"""The completeness error the trajectory integral is held to with its default nodes (4
+Gauss–Legendre nodes per segment): docs/trajectory.md reports it measured."""
+
+
+@dataclass(frozen=True)
+class TrajectoryScores:
+    """Scores along a trajectory: one ``ComponentScores`` per checkpoint (``what="checkpoint"``:
+    scores of ``D_k``) or per segment (``what="segment"``: segment ``k``'s share of the
+    trajectory integral).
+
+    Attributes:
+        scores: one result per checkpoint ``1 … T`` or segment ``1 … T``.
+        steps, epochs: optimiser steps and epochs at each checkpoint (a segment's end).
+        what: ``"checkpoint"`` or ``"segment"``.
+        metadata: the method, and for segments the completeness errors and the rewards
+            ``R(W_k)`` (mean over prompts) at ``k = 0 … T``.
+    """
+
+    scores: tuple[ComponentScores, ...]
+    steps: tuple[int, ...]
+    epochs: tuple[float, ...]
+    what: Literal["checkpoint", "segment"]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (len(self.scores) == len(self.steps) == len(self.epochs)) or not self.scores:
+            raise ValueError(
+                f"TrajectoryScores needs one result per time: {len(self.scores)} results, "
+                f"{len(self.steps)} steps, {len(self.epochs)} epochs."
+            )
+
+    @property
+    def kinds(self) -> tuple[ScoreKind, ...]:
+        return self.scores[0].kinds
+
+    def layer_map(self, kind: ScoreKind = "informative", part: str = "all") -> Any:
+        """``DataFrame[epoch x layer]``: each layer's score (summed over its components and
+        positions, mean over prompts) at each time; ``part``: ``"all"``, ``"heads"`` or
+        ``"mlp"``."""
+        import pandas as pd
+
+        if part not in ("all", "heads", "mlp"):
+            raise ValueError(f"part must be 'all', 'heads' or 'mlp', got {part!r}")
+        rows = []
+        for s in self.scores:
+            t = s.totals[s.kinds.index(kind)]  # [layer, component]
+            labels = s.component_labels
+            keep = [
+                i for i, c in enumerate(labels) if part == "all" or (c == "MLP") == (part == "mlp")
+            ]
+            rows.append(t[:, keep].sum(-1).tolist())
+        layers = [f"L{layer}" for layer in range(len(rows[0]))]
+        return pd.DataFrame(rows, index=pd.Index(self.epochs, name="epoch"), columns=layers)
+
+    def curve(self, component: str, kind: ScoreKind = "informative") -> Any:
+        """``Series[epoch]``: one component's whole score (``"L3MLP"``, ``"L2H1"``) over time."""
+        import pandas as pd
+
+        from extractive_lens.types import parse_components
+
+        s = self.scores[0]
+        L, C = s.totals.shape[1:]
+        has_mlp = "MLP" in s.component_labels
+        (c,) = parse_components([component], L, C - has_mlp, has_mlp) or ()
+        col = C - 1 if c.is_mlp else int(cast(int, c.head))
+        values = [float(r.totals[r.kinds.index(kind), c.layer, col]) for r in self.scores]
+        return pd.Series(values, index=pd.Index(self.epochs, name="epoch"), name=component)
+
+    def to_dataframe(self) -> Any:
+        """One row per (time, kind, layer, component): whole-component scores, mean over
+        prompts."""
+        import pandas as pd
+
+        rows = []
+        for step, epoch, s in zip(self.steps, self.epochs, self.scores):
+            for k, kind in enumerate(s.kinds):
+                for layer in range(s.totals.shape[1]):
+                    for c, label in enumerate(s.component_labels):
+                        v = float(s.totals[k, layer, c])
+                        rows.append((step, epoch, kind, layer, label, v))
+        return pd.DataFrame(rows, columns=["step", "epoch", "kind", "layer", "component", "score"])
+
+    def cumulative(self) -> TrajectoryScores:
+        """Segments summed up to each checkpoint: ``k``'s result adds up to ``R(W_k) - R(W_0)``
+        (``what="checkpoint"``; the checkpoints' own maps are ``trajectory_scores``)."""
+        if self.what != "segment":
+            raise ValueError("cumulative() sums segments: call it on trajectory_integrated(...).")
+        out, run = [], None
+        for s in self.scores:
+            run = s if run is None else _summed(run, s)
+            out.append(run)
+        return replace(self, scores=tuple(out), what="checkpoint")
+
+    @property
+    def total(self) -> ComponentScores:
+        """The trajectory-integrated score: every segment's share summed (``what="segment"``)."""
+        if self.what != "segment":
+            raise ValueError(
+                "total sums the segments of trajectory_integrated(...); maps of checkpoints "
+                "(trajectory_scores) are not additive over time: take scores[-1] for the last."
+            )
+        total = self.cumulative().scores[-1]
+        meta = {**total.metadata, "integrated": {**self.metadata["integrated"]}}
+        return replace(total, metadata=meta)
+
+    def plot(self, kind: ScoreKind = "informative", part: str = "all") -> Any:
+        """The time x layer heat map of ``kind`` (``trajectory_plots.layer_map``)."""
+        from extractive_lens.trajectory_plots import layer_map
+
+        return layer_map(self, kind, part)
+
+
+def _summed(a: ComponentScores, b: ComponentScores) -> ComponentScores:
+    """Two results of the same prompts, added cell by cell (and their "other" shares)."""
+    other = None if a.other is None or b.other is None else a.other + b.other
+    return replace(
+        b, values=a.values + b.values, totals=a.totals + b.totals,
+        prompt_values=a.prompt_values + b.prompt_values,
+        prompt_totals=a.prompt_totals + b.prompt_totals, other=other,
+    )  # fmt: skip
+
+
+def trajectory_scores(
+    model: Any,
+    trajectory: Trajectory,
+    batch: PromptBatch,
+    *,
+    method: Method = "linear",
+    kinds: Sequence[ScoreKind] | ScoreKind = SCORE_KINDS,
+    show_progress: bool | None = None,
+    **options: Any,
+) -> TrajectoryScores:
+    """Maps over time: ``method``'s scores of ``D_k = W_k - W_0`` at every checkpoint.
+
+    Args:
+        method: ``"linear"``, ``"causal"`` or ``"integrated"`` (the straight line to each
+            checkpoint).
+        kinds: the score kinds.
+        options: the method's own options (``reward``, ``per``, ``steps`` …).
+
+    One checkpoint's Δ is read at a time (formed a layer at a time from its files).
+    """
+    from extractive_lens.scoring.causal import causal_scores
+    from extractive_lens.scoring.integrated import integrated_scores
+    from extractive_lens.scoring.linear import linear_scores
+
+    fns = {"linear": linear_scores, "causal": causal_scores, "integrated": integrated_scores}
+    if method not in fns:
+        raise ValueError(f"method must be one of {sorted(fns)}, got {method!r}")
+    _check(trajectory)
+    fn = cast(Any, fns[method])
+    out = []
+    for k in progress(range(1, len(trajectory) + 1), len(trajectory), "checkpoints", show_progress):
+        out.append(
+            fn(model, trajectory.diff(k), batch, kinds=kinds, show_progress=False, **options)
+        )
+    return TrajectoryScores(tuple(out), tuple(trajectory.steps[1:]), tuple(trajectory.epochs[1:]),
+                            "checkpoint", {"method": method})  # fmt: skip
+
+
+def _check(trajectory: Any) -> None:
+    if not isinstance(trajectory, Trajectory):
+        raise TypeError(
+            f"trajectory must be a Trajectory, got {type(trajectory).__name__}: record one with "
+            "finetune(..., keep='epochs') and Trajectory.load(diff.metadata['trajectory'])."
+        )
+
+
+def trajectory_integrated(
+    model: Any,
+    trajectory: Trajectory,
+    batch: PromptBatch,
+    *,
+    steps: int = DEFAULT_STEPS,
+    rule: Rule = "gauss",
+    reward: str | Reward | None = None,
+    batch_size: int | None = 16,
+    show_progress: bool | None = None,
+    compute_dtype: torch.dtype | str | None = None,
+) -> TrajectoryScores:
+    """The informative score integrated along the training trajectory (module docstring).
+
+    Args:
+        steps: quadrature nodes per segment (default 4).
+        rule: ``"gauss"`` (Gauss–Legendre) or ``"midpoint"``.
+        reward, batch_size, show_progress, compute_dtype: as in ``integrated_scores``.
+
+    Returns one result per segment (``.total``: their sum, ``.cumulative()``: summed to each
+    checkpoint). ``metadata["integrated"]`` holds the nodes, the completeness error in all
+    (``Σ_p |Σ_k (Σ_{c,t} Ĩ + other) - (R(W_T) - R(W_0))|_p / Σ_p |R(W_T) - R(W_0)|_p``) and per
+    segment, and the mean reward at every checkpoint.
+    """
+    _check(trajectory)
+    options = IntegratedOptions(
+        kinds=("informative",), steps=steps, rule=rule, reward=reward, batch_size=batch_size,
+        show_progress=show_progress, compute_dtype=compute_dtype,
+    )  # fmt: skip
+    return _integrated(model, trajectory, batch, options)
+
+
+@one_call_per_model
+def _integrated(
+    model: Any, trajectory: Trajectory, batch: PromptBatch, options: IntegratedOptions
+) -> TrajectoryScores:
+    from extractive_lens.scoring.options import prepare
+
+    final = trajectory.final
+    cdt = prepare("trajectory_integrated", model, final, batch, options)
+    scored, plan = plan_chunks(batch, None, options.batch_size)
+    xs, ws = nodes(int(options.steps), options.rule)
+    T = len(trajectory)
+    per_seg: list[list[Tensor]] = [[] for _ in range(T)]
+    other: list[list[Tensor]] = [[] for _ in range(T)]
+    rewards: list[list[Tensor]] = [[] for _ in range(T + 1)]
+    with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
+        bar = progress(range(len(plan) * T), len(plan) * T, "trajectory", options.show_progress)
+        it = iter(bar)
+        for chunk, _ in plan:
+            with torch.no_grad():
+                rewards[0].append(
+                    wide(cast(Tensor, forward_run(model, chunk, options.reward_fn).reward))
+                )
+            for k in range(1, T + 1):
+                next(it, None)
+                vals, o, r_end = _segment(model, trajectory, k, chunk, options, xs, ws)
+                per_seg[k - 1].append(vals)
+                other[k - 1].append(o)
+                rewards[k].append(r_end)
+    R = [torch.cat(r) for r in rewards]
+    shares = [
+        torch.cat([v.sum((1, 2, 3)) for v in per_seg[k]]) + torch.cat(other[k]) for k in range(T)
+    ]
+    change = R[T] - R[0]
+    err = float((sum(shares) - change).abs().sum()) / max(float(change.abs().sum()), 1e-300)
+    seg_err = [
+        float((shares[k] - (R[k + 1] - R[k])).abs().sum())
+        / max(float((R[k + 1] - R[k]).abs().sum()), 1e-300)
+        for k in range(T)
+    ]
+    info = {
+        "path": "trajectory", "steps": int(options.steps), "rule": options.rule, "nodes": xs,
+        "weights": ws, "completeness": {"informative": err}, "segment_completeness": seg_err,
+        "R_change": float(change.mean()), "rewards": [float(r.mean()) for r in R],
+        "segments": T, "trajectory_steps": trajectory.steps, "trajectory_epochs": trajectory.epochs,
+    }  # fmt: skip
+    out = []
+    for k in range(T):
+        meta = base_metadata(model, trajectory.step(k + 1), options, batch, cdt,
+                             method="integrated", per="token")  # fmt: skip
+        meta["integrated"] = {**info, "segment": k + 1}
+        out.append(assemble(model, scored, ("informative",), [v[None] for v in per_seg[k]],
+                            [v.sum(-1)[None] for v in per_seg[k]], method="integrated",
+                            other=other[k], metadata=meta))  # fmt: skip
+    return TrajectoryScores(tuple(out), tuple(trajectory.steps[1:]), tuple(trajectory.epochs[1:]),
+                            "segment", {"method": "trajectory_integrated", "integrated": info})  # fmt: skip
+
+
+def _segment(
+    model: Any, trajectory: Trajectory, k: int, chunk: PromptBatch, options: IntegratedOptions,
+    xs: list[float], ws: list[float],
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Segment ``k``'s informative scores ``[batch, layer, comp, pos]``, its "other" share
+    ``[batch]`` and ``R(W_k)``: the linear informative split of ``Δ_k`` at each node's model
+    ``W_{k-1} + x_i Δ_k``, weighted by ``w_i``."""
+    from extractive_lens.scoring.linear import LinearChunk, LinearOptions
+
+    lin_options = LinearOptions(kinds=("informative",), reward=options.reward_fn,
+                                ablation=options.ablation, rows=None)  # fmt: skip
+    step = trajectory.step(k)  # one object for every node: its Δ is loaded once (reusing)
+    total = other = None
+    with B.reusing():
+        for x, w in zip(xs, ws):
+            with B.shifted(model, trajectory.point(k, x), keep=False):
+                run = forward_run(model, chunk, options.reward_fn, grad=True)
+                g_z = [head_grad(wide(g), W) for g, W in zip(run.g_attn, run.W_O)]
+                c = LinearChunk(model, step, step.deltas, chunk, run, [], lin_options, None, g_z)
+                inf = KINDS["informative"].linear(c)
+            o = cast(Tensor, c.other)
+            total = w * inf if total is None else total + w * inf
+            other = w * o if other is None else other + w * o
+    with torch.no_grad(), B.shifted(model, trajectory.diff(k)):
+        end = wide(cast(Tensor, forward_run(model, chunk, options.reward_fn).reward))
+    mask = chunk.position_mask.to(cast(Tensor, total).device)
+    return cast(Tensor, total) * mask[:, None, None, :], cast(Tensor, other), end
+
+
+__all__: Sequence[str] = ("TrajectoryScores", "trajectory_scores", "trajectory_integrated")
