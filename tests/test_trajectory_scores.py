@@ -43,7 +43,6 @@ def two_segments(request):
     """``W_0 → W_1 → W_2``: two straight segments in different directions."""
     base, w1 = make_pair(request.param, torch.float64, delta_scale=0.1)
     w2 = _moved(w1, seed=7)
-    ref.hooked_only(base)
     return base, [base, w1, w2], _broken_line(base, [w1, w2]), small_batch(base)
 
 
@@ -52,6 +51,7 @@ def test_two_segments_equal_two_straight_line_integrals(two_segments):
     segment, computed independently on the two models at its ends (deep copies, hooks,
     ``torch.func.jvp``); the total is their sum."""
     base, models, traj, batch = two_segments
+    ref.hooked_only(base)
     along = el.trajectory_integrated(base, traj, batch, steps=3, reward="answer_logprob")
     xs, ws = nodes(3, "gauss")
     want = [
@@ -71,6 +71,7 @@ def test_shares_add_up_to_the_change_along_the_path(two_segments):
     """With enough nodes every segment's share (components and "other") is that segment's
     change of R, from the models themselves, and all of them add up to R(W_2) - R(W_0)."""
     base, models, traj, batch = two_segments
+    ref.hooked_only(base)
     along = el.trajectory_integrated(base, traj, batch, steps=16, reward="answer_logprob")
     R = [ref.reward_of(m, batch, answer_logprob) for m in models]
     for k, s in enumerate(along.scores):

@@ -46,7 +46,6 @@ from extractive_lens.scoring.runs import forward_run, head_grad, wide
 from extractive_lens.trajectory import Trajectory
 from extractive_lens.types import SCORE_KINDS, ScoreKind
 
-Method = Literal["linear", "causal", "integrated"]
 COMPLETENESS_TARGET = 0.02
 """The completeness error the trajectory integral is held to with its default nodes (4
 Gauss–Legendre nodes per segment): docs/trajectory.md reports it measured."""
@@ -175,7 +174,7 @@ def trajectory_scores(
     trajectory: Trajectory,
     batch: PromptBatch,
     *,
-    method: Method = "linear",
+    method: str = "linear",
     kinds: Sequence[ScoreKind] | ScoreKind = SCORE_KINDS,
     show_progress: bool | None = None,
     **options: Any,
@@ -183,22 +182,17 @@ def trajectory_scores(
     """Maps over time: ``method``'s scores of ``D_k = W_k - W_0`` at every checkpoint.
 
     Args:
-        method: ``"linear"``, ``"causal"`` or ``"integrated"`` (the straight line to each
-            checkpoint).
+        method: a method of ``scoring.methods.METHODS``: ``"linear"``, ``"causal"`` or
+            ``"integrated"`` (the straight line to each checkpoint).
         kinds: the score kinds.
         options: the method's own options (``reward``, ``per``, ``steps`` …).
 
     One checkpoint's Δ is read at a time (formed a layer at a time from its files).
     """
-    from extractive_lens.scoring.causal import causal_scores
-    from extractive_lens.scoring.integrated import integrated_scores
-    from extractive_lens.scoring.linear import linear_scores
+    from extractive_lens.scoring.methods import method as method_entry
 
-    fns = {"linear": linear_scores, "causal": causal_scores, "integrated": integrated_scores}
-    if method not in fns:
-        raise ValueError(f"method must be one of {sorted(fns)}, got {method!r}")
+    fn = method_entry(method).engine  # refuses a method the table lacks, listing its methods
     _check(trajectory)
-    fn = cast(Any, fns[method])
     out = []
     for k in progress(range(1, len(trajectory) + 1), len(trajectory), "checkpoints", show_progress):
         out.append(
