@@ -5,6 +5,8 @@ against the exact informative score."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -282,3 +284,25 @@ def test_the_graft_leaves_no_hooks_and_writes_nothing(pair64):
     graft_scores(base, diff, small_batch(base), groups={"a": "attn"}, roles={"l": "last"})
     for n, p in base.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize("components,positions", CASES[:3])
+def test_the_context_and_the_engine_agree_on_either_backend(pair64, components, positions):
+    """The hooks on the model's own forward (a HookedTransformer's or a TransformerBridge's)
+    and the engine of ``graft_scores`` (the pieces) run the same graft."""
+    from extractive_lens.backend import shift
+    from extractive_lens.scoring.graft import forward
+
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base)
+    where = Where.of(base, components, positions, batch)
+    with torch.no_grad():
+        engine = forward(base, batch, where, contextlib.nullcontext,
+                         lambda: shift.shifted(base, diff))  # fmt: skip
+        with diff.grafted(base, components, positions, batch=batch):
+            hooked = base(batch.tokens)
+        plain = base(batch.tokens)
+    real = batch.position_mask
+    assert (hooked - engine)[real].abs().max() < 1e-10
+    assert (hooked - plain)[real].abs().max() > 1e-6

@@ -117,8 +117,8 @@ class _Run:
         self.offset: dict[int, int] = {}
         self.pre: dict[int, Tensor] = {}
         self.mid: dict[int, Tensor] = {}
-        self.z: dict[int, Tensor] = {}
-        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
+        # per layer: the grafted weights' keys and values, then the base weights'
+        self.kv: dict[int, tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]] = {}
 
     def inner(self) -> contextlib.AbstractContextManager[Any]:
         return shift.shifted(self.model, self.diff)
@@ -128,31 +128,46 @@ class _Run:
         if offset == 0 and layer == self.where.layers[0]:
             if self.prompt_len is None:  # the first forward inside the graft is the prompt
                 self.prompt_len = x.shape[1]
+            elif self.where.batch is None and x.shape[1] < self.prompt_len:
+                raise RuntimeError(
+                    f"grafted: a forward of {x.shape[1]} positions after a prompt of "
+                    f"{self.prompt_len}, not resumed from TransformerLens's KV cache (a "
+                    "TransformerBridge's cache is not followed): generate with "
+                    "use_past_kv_cache=False, or run each prompt in its own `with` block."
+                )
         return self.where.at(x.shape[0], offset, x.shape[1], self.prompt_len or x.shape[1]).to(
             x.device
         )
 
     def attn_out(self, layer: int, out: Tensor) -> Tensor:
-        heads = self.where.heads[layer]
+        """The layer's attention output with the grafted heads' change added at the grafted
+        positions. The base heads' ``z`` is recomputed here from the layer's input rather than
+        read at ``hook_z`` (a bridge's hook holds it in another layout); both weight settings'
+        keys and values of earlier positions are kept for KV-cached calls."""
+        from extractive_lens import backend as B
+
         offset = self.offset.get(layer, 0)
-        past = None
+        past: list[tuple[Tensor, Tensor] | None] = [None, None]
         if offset > 0:
-            past = self.kv.get(layer)
-            if past is None or past[0].shape[1] != offset:
+            kept = self.kv.get(layer)
+            if kept is None or kept[0][0].shape[1] != offset:
                 raise RuntimeError(
                     "grafted: the model resumed from a KV cache filled outside this graft; "
                     "start the generation (or the cached forward) inside the `with` block."
                 )
-        from extractive_lens import backend as B
-
-        with shift.unshifted(self.model):
+            past = list(kept)
+        with _quiet(self.model.blocks[layer]), shift.unshifted(self.model):
+            _, cap = B.attention(self.model, layer, self.pre[layer], ("z", "k", "v"),
+                                 past_kv=past[1])  # fmt: skip
             W_O = B.W_O(self.model, layer)
         with _quiet(self.model.blocks[layer]):
-            change, kv = heads_change(self.model, layer, self.pre[layer], self.z[layer], W_O,
-                                      heads, self.inner, past)  # fmt: skip
-        if past is not None:
-            kv = (torch.cat([past[0], kv[0]], 1), torch.cat([past[1], kv[1]], 1))
-        self.kv[layer] = kv
+            change, kv = heads_change(self.model, layer, self.pre[layer], cap["z"], W_O,
+                                      self.where.heads[layer], self.inner, past[0])  # fmt: skip
+        now = [kv, (cap["k"], cap["v"])]
+        for i, p in enumerate(past):
+            if p is not None:
+                now[i] = (torch.cat([p[0], now[i][0]], 1), torch.cat([p[1], now[i][1]], 1))
+        self.kv[layer] = (now[0], now[1])
         return added(out, change, self.mask(layer, out))
 
     def mlp_out(self, layer: int, out: Tensor) -> Tensor:
@@ -201,8 +216,7 @@ def grafting(model: Any, diff: Any, where: Any) -> Iterator[None]:
         p = f"blocks.{layer}."
         wanted.append((p + "hook_resid_pre", keep(run.pre, layer)))
         if where.heads[layer]:
-            wanted += [(p + "attn.hook_z", keep(run.z, layer)),
-                       (p + "hook_attn_out", replace(run.attn_out, layer))]  # fmt: skip
+            wanted.append((p + "hook_attn_out", replace(run.attn_out, layer)))
         if layer in where.mlps:
             if not B.parallel(model):
                 wanted.append((p + "hook_resid_mid", keep(run.mid, layer)))
