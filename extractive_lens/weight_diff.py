@@ -182,16 +182,20 @@ class WeightDiff:
     @classmethod
     def from_peft(
         cls, base: ScorableModel, adapter: str | Path | Any, *,
-        device: str | torch.device | None = None,
+        initial: str | Path | None = None, device: str | torch.device | None = None,
     ) -> WeightDiff:  # fmt: skip
         """The change a LoRA adapter (a ``peft`` directory or ``PeftModel``) makes to ``base``,
-        kept as its low-rank factors (``backend/lora.py``).
+        kept as its low-rank factors (``backend/lora.py``). Adapters are accepted by what their
+        configuration says they are (``backend/lora_configs.py``); one initialised by PiSSA,
+        OLoRA, CorDA or LoRA-GA, which change the base weights, needs ``initial``: the directory
+        the adapter was saved to before training.
 
         >>> diff = WeightDiff.from_peft(base, "runs/lora-adapter")  # doctest: +SKIP
+        >>> diff = WeightDiff.from_peft(base, "runs/pissa", initial="runs/pissa-init")  # doctest: +SKIP
         """
         from extractive_lens.backend.lora import from_peft
 
-        return cls(*from_peft(base, adapter, device=device))
+        return cls(*from_peft(base, adapter, initial=initial, device=device))
 
     @classmethod
     def zeros_like(cls, model: ScorableModel) -> WeightDiff:

@@ -12,8 +12,11 @@ trained with ``bias="lora_only"`` / ``"all"`` and the modules in ``modules_to_sa
 new tensors: their change is dense. What the factors cannot say exactly (DoRA's magnitude
 vector, LoRA biases, replicated layers, ...) is refused, naming the option.
 
-One table entry per model family (``FAMILIES``): how the Hugging Face module names of that
-family map onto TransformerLens parameters.
+Adapters are accepted by what their configuration says they are (``lora_configs.py``: an
+allow-list; PiSSA-like initialisations read with the adapter as initialised, ``initial=``); a
+``PeftModel``'s own base weights are compared with the base's. One table entry per model family
+(``lora_families.FAMILIES``): how the Hugging Face module names of that family map onto
+TransformerLens parameters.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,103 +31,27 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
-from extractive_lens.backend.lowrank import Layout, LowRank, LowRankDeltas, to_layout
+from extractive_lens.backend.lora_configs import (
+    check_config,
+    check_initial,
+    check_targets,
+    init_kind,
+)
+from extractive_lens.backend.lora_families import (
+    FAMILIES,
+    Family,
+    Target,
+    module_names,
+    other_family,
+)
+from extractive_lens.backend.lowrank import LowRank, LowRankDeltas, to_layout
 from extractive_lens.diff_sources import Parts, delta_dtype_for
 
-
-@dataclass(frozen=True)
-class Target:
-    """Where (part of) a Hugging Face module's output lands: TransformerLens leaf ``leaf`` of
-    the layer (``{kv}`` for a key/value weight: ``_W_K`` on grouped-query models), its
-    ``layout``, and which of ``chunks`` equal slices of the output it is (a fused projection)."""
-
-    leaf: str
-    layout: Layout = "plain"
-    bias: str | None = None  # the TransformerLens bias fed by the module's bias
-    chunk: int = 0
-    chunks: int = 1
-    heads: str = "n_heads"  # which head count splits the head axis
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one architecture's Hugging Face modules map onto TransformerLens parameters."""
-
-    layer: str  # a regex of a block's module path with the layer number as group 1
-    modules: Mapping[str, tuple[Target, ...]]  # path inside a block -> targets
-    outside: Mapping[str, tuple[Target, ...]]  # path outside the blocks -> targets
-    embed: str  # the token embedding's module path
-    embed_scale: bool = False  # W_E = weight · √d_model (Gemma)
-    norm_offset: float = 0.0  # a norm's TransformerLens weight = 1 + weight (Gemma)
-    conv1d: tuple[str, ...] = field(default=())  # modules stored [in, out] (GPT-2's Conv1D)
-
-
-_Q = Target("attn.W_Q", "heads_out", "attn.b_Q")
-_K = Target("attn.{kv}W_K", "heads_out", "attn.{kv}b_K", heads="n_kv")
-_V = Target("attn.{kv}W_V", "heads_out", "attn.{kv}b_V", heads="n_kv")
-_O = Target("attn.W_O", "heads_in", "attn.b_O")
-_LLAMA = Family(
-    layer=r"model\.layers\.(\d+)\.",
-    modules={
-        "self_attn.q_proj": (_Q,), "self_attn.k_proj": (_K,), "self_attn.v_proj": (_V,),
-        "self_attn.o_proj": (_O,), "mlp.gate_proj": (Target("mlp.W_gate"),),
-        "mlp.up_proj": (Target("mlp.W_in", bias="mlp.b_in"),),
-        "mlp.down_proj": (Target("mlp.W_out", bias="mlp.b_out"),),
-        "input_layernorm": (Target("ln1.w"),), "post_attention_layernorm": (Target("ln2.w"),),
-    },
-    outside={"model.embed_tokens": (Target("embed.W_E"),),
-             "lm_head": (Target("unembed.W_U", bias="unembed.b_U"),),
-             "model.norm": (Target("ln_final.w"),)},
-    embed="model.embed_tokens",
-)  # fmt: skip
-_QWEN3 = Family(
-    _LLAMA.layer,
-    {**_LLAMA.modules, "self_attn.q_norm": (Target("attn.q_norm.w"),),
-     "self_attn.k_norm": (Target("attn.k_norm.w"),)},
-    _LLAMA.outside, _LLAMA.embed,
-)  # fmt: skip
-_GEMMA = Family(
-    _LLAMA.layer, _LLAMA.modules, _LLAMA.outside, _LLAMA.embed, embed_scale=True, norm_offset=1.0
-)
-_GPT2 = Family(
-    layer=r"transformer\.h\.(\d+)\.",
-    modules={
-        "attn.c_attn": (Target("attn.W_Q", "heads_out", "attn.b_Q", 0, 3),
-                        Target("attn.W_K", "heads_out", "attn.b_K", 1, 3),
-                        Target("attn.W_V", "heads_out", "attn.b_V", 2, 3)),
-        "attn.c_proj": (_O,), "mlp.c_fc": (Target("mlp.W_in", bias="mlp.b_in"),),
-        "mlp.c_proj": (Target("mlp.W_out", bias="mlp.b_out"),),
-        "ln_1": (Target("ln1.w", bias="ln1.b"),), "ln_2": (Target("ln2.w", bias="ln2.b"),),
-    },
-    outside={"transformer.wte": (Target("embed.W_E"),),
-             "transformer.wpe": (Target("pos_embed.W_pos"),),
-             "transformer.ln_f": (Target("ln_final.w", bias="ln_final.b"),),
-             "lm_head": (Target("unembed.W_U", bias="unembed.b_U"),)},
-    embed="transformer.wte",
-    conv1d=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
-)  # fmt: skip
-FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA, "Qwen3ForCausalLM": _QWEN3,
-    "GemmaForCausalLM": _GEMMA, "Gemma2ForCausalLM": _GEMMA, "GPT2LMHeadModel": _GPT2,
-}  # fmt: skip
-"""Architectures (``original_architecture``) whose adapters ``from_peft`` reads."""
-
-_REFUSED = {  # LoraConfig fields whose non-default value a low-rank Δ cannot represent
-    "use_dora": "DoRA rescales each weight column by a learned magnitude (not a low-rank change)",
-    "lora_bias": "a bias on LoRA's B matrix",
-    "layer_replication": "replicated layers (the adapted model has more layers than the base)",
-    "target_parameters": "adapters on raw parameters (mixture-of-experts weights)",
-    "trainable_token_indices": "trainable token embeddings",
-    "use_qalora": "QALoRA's pooled inputs",
-    "alora_invocation_tokens": "activated LoRA (the adapter switches on mid-sequence)",
-    "use_bdlora": "block-diagonal LoRA",
-    "arrow_config": "Arrow routing between adapters",
-}
 _PREFIX = "base_model.model."
 
 
-def from_peft(base: Any, adapter: str | Path | Any, *, device: str | torch.device | None = None
-              ) -> Parts:  # fmt: skip
+def from_peft(base: Any, adapter: str | Path | Any, *, initial: str | Path | None = None,
+              device: str | torch.device | None = None) -> Parts:  # fmt: skip
     """The weight change of a LoRA adapter on ``base`` (see the module docstring), as the parts
     of a ``WeightDiff`` (``WeightDiff.from_peft``: a source, like those in ``diff_sources``).
 
@@ -134,33 +60,43 @@ def from_peft(base: Any, adapter: str | Path | Any, *, device: str | torch.devic
             trained on, loaded without weight processing.
         adapter: a directory written by ``peft``'s ``save_pretrained`` (``adapter_config.json``
             and ``adapter_model.safetensors``), or a ``PeftModel`` in memory.
+        initial: for an adapter whose initialisation changes the base weights (PiSSA, OLoRA,
+            CorDA, LoRA-GA: ``lora_configs.py``), the directory it was saved to right after
+            ``get_peft_model``, before training; the change is then
+            ``scale · (B @ A - B₀ @ A₀)``, what ``peft``'s own conversion computes.
         device: where to keep the factors (default: the base model's device).
     """
     config, state, name = _read(adapter)
-    _refuse(config)
-    arch = B.signature(base).get("original_architecture")
-    family = FAMILIES.get(str(arch))
+    check_config(config, initial=initial is not None)
+    start = None
+    if initial is not None:
+        first, start_state, _ = _read(initial)
+        check_initial(config, first)
+        start = _by_module(start_state)
+    arch = str(B.signature(base).get("original_architecture"))
+    family = FAMILIES.get(arch)
     if family is None:
         raise NotImplementedError(
             f"from_peft maps adapters of {', '.join(sorted(FAMILIES))} onto TransformerLens "
             f"parameters; this base model is {arch!r}. Merge the adapter (peft's "
             "merge_and_unload), load the merged model and use WeightDiff.from_models."
         )
+    check_targets(config, family, arch, base.cfg.n_layers)
     params = B.parameters(base)
     dtype = delta_dtype_for(base.cfg.dtype)
     dev = torch.device(device) if device is not None else next(iter(params.values())).device
-    reader = _Reader(base, family, params, dtype, dev)
-    by_module: dict[str, dict[str, Tensor]] = {}
-    for key, t in state.items():
-        module, leaf = _split_key(key)
-        by_module.setdefault(module, {})[leaf] = t
+    reader = _Reader(base, family, params, dtype, dev, arch)
+    by_module = _by_module(state)
+    if not isinstance(adapter, (str, Path)):
+        _check_base_weights(adapter, config, reader, start)
     ranks: dict[str, int] = {}
     for module, parts in sorted(by_module.items()):
-        if "lora_A.weight" in parts or "lora_embedding_A" in parts:
-            ranks[module] = reader.low_rank(module, parts, _scale(config, module, parts))
-        extra = set(parts) - {"lora_A.weight", "lora_B.weight", "lora_embedding_A",
-                              "lora_embedding_B"}  # fmt: skip
-        for leaf in sorted(extra):  # biases, modules_to_save, saved base layers: whole tensors
+        if _FACTORS & set(parts):
+            scale = _scale(config, module, parts)
+            if start is not None:
+                parts = _less_initial(module, parts, start.get(module, {}))
+            ranks[module] = reader.low_rank(module, parts, scale)
+        for leaf in sorted(set(parts) - _FACTORS):  # biases, modules_to_save, base layers: whole
             reader.whole(module, leaf.removeprefix("base_layer."), parts[leaf])
     meta = {
         "base": base.cfg.model_name,
@@ -174,6 +110,7 @@ def from_peft(base: Any, adapter: str | Path | Any, *, device: str | torch.devic
             "rank_pattern": dict(config.rank_pattern or {}),
             "alpha_pattern": dict(config.alpha_pattern or {}),
             "layers_to_transform": config.layers_to_transform,
+            "init_lora_weights": config.init_lora_weights,
         },
     }  # fmt: skip
     deltas = LowRankDeltas(reader.factors, {n: d for n, d in reader.dense.items() if d.any()})
@@ -218,20 +155,99 @@ def _read(adapter: Any) -> tuple[Any, dict[str, Tensor], str]:
     )
 
 
-def _refuse(config: Any) -> None:
-    kind = str(getattr(config, "peft_type", ""))
-    if not kind.endswith("LORA"):
-        raise NotImplementedError(
-            f"from_peft reads LoRA adapters; this one is {kind or type(config).__name__}: merge "
-            "it (merge_and_unload), then use WeightDiff.from_models."
-        )
-    for option, what in _REFUSED.items():
-        if getattr(config, option, None):
-            raise NotImplementedError(
-                f"This adapter sets {option}={getattr(config, option)!r} ({what}), which a "
-                "low-rank weight change cannot represent: merge it (merge_and_unload) and use "
-                "WeightDiff.from_models."
+_FACTORS = frozenset({"lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B"})
+_PAIRS = (("lora_A.weight", "lora_B.weight"), ("lora_embedding_A", "lora_embedding_B"))
+
+
+def _by_module(state: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """The saved tensors grouped by module; a module with one factor of a pair is refused."""
+    by_module: dict[str, dict[str, Tensor]] = {}
+    for key, t in state.items():
+        module, leaf = _split_key(key)
+        by_module.setdefault(module, {})[leaf] = t
+    for module, parts in by_module.items():
+        for pair in _PAIRS:
+            have = [p for p in pair if p in parts]
+            if len(have) == 1:
+                missing = pair[1 - pair.index(have[0])]
+                raise ValueError(
+                    f"The adapter's {module} has {have[0]} but no {missing}: the adapter file is "
+                    "incomplete; save the adapter again (save_pretrained)."
+                )
+    return by_module
+
+
+def _less_initial(module: str, parts: Mapping[str, Tensor], start: Mapping[str, Tensor]
+                  ) -> dict[str, Tensor]:  # fmt: skip
+    """The factors of ``B @ A - B₀ @ A₀``: ``[A; A₀]`` and ``[B, -B₀]`` (``peft``'s
+    ``subtract_mutated_init``), so one scale multiplies both."""
+    out = dict(parts)
+    for a, b in _PAIRS:
+        if a not in parts:
+            continue
+        if a not in start or start[a].shape != parts[a].shape or start[b].shape != parts[b].shape:
+            raise ValueError(
+                f"initial=: the initial adapter has no factors of {module} of the trained "
+                "adapter's shapes: pass the adapter this one was trained from."
             )
+        cat = 0 if a == "lora_A.weight" else 1  # lora_A: [r, in]; lora_embedding_A: [r, vocab]
+        out[a] = torch.cat([parts[a], start[a].to(parts[a])], dim=cat)
+        out[b] = torch.cat([parts[b], -start[b].to(parts[b])], dim=1)
+    return out
+
+
+def _check_base_weights(peft_model: Any, config: Any, reader: _Reader,
+                        start: Mapping[str, Mapping[str, Tensor]] | None) -> None:  # fmt: skip
+    """A ``PeftModel``'s own base weights must be ``base``'s (with ``initial``: plus the initial
+    adapter ``scale · B₀ @ A₀`` its initialisation took out of them): an adapter on another
+    base, on a processed one, or merged into its base is another change. One module at a time."""
+    inner = peft_model.base_model.model
+    for module in module_names(reader.family, reader.model.cfg.n_layers):
+        try:
+            m = inner.get_submodule(module)
+        except AttributeError:
+            continue
+        m = getattr(m, "original_module", m)  # modules_to_save keep the base's copy
+        m = m.get_base_layer() if hasattr(m, "get_base_layer") else m
+        for leaf in ("weight", "bias") if config.bias == "none" else ("weight",):  # trained
+            value = getattr(m, leaf, None)
+            if not isinstance(value, Tensor):
+                continue
+            value = value.detach().to(torch.float64)
+            if start is not None and leaf == "weight" and start.get(module):
+                value = value + _initial_product(config, module, start[module], reader, m)
+            try:
+                pairs = reader.mapped(module, leaf, value)
+            except ValueError:  # a weight this backend does not name (a bridge's post-norms)
+                continue
+            for name, mapped in pairs:
+                want = reader.params[name].detach()
+                tol = 8 * max(torch.finfo(want.dtype).eps, torch.finfo(m.weight.dtype).eps,
+                              torch.finfo(torch.float32).eps)  # fmt: skip
+                scale = float(want.double().abs().max())
+                err = float((mapped.to(want.device).double() - want.double()).abs().max())
+                if err > tol * max(scale, 1e-30):
+                    raise ValueError(
+                        f"The PeftModel's base weights are not this base model's: {module}."
+                        f"{leaf} differs from {name} by {err:.3g} (of {scale:.3g}). Pass the "
+                        "base it was built on, loaded unprocessed, and an unmerged adapter"
+                        + (" (its initialisation changed the base weights: pass initial=)"
+                           if init_kind(config) == "convertible" and start is None else "")
+                        + "."
+                    )  # fmt: skip
+
+
+def _initial_product(config: Any, module: str, start: Mapping[str, Tensor], reader: _Reader,
+                     layer: Any) -> Tensor:  # fmt: skip
+    """``scale · B₀ @ A₀`` as the module stores its weight (``[out, in]``; ``[in, out]`` for
+    GPT-2's Conv1D; ``[vocab, d]`` for an embedding)."""
+    if "lora_embedding_A" in start:
+        prod = (start["lora_embedding_B"].double() @ start["lora_embedding_A"].double()).T
+    else:
+        prod = start["lora_B.weight"].double() @ start["lora_A.weight"].double()
+        if tuple(prod.shape) != tuple(layer.weight.shape):
+            prod = prod.T
+    return _scale(config, module, start) * prod.to(layer.weight.device)
 
 
 def _split_key(key: str) -> tuple[str, str]:
@@ -268,8 +284,8 @@ class _Reader:
     """Puts one module's factors or whole tensors onto TransformerLens names."""
 
     def __init__(self, model: Any, family: Family, params: Mapping[str, Tensor],
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
-        self.model, self.family, self.params = model, family, params
+                 dtype: torch.dtype, device: torch.device, arch: str) -> None:  # fmt: skip
+        self.model, self.family, self.params, self.arch = model, family, params, arch
         self.dtype, self.device = dtype, device
         cfg = model.cfg
         self.heads = {"n_heads": cfg.n_heads, "n_kv": cfg.n_key_value_heads or cfg.n_heads}
@@ -291,6 +307,13 @@ class _Reader:
         else:
             inner, found, prefix = module, fam.outside.get(module), ""
         if found is None:
+            other = other_family([module])
+            if other is not None and self.arch not in other.split(", "):
+                raise ValueError(
+                    f"The adapter changes {module!r}, a module of {other} models, not of this "
+                    f"{self.arch} base: the adapter is for another model; pass the base it was "
+                    "trained on."
+                )
             raise NotImplementedError(
                 f"The adapter changes {module!r}, which from_peft cannot place on a "
                 "TransformerLens parameter of this architecture: merge the adapter "
@@ -356,9 +379,14 @@ class _Reader:
 
     def whole(self, module: str, leaf: str, value: Tensor) -> None:
         """A whole new tensor (a trained bias, a module in ``modules_to_save``): Δ = it − W."""
+        for name, new in self.mapped(module, leaf, value.to(device=self.device, dtype=self.dtype)):
+            self._add_dense(name, new)
+
+    def mapped(self, module: str, leaf: str, v: Tensor) -> list[tuple[str, Tensor]]:
+        """A Hugging Face module's whole ``weight`` or ``bias`` as the TransformerLens
+        parameters it becomes."""
         prefix, inner, targets = self._targets(module)
         conv = inner in self.family.conv1d
-        v = value.to(device=self.device, dtype=self.dtype)
         if leaf == "weight":
             if v.ndim == 2:  # [out, in] for Linear, [in, out] for Conv1D, [vocab, d] Embedding
                 if module == self.family.embed or module.endswith("wpe"):
@@ -366,18 +394,15 @@ class _Reader:
                 else:
                     m = v if conv else v.T
                 width = m.shape[1] // targets[0].chunks
-                for t in targets:
-                    part = m[:, t.chunk * width : (t.chunk + 1) * width]
-                    new = to_layout(part, t.layout, self.heads[t.heads])
-                    self._add_dense(self._name(prefix, t.leaf), new)
-                return
-            for t in targets:  # a norm's scale
-                offset = self.family.norm_offset if self.converted else 0.0
-                self._add_dense(self._name(prefix, t.leaf), v + offset)
-            return
+                return [(self._name(prefix, t.leaf),
+                         to_layout(m[:, t.chunk * width : (t.chunk + 1) * width], t.layout,
+                                   self.heads[t.heads])) for t in targets]  # fmt: skip
+            offset = self.family.norm_offset if self.converted else 0.0  # a norm's scale
+            return [(self._name(prefix, t.leaf), v + offset) for t in targets]
         if leaf != "bias":
             raise NotImplementedError(f"from_peft cannot read {module}.{leaf} of this adapter.")
         width = v.shape[0] // targets[0].chunks
+        out = []
         for t in targets:
             if t.bias is None:
                 raise NotImplementedError(
@@ -386,8 +411,8 @@ class _Reader:
                 )
             name = self._name(prefix, t.bias)
             part = v[t.chunk * width : (t.chunk + 1) * width]
-            want = self.params[name].shape
-            self._add_dense(name, part.reshape(want))
+            out.append((name, part.reshape(self.params[name].shape)))
+        return out
 
     def _add_dense(self, name: str, new: Tensor) -> None:
         base = self.params[name].detach()
