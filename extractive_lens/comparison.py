@@ -364,6 +364,13 @@ def verdict(
     )
 
 
+def _flagged(a: ComponentScores, b: ComponentScores, kind: str) -> str:
+    """The guards' flags (``scores.flags``) of either result that bear on ``kind``, as a
+    sentence to append to its verdict (``""`` when none)."""
+    seen = dict.fromkeys(f.message for s in (a, b) for f in s.flags if f.kind in (None, kind))
+    return "".join(f" Flagged: {m}" for m in seen)
+
+
 def partial_scope(exact: ComponentScores, kind: str, n_components: int) -> str:
     """``""`` for a full exact run; else which components a partial one computed and why."""
     m = exact.metadata
@@ -463,5 +470,6 @@ def compare(
             row = statistics(a, b, k, overlap_known=not chosen_by_linear)
             scope = partial_scope(exact, kind, len({lab.split("@")[0] for lab in labels}))
             says = verdict(kind, row, (linear.method, exact.method), complete.get(kind), scope)
+            says += _flagged(linear, exact, kind)
             rows.append(dict(kind=kind, part=part, **row, verdict=says))
     return ScoreComparison(linear, exact, level, k, tuple(rows))

@@ -639,6 +639,7 @@ def report(
         html_report._summary(results),
         html_report._how_to_read(results),
     ]
+    body.append(html_report.flags_section(results))
     if comparison is not None or any(s.additivity_note() for s in results):
         body.append(html_report._what_to_trust(results, comparison))
     body.append(html_report._top_components(results))

@@ -256,6 +256,23 @@ def _what_to_trust(results: Sequence[ScoresView], comparison: Any) -> str:
     return "".join(out)
 
 
+def flags_section(results: Sequence[ScoresView]) -> str:
+    """The guards' flags of every result (``scores.flags``), or ``""`` when all are clean."""
+    items = [
+        f"<li><b>{html.escape(s.method)}</b> <code>{html.escape(f.what)}</code> "
+        f"{html.escape(f.kind or 'positions')}: {html.escape(f.message)}</li>"
+        for s in results
+        for f in s.flags
+    ]
+    if not items:
+        return ""
+    return (
+        "<h2>flags</h2><p class='caption'>Cells that cannot be right and roles that mix "
+        "unlike positions (docs/scores.md §6, §11): read the flagged cells only once the cause "
+        f"is removed.</p><ul class='flags'>{''.join(items)}</ul>"
+    )
+
+
 def _top_components(results: Sequence[ScoresView]) -> str:
     rows = []
     for s in results:

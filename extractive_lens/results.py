@@ -213,6 +213,16 @@ class ComponentScores:
         return [self._label(layer, c) for layer, c in torch.isnan(t).nonzero().tolist()]
 
     @property
+    def flags(self) -> tuple[Any, ...]:
+        """Cells that cannot be right and roles that mix unlike positions (``guards.Flag``s:
+        outsized cells, a role that is the attention sink in some prompts only, an ablation
+        value taken from the other kind of position); ``()`` for a clean result. Read off the
+        result's own data, so every method and every loaded result has them."""
+        from extractive_lens.guards import flags_of
+
+        return flags_of(self)
+
+    @property
     def partial(self) -> bool:
         """Whether some component was never computed (NaN) for some kind."""
         return bool(torch.isnan(self.totals).any())
