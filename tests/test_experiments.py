@@ -9,6 +9,7 @@ from extractive_lens.backend import parameters
 from extractive_lens.experiments import layer_freezing
 from extractive_lens.experiments.freezing import _keep
 from extractive_lens.finetuning import FinetuneConfig
+from extractive_lens.types import iter_components
 from extractive_lens.weight_diff import WeightDiff
 from tests.conftest import make_pair
 
@@ -129,7 +130,7 @@ def test_weight_grafting_algebra_and_ranks(world):
 
     model, w = world
     dax = w.daxwug()
-    res = weight_grafting(model, dax, QUICK)
+    res = weight_grafting(model, dax, QUICK, positions=["all", "last"])
     d = res.diffs
     r = res.to_dataframe().set_index(["weights", "split"]).mean_rank
     # W_graft evaluated independently: apply W_F' and then the graft as two nested updates
@@ -138,7 +139,14 @@ def test_weight_grafting_algebra_and_ranks(world):
         nested = mean_rank(model, implf_cf)
     assert abs(nested - r[("W_graft", "ImplF'")]) < 1e-9
     assert r[("W_F'", "F'")] < r[("W", "F'")] - 3  # the counterfactual facts were learned
-    assert res.table().shape == (3, 3) and list(res.table().index) == ["W_F'", "W_graft", "W~"]
+    # the update grafted on every head and MLP at every position: its components' share, applied
+    comps = [c.label for c in iter_components(model.cfg.n_layers, model.cfg.n_heads)]
+    with d["F'"].applied(model), d["F->ImplF"].restricted(comps).applied(model):
+        everywhere = mean_rank(model, implf_cf)
+    assert abs(everywhere - r[("W_graft @ all", "ImplF'")]) < 1e-9
+    assert r[("W_graft @ last", "ImplF'")] != r[("W_graft @ all", "ImplF'")]  # another graft
+    assert list(res.table().index) == ["W_F'", "W_graft", "W~", "W_graft @ all", "W~ @ all",
+                                       "W_graft @ last", "W~ @ last"]  # fmt: skip
     with pytest.raises(KeyError, match="unknown weights"):
         res.weights("W_nope")
 

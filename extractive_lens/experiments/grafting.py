@@ -14,15 +14,21 @@ copies (same names, re-drawn cities):
 If ``Δ_{F→ImplF}`` installed a mechanism that reads the stored city and maps it to its animal,
 ``W_graft`` answers the *counterfactual* implications ImplF' (low rank), while the control, which
 learned ImplF without facts to read, does not.
+
+``positions=["{name}", "last"]`` adds rows with the grafted update (``Δ_{F→ImplF}``, and the
+control's ``Δ_ImplF``) on ``W_F'`` only at those token positions (``WeightDiff.grafted``): is the
+mechanism used at the name's tokens, at the last token, or both? Rows ``"W_graft @ {name}"``...
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from extractive_lens.datasets.daxwug import DaxWug
 from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
+from extractive_lens.grafts import PositionSpec
 from extractive_lens.weight_diff import WeightDiff
 
 PAPER_TABLE_3 = {  # mean ranks: ImplF', ImplF, F'
@@ -54,10 +60,12 @@ class GraftingResult:
         return pd.DataFrame(list(self.rows))
 
     def table(self, all_rows: bool = False) -> Any:
-        """The paper's Table 3 layout (``all_rows``: also W, W_F and W_{F,ImplF})."""
+        """The paper's Table 3 layout, with the position-resolved rows (``all_rows``: also W,
+        W_F and W_{F,ImplF})."""
         df = self.to_dataframe()
         if not all_rows:
-            df = df[df["weights"].isin(TABLE_ROWS) & df["split"].isin(SPLITS[:3])]
+            grafted = df["weights"].str.contains(" @ ", regex=False)
+            df = df[(df["weights"].isin(TABLE_ROWS) | grafted) & df["split"].isin(SPLITS[:3])]
         return df.pivot_table(index="weights", columns="split", values="mean_rank", sort=False)
 
     def weights(self, name: str) -> WeightDiff:
@@ -83,10 +91,23 @@ def _total(d: dict[str, WeightDiff], name: str) -> WeightDiff:
     return sum((d[part] for part in WEIGHTS[name][1:]), d[WEIGHTS[name][0]])
 
 
+GRAFTED = {"W_graft": ("F'", "F->ImplF"), "W~": ("F'", "ImplF")}
+"""The rows a position-resolved graft adds: (the weights everywhere, the update grafted)."""
+
+
 def weight_grafting(
-    model: Any, dataset: DaxWug, config: FinetuneConfig | None = None
+    model: Any,
+    dataset: DaxWug,
+    config: FinetuneConfig | None = None,
+    positions: Sequence[PositionSpec] = (),
 ) -> GraftingResult:
-    """Train the four updates, graft, and measure mean ranks. The model is left unchanged."""
+    """Train the four updates, graft, and measure mean ranks. The model is left unchanged.
+
+    Args:
+        positions: each entry (``grafts``: ``"{name}"``, ``"last"``, ``("prompt", "-last")``...)
+            adds the rows ``"W_graft @ <entry>"`` and ``"W~ @ <entry>"``: ``W_F'`` everywhere
+            and the grafted update on every head and MLP at those positions only.
+    """
     cfg = config or FinetuneConfig()
     F, ImplF = dataset.train.batches(model)
     Fp, ImplFp = dataset.counterfactual.batches(model)
@@ -105,4 +126,12 @@ def weight_grafting(
             dict(weights=name, split=s, mean_rank=mean_rank(model, b, total))
             for s, b in batches.items()
         ]
+    for spec in positions:
+        label = " ".join(map(str, spec)) if isinstance(spec, (list, tuple)) else str(spec)
+        for name, (outer, update) in GRAFTED.items():
+            with diffs[outer].applied(model):
+                for s, b in batches.items():
+                    with diffs[update].grafted(model, positions=spec, batch=b):
+                        rank = mean_rank(model, b)
+                    rows.append(dict(weights=f"{name} @ {label}", split=s, mean_rank=rank))
     return GraftingResult(tuple(rows), diffs)
