@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Both cores: pytest-xdist runs the tests and notebooks in JOBS worker processes (each worker
+# builds the session fixtures it needs once; work is stolen by an idle worker).
+JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests --nbmake examples
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal tests --nbmake examples
 
 # The fast suite again under TransformerLens 4.3 (which has no HookedTransformer: models load as
 # TransformerBridges, and tests of what only a HookedTransformer has skip with a reason), in a
@@ -28,8 +31,8 @@ test-tl4:
 	@test -x $(TL4)/bin/python || $(PYTHON) -m venv $(TL4)
 	$(TL4)/bin/python -m pip install -q --upgrade pip
 	$(TL4)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(TL4)/bin/python -m pip install -q -e ".[lora]" "transformer-lens==4.3.0" "gguf>=0.10" sentencepiece pytest
-	$(TL4)/bin/python -m pytest -q -m "not slow" tests -p no:cacheprovider
+	$(TL4)/bin/python -m pip install -q -e ".[lora]" "transformer-lens==4.3.0" "gguf>=0.10" sentencepiece pytest pytest-xdist
+	$(TL4)/bin/python -m pytest -q -n $(JOBS) --dist worksteal -m "not slow" tests -p no:cacheprovider
 
 # A fresh environment installed the way the README says (torch, then `pip install .`: no dev
 # pins, so TransformerLens resolves to its newest release), running the README's example.
