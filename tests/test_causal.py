@@ -35,6 +35,29 @@ def test_engine_equals_literal(family, per):
     assert (other.prompt_totals[0] - got.prompt_totals[0]).abs().max() > 1e-6
 
 
+@pytest.mark.parametrize("per", ["token", "component"])
+def test_passes_a_row_at_a_time_equal_literal(family, per, monkeypatch):
+    """The large-model path (``runs.layerwise``): the resumed passes go layer by layer, a block
+    of rows at a time (``passes.resume``; here one row per block), and give the literal
+    scores: every kind, so base and finetuned-late contexts, heads and MLPs."""
+    from extractive_lens.scoring import runs
+
+    base, ft = make_pair(family, torch.float64, delta_scale=0.2)
+    batch = small_batch(base, n=3)
+    rs, ms = ref.literal_mean_ablation(base, batch)
+    ex = ref.literal_exact(base, ft, batch, answer_logprob, KINDS, y_star=(rs, ms), per=per)
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+    monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
+    got = causal_scores(base, WeightDiff.from_models(base, ft), batch, per=per, max_batch=7)
+    for k, kind in enumerate(KINDS):
+        want = ex[kind]
+        have = got.prompt_values[k] if per == "token" else got.prompt_totals[k]
+        if per == "token":
+            want = want * batch.position_mask[:, None, None, :]
+        assert (have - want).abs().max() < 1e-10, kind
+        assert want.abs().max() > 1e-4, kind
+
+
 def test_totals_are_whole_component_patches(pair64):
     base, ft = pair64
     batch = small_batch(base, n=3)

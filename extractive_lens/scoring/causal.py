@@ -28,18 +28,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.arguments import in_range
-from extractive_lens.backend import shift
 from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward, reads_answer_positions_only
+from extractive_lens.scoring import passes
 from extractive_lens.scoring.ablation import AblationTable, table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
 from extractive_lens.scoring.kinds import KINDS
@@ -293,6 +293,7 @@ class CausalChunk:
         self.has_mlp, self.parallel = B.has_mlp(self.model), B.parallel(self.model)
         self.suffix_ok = reads_answer_positions_only(self.options.reward_fn)
         self.kv_prefix = B.kv_prefix(self.model)  # else patched passes run whole sequences
+        self.by_rows = passes.by_rows(self.model, self.batch)  # passes a block of rows at a time
         # the last position any reward reads, per prompt: later patches cannot change R
         ch = self.batch
         n_ans = (ch.answer_targets >= 0).sum(-1)
@@ -302,7 +303,7 @@ class CausalChunk:
     # ------------------------------------------------------------------ contexts
     def context(self, layer: int, group: str, finetuned: bool) -> _Context:
         base = self.base
-        part = "post" if (group == "mlp" or self.parallel or not self.has_mlp) else "mid"
+        part = passes.boundary(self.model, group)
         stream = base.post[layer] if part == "post" else base.mid[layer]
         if not finetuned:
             kv = {
@@ -312,7 +313,7 @@ class CausalChunk:
                 return _Context(layer, stream, part, kv, base.reward, False, base.post[layer],  # type: ignore[arg-type]
                                 base.mlp_out[layer])  # fmt: skip
             return _Context(layer, stream, part, kv, base.reward, False)  # type: ignore[arg-type]
-        stream, part = self.finetuned_entry(layer, group)
+        stream, (_, part) = passes.entry(self.model, self.diff, base, layer, group)
         kv = {}
 
         def keep_kv(step: B.LayerRun) -> None:
@@ -327,19 +328,6 @@ class CausalChunk:
                              capture=("k", "v"), observe=keep_kv)  # fmt: skip
             R, _, _ = readout(self.model, x, self.batch, self.options.reward_fn)  # type: ignore[arg-type]
         return _Context(layer, stream, part, kv, R, True, post, mlp_out)
-
-    def finetuned_entry(self, layer: int, group: str) -> tuple[Tensor, str]:
-        """Where a group's finetuned-late context enters the finetuned model: the base stream
-        right after the group (heads: with ``Δb_O``) and its boundary (``"mid"``: before the
-        layer's MLP, ``"post"``: after the layer)."""
-        base = self.base
-        part = "post" if (group == "mlp" or self.parallel or not self.has_mlp) else "mid"
-        stream = base.post[layer] if part == "post" else base.mid[layer]
-        if group == "heads":
-            d_bO = shift.read(self.model, self.diff, B.attn_out_names(layer)[1])  # counted
-            if isinstance(d_bO, Tensor):  # a bias: never low-rank
-                stream = stream + d_bO.to(device=stream.device, dtype=stream.dtype)
-        return stream, part
 
     def patched_rewards(self, ctx: _Context, delta: Tensor, per: str) -> Tensor:
         """R with ``delta [batch pos comp d_model]`` added in ``ctx``: ``[batch, comp, pos]``
@@ -368,8 +356,8 @@ class CausalChunk:
                 kv = None if s == 0 else _RowsKV(ctx.kv, pb, s)
                 rows = AnswerRows.of(self.batch, pb) if self.suffix_ok else None
                 read = None if rows is None else rows.read_positions(s)
-                x = cast(Tensor, B.run_blocks(self.model, x, start=(ctx.layer, entry),  # type: ignore[arg-type]
-                                              past_kv=kv, read_pos=read))  # fmt: skip
+                x = passes.resume(self.model, x, (ctx.layer, entry), by_rows=self.by_rows,  # type: ignore[arg-type]
+                                  past_kv=kv, read_pos=read)  # fmt: skip
                 view = rows if rows is not None else self.batch.subset(pb.tolist(), trim=False)
                 R, _, _ = readout(self.model, x, view, self.options.reward_fn, offset=s,  # type: ignore[arg-type]
                                   gathered=read is not None)  # fmt: skip

@@ -44,6 +44,7 @@ from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
+from extractive_lens.scoring import passes
 from extractive_lens.scoring.ablation import table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
 from extractive_lens.scoring.causal import CausalChunk, _Context, _skipped, mark_uncomputed
@@ -448,8 +449,8 @@ def _path_integral(
             for j in range(0, paths, per_pass):
                 ps = list(range(j, min(j + per_pass, paths)))
                 x = torch.cat([x0 + d[:, :, p] for p in ps])
-                y = B.run_blocks(model, x, start=start)
-                R, _, _ = readout(model, cast(Tensor, y), batch, options.reward_fn, groups=len(ps))
+                y = passes.resume(model, x, start, by_rows=cc.by_rows)
+                R, _, _ = readout(model, y, batch, options.reward_fn, groups=len(ps))
                 ends[:, ps] = wide(R).reshape(len(ps), b).T - wide(ctx.reward)[:, None]
     if options.path == "layer":
         return integrand, ends[:, 0]

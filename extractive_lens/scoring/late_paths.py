@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from extractive_lens.scoring import passes
 from extractive_lens.scoring.causal import CausalChunk
 from extractive_lens.scoring.kinds import KINDS
 from extractive_lens.scoring.nodes import Entry, layer_major
@@ -96,7 +97,7 @@ class LatePath:
 
     def __init__(self, cc: CausalChunk, layer: int, group: str, delta: Tensor,
                  path: str, max_batch: int, xs: list[float], ws: list[float]) -> None:  # fmt: skip
-        x0, part = cc.finetuned_entry(layer, group)
+        x0, start = passes.entry(cc.model, cc.diff, cc.base, layer, group)
         d = delta.to(x0.dtype)
         if path == "layer":
             d = d.sum(2, keepdim=True)
@@ -105,7 +106,6 @@ class LatePath:
         paths = d.shape[2]
         per_pass = max(1, max_batch // b)
         jobs = [(i, p) for i in range(len(xs)) for p in range(paths)]
-        start = cast(Any, (layer, part))  # "mid" or "post"
 
         def rows(part: list[tuple[float, int]]) -> Any:
             return lambda: torch.cat([x0 + a * d[:, :, p] for a, p in part])

@@ -36,7 +36,7 @@ from torch import Tensor
 from extractive_lens import backend as B
 from extractive_lens.backend import LayerRun, shift
 from extractive_lens.backend.blocks import Where
-from extractive_lens.scoring import runs
+from extractive_lens.scoring import passes, runs
 from extractive_lens.scoring.kinds import KINDS
 from extractive_lens.scoring.kinds.informative import layer_linear
 from extractive_lens.scoring.runs import LayerW_O, Run, head_grad, readout, wide
@@ -102,16 +102,11 @@ def _packs(model: Any, chunk: PromptBatch, entries: list[Entry]) -> list[list[En
     dtype = compute.compute_dtype() or model.cfg.dtype
     item = torch.empty(0, dtype=torch.promote_types(dtype, torch.float32)).element_size()
     copy = len(chunk) * chunk.n_pos * runs.sizing(model).cfg.d_model * item
-    out: list[list[Entry]] = []
-    kept = 0
-    for e in sorted(entries, key=lambda e: e.start[0]):
-        cost = e.copies * copy * ((L - e.start[0]) if e.grad else 1)
-        if not out or kept + cost > upstream.SWEEP_BYTES:
-            out.append([])
-            kept = 0
-        out[-1].append(e)
-        kept += cost
-    return out
+
+    def cost(e: Entry) -> int:
+        return e.copies * copy * ((L - e.start[0]) if e.grad else 1)
+
+    return passes.packs(sorted(entries, key=lambda e: e.start[0]), cost, upstream.SWEEP_BYTES)
 
 
 def _one_pass(
@@ -147,8 +142,7 @@ def _one_pass(
         """Entry ``i``'s rows from boundary ``at`` to the end of its layer, kept for backward."""
         if entries[i].grad:
             entry_kept.setdefault(i, {})[at] = x
-        out = [B.run_blocks(model, xb, start=at, stop=at[0] + 1) for xb in x.split(rows)]
-        return torch.cat(out) if len(out) > 1 else out[0]  # type: ignore[arg-type,return-value]
+        return runs.through(model, x, at, rows)
 
     tokens = chunk.tokens.to(model.cfg.device)
     whole = [*lanes, ft_shift] if ft is not None else lanes
@@ -240,12 +234,8 @@ def _path_back(
     it entered), ``rows`` rows at a time, each step's kept rows dropped after."""
     for at in ((layer, "pre"), e.start):
         x = kept.pop(at, None) if at[0] == layer else None
-        if x is None:
-            continue
-        parts = [
-            runs.layer_vjp(model, xb, at, gb)[0] for xb, gb in zip(x.split(rows), g.split(rows))
-        ]
-        g = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if x is not None:
+            g = runs.back(model, x, at, g, rows)
     return g
 
 

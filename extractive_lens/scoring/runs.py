@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,28 +261,51 @@ def grad_at(
     layer, where = start
     r = block_rows(x.shape[1])
     segments: list[tuple[tuple[int, Any], Tensor]] = []
-
-    def through(at: tuple[int, Any], xin: Tensor) -> Tensor:
-        """``xin`` from boundary ``at`` to the end of its layer, a block of rows at a time."""
-        out = [B.run_blocks(model, xb, start=at, stop=at[0] + 1) for xb in xin.split(r)]
-        return torch.cat(out) if len(out) > 1 else out[0]  # type: ignore[arg-type,return-value]
-
     with torch.no_grad():
         if where != "post":
             segments.append((start, x))
-            x = through(start, x)
+            x = through(model, x, start, r)
         for l in range(layer + 1, model.cfg.n_layers):
             segments.append(((l, "pre"), x))
-            x = through((l, "pre"), x)
+            x = through(model, x, (l, "pre"), r)
     with torch.enable_grad():
         xr = x.detach().requires_grad_(True)
         R, _, _ = readout(model, xr, batch, reward_fn, groups=groups)
         (g,) = torch.autograd.grad(R.sum(), [xr])
     for seg_start, seg_x in reversed(segments):
-        parts = [layer_vjp(model, xb, seg_start, gb)[0]
-                 for xb, gb in zip(seg_x.split(r), g.split(r))]  # fmt: skip
-        g = torch.cat(parts) if len(parts) > 1 else parts[0]
+        g = back(model, seg_x, seg_start, g, r)
     return g
+
+
+def through(
+    model: Any, x: Tensor, at: tuple[int, Any], rows: int | None,
+    past_kv: Mapping[int, tuple[Tensor, Tensor]] | None = None, read_pos: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """``x`` from boundary ``at`` (``"pre"`` or ``"mid"``) to the end of its layer, ``rows``
+    rows at a time (``None``: all at once). Rows are independent sequences, so the numbers are
+    those of one call; a block's working set (an 8B MLP's hidden activations: 230 KB a token in
+    float32) is bounded by ``rows`` however many rows there are. ``past_kv`` (this layer's keys
+    and values of earlier positions, per row) and ``read_pos`` (``run_blocks``' positions read
+    after the last layer) are split with the rows."""
+    layer = at[0]
+    kv = None if past_kv is None or at[1] != "pre" else past_kv[layer]
+    n = x.shape[0]
+    rows = n if rows is None else max(1, rows)
+    out = []
+    for i in range(0, n, rows):
+        kv_i = None if kv is None else {layer: (kv[0][i : i + rows], kv[1][i : i + rows])}
+        pos_i = None if read_pos is None else read_pos[i : i + rows]
+        out.append(B.run_blocks(model, x[i : i + rows], start=at, stop=layer + 1, past_kv=kv_i,
+                                read_pos=pos_i))  # fmt: skip
+    return torch.cat(out) if len(out) > 1 else out[0]  # type: ignore[arg-type,return-value]
+
+
+def back(model: Any, x: Tensor, at: tuple[int, Any], g: Tensor, rows: int | None) -> Tensor:
+    """``dR/dx``: the gradient ``g`` at the end of ``x``'s layer carried back to boundary
+    ``at``, ``rows`` rows at a time (``layer_vjp`` of each block, as ``through`` ran them)."""
+    rows = x.shape[0] if rows is None else max(1, rows)
+    parts = [layer_vjp(model, xb, at, gb)[0] for xb, gb in zip(x.split(rows), g.split(rows))]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 BLOCK_TOKENS = 256

@@ -15,16 +15,17 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend import LayerRun, shift
-from extractive_lens.backend.blocks import Where
+from extractive_lens.scoring import passes
 from extractive_lens.scoring.runs import (
     LayerW_O,
     Run,
+    back,
     block_rows,
     head_grad,
     head_out,
-    layer_vjp,
     readout,
     sizing,
+    through,
     wide,
 )  # fmt: skip
 
@@ -117,7 +118,7 @@ def upstream_gradients(
         def inject(layer: int, part: str, x: Tensor | None) -> Tensor | None:
             if (layer, part) not in todo:
                 return x
-            e = _entry(model, diff, base, layer, part)[0].detach().requires_grad_(True)
+            e = passes.entry(model, diff, base, layer, part)[0].detach().requires_grad_(True)
             entries.append(e)
             return e if x is None else torch.cat([x, e])
 
@@ -200,16 +201,8 @@ def _sweeps(model: Any, chunk: PromptBatch, boundaries: list[tuple[int, str]],
     dtype = compute.compute_dtype() or model.cfg.dtype
     item = torch.empty(0, dtype=torch.promote_types(dtype, torch.float32)).element_size()
     block = len(chunk) * chunk.n_pos * sizing(model).cfg.d_model * item
-    out: list[list[tuple[int, str]]] = []
-    kept = 0
-    for layer, part in boundaries:
-        cost = (L - 1 - layer) * block  # its rows enter every later layer
-        if not out or kept + cost > SWEEP_BYTES:
-            out.append([])
-            kept = 0
-        out[-1].append((layer, part))
-        kept += cost
-    return out
+    # a boundary's rows enter every later layer
+    return passes.packs(boundaries, lambda b: (L - 1 - b[0]) * block, SWEEP_BYTES)
 
 
 def _one_sweep(
@@ -232,7 +225,7 @@ def _one_sweep(
     def inject(layer: int, part: str, x: Tensor | None) -> Tensor | None:
         if (layer, part) not in wanted:
             return x
-        e = _entry(model, diff, base, layer, part)[0]
+        e = passes.entry(model, diff, base, layer, part)[0]
         entries[(layer, part)] = e
         order.append((layer, part))
         return e if x is None else torch.cat([x, e])
@@ -260,14 +253,13 @@ def _one_sweep(
                 B.run_blocks(model, x[:lead], start=(layer, "pre"), stop=layer + 1,
                              observe=observe)]  # fmt: skip
             if x is not None and x.shape[0] > lead:
-                parts += [B.run_blocks(model, xr, start=(layer, "pre"), stop=layer + 1)
-                          for xr in x[lead:].split(rows)]  # fmt: skip
+                parts.append(through(model, x[lead:], (layer, "pre"), rows))
             for part in ("attn", "mlp"):  # the boundaries entering here, in run_blocks' order
                 if (layer, part) in wanted:
                     e = inject(layer, part, None)
-                    where = _boundary(model, layer, part)
-                    parts.append(e if where == "post" else B.run_blocks(model, e, start=(layer, where),
-                                                                         stop=layer + 1))  # fmt: skip
+                    assert e is not None
+                    where = passes.boundary(model, part)
+                    parts.append(e if where == "post" else through(model, e, (layer, where), None))
             x = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
             if on_layer is not None:
                 on_layer(layer, ft_step[0] if ft_step else None)
@@ -305,13 +297,6 @@ def sweep_rows(chunk: PromptBatch) -> int:
     return block_rows(chunk.n_pos, len(chunk))
 
 
-def _boundary(model: Any, layer: int, part: str) -> Where:
-    """Where the rows of boundary ``(layer, part)`` enter the layer (``_entry``'s boundary)."""
-    if part == "attn" and B.has_mlp(model) and not B.parallel(model):
-        return "mid"
-    return "post"
-
-
 def _layer_back(
     model: Any, x: Tensor | None, layer: int, es: list[Tensor], keys: list[tuple[int, str]],
     g_out: Tensor, rows: int,
@@ -321,15 +306,12 @@ def _layer_back(
     entered), and ``g_out`` carried back to both. The rows of ``g_out`` are ``x``'s, then each
     injected block's in order (``run_blocks``' ``inject``)."""
     n = 0 if x is None else x.shape[0]
-    gx = None
-    if x is not None:
-        gx = torch.cat([layer_vjp(model, xr, (layer, "pre"), gr)[0]
-                        for xr, gr in zip(x.split(rows), g_out[:n].split(rows))])  # fmt: skip
+    gx = None if x is None else back(model, x, (layer, "pre"), g_out[:n], rows)
     got = []
     for e, (l, part) in zip(es, keys):
         ge, n = g_out[n : n + e.shape[0]], n + e.shape[0]
-        where = _boundary(model, l, part)
-        got.append(owned(ge if where == "post" else layer_vjp(model, e, (l, where), ge)[0]))
+        where = passes.boundary(model, part)
+        got.append(owned(ge if where == "post" else back(model, e, (l, where), ge, None)))
     return gx, got
 
 
@@ -345,20 +327,6 @@ def _split(grads: dict[tuple[int, str], Tensor], L: int, has_mlp: bool
     gp_attn = [grads[(layer, "attn")] for layer in range(L)]
     gp_mlp = [grads[(layer, "mlp")] for layer in range(L)] if has_mlp else []
     return gp_attn, gp_mlp
-
-
-def _entry(model: Any, diff: WeightDiff, base: Run, layer: int, part: str
-           ) -> tuple[Tensor, tuple[int, str]]:  # fmt: skip
-    """The base stream right after a component group (heads: with ``b_O'``) and the boundary it
-    enters the finetuned model at."""
-    if part == "mlp":
-        return base.post[layer], (layer, "post")
-    d_bO = shift.read(model, diff, B.attn_out_names(layer)[1])  # counted
-    sequential = B.has_mlp(model) and not B.parallel(model)
-    source = base.mid[layer] if sequential else base.post[layer]
-    if isinstance(d_bO, Tensor):  # a bias: never low-rank
-        source = source + d_bO.to(device=source.device, dtype=source.dtype)
-    return source, ((layer, "mid") if sequential else (layer, "post"))
 
 
 def patch_values(chunk: CausalChunk, layer: int) -> tuple[Tensor, Tensor | None]:
