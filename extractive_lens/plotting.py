@@ -578,7 +578,8 @@ def graft_heatmap(scores: Any, *, title: str | None = None, n_boot: int = 1000) 
     full finetune 1) with its bootstrap interval over prompts."""
     import plotly.graph_objects as go
 
-    lo, hi = scores.intervals(n_boot)
+    ci = scores.intervals(n_boot)
+    lo, hi = ci.low, ci.high
     z = scores.values.double().numpy()
     text = [[f"{z[i, j]:.2f}<br>[{float(lo[i, j]):.2f}, {float(hi[i, j]):.2f}]"
              for j in range(z.shape[1])] for i in range(z.shape[0])]  # fmt: skip

@@ -306,3 +306,22 @@ def test_the_context_and_the_engine_agree_on_either_backend(pair64, components, 
     real = batch.position_mask
     assert (hooked - engine)[real].abs().max() < 1e-10
     assert (hooked - plain)[real].abs().max() > 1e-6
+
+
+def test_intervals_are_a_bootstrap_of_the_ratio_of_means(pair64):
+    from extractive_lens.stats import draws
+
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base)
+    s = graft_scores(base, diff, batch, groups={"a": "attn", "m": "mlp"}, roles={"l": "last"})
+    ci = s.intervals(n_boot=200, seed=4)
+    gain = s.full - s.base
+    ratios = torch.stack([s.changes[i].mean(0) / gain[i].mean() for i in draws(len(batch), 200, 4)])
+    q = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=ratios.dtype), dim=0)
+    assert torch.allclose(ci.low, q[0]) and torch.allclose(ci.high, q[1])
+    assert torch.equal(ci.estimate, s.values.double())
+    df = s.to_dataframe(n_boot=200, seed=4)
+    assert df.loc[0, "low"] == float(ci.low[0, 0]) and len(df) == 2
+    fig = s.plot()
+    assert list(fig.data[0].y) == ["a", "m"] and list(fig.data[0].x) == ["l"]

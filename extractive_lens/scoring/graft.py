@@ -46,6 +46,7 @@ from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.progress import bar
 from extractive_lens.rewards import Reward, resolve_reward
 from extractive_lens.scoring.options import check_arguments
+from extractive_lens.stats import Interval, counts, percentile_interval
 from extractive_lens.weight_diff import WeightDiff
 
 Mode = Literal["sufficient", "necessary"]
@@ -100,21 +101,20 @@ class GraftScores:
         if tuple(self.values.shape) != shape or tuple(self.changes.shape[1:]) != shape:
             raise ValueError(f"GraftScores: values {tuple(self.values.shape)} for labels {shape}.")
 
-    def intervals(self, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> Tensor:
-        """``[2, group, role]``: a seeded bootstrap interval over prompts of each normalised
-        score (prompts resampled with replacement; the ratio of means recomputed)."""
-        gen = torch.Generator().manual_seed(seed)
+    def intervals(self, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> Interval:
+        """Each normalised score with its seeded bootstrap interval over prompts
+        (``stats``: prompts resampled with replacement, the ratio of means recomputed)."""
         n = self.changes.shape[0]
-        idx = torch.randint(0, n, (n_boot, n), generator=gen)
-        gain = (self.full - self.base)[idx].mean(-1)  # [boot]
-        ratio = self.changes[idx].mean(1) / gain[:, None, None]  # [boot, group, role]
-        q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=ratio.dtype)
-        return torch.quantile(ratio, q, dim=0)
+        w = counts(n, n_boot, seed) / n  # [boot, prompt]
+        gain = w @ (self.full - self.base).double()  # [boot]
+        ratio = torch.einsum("rb,bgk->rgk", w, self.changes.double()) / gain[:, None, None]
+        return percentile_interval(self.values, ratio, level=level, n_boot=n_boot, seed=seed, n=n)
 
     def to_dataframe(self, n_boot: int = 1000, seed: int = 0) -> Any:
         import pandas as pd
 
-        lo, hi = self.intervals(n_boot, seed)
+        ci = self.intervals(n_boot, seed)
+        lo, hi = ci.low, ci.high
         rows = []
         for i, g in enumerate(self.group_labels):
             for j, r in enumerate(self.role_labels):
