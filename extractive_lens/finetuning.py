@@ -189,7 +189,7 @@ def finetune(
         )
     with (
         guarded(model),
-        state_change(change, restore),
+        state_change(change, restore, model=model),
     ):  # weights and .grad restored, interrupts or not
         diff = _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress,
                       recorder)  # fmt: skip

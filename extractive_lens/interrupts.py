@@ -184,18 +184,53 @@ def caller_frame() -> FrameType | None:
 
 
 @contextlib.contextmanager
-def state_change(change: Any, restore: Any) -> Iterator[None]:
+def state_change(change: Any, restore: Any, *, model: Any) -> Iterator[None]:
     """``change()`` on entry and ``restore()`` on exit, neither of them interruptible, with
     interrupts delivered normally in between; ``restore`` is an ``Undo`` (run once, in nesting
-    order, and at the next call if an interrupt skipped this exit)."""
+    order, and at the next call if an interrupt skipped this exit).
+
+    The one lock discipline: the block holds ``model``'s lock (``_model_lock``, the one every
+    public call takes) from before ``change`` to after ``restore``, so no other thread's call
+    runs on the model while its state is changed, whichever public context changed it
+    (``WeightDiff.applied`` / ``grafted``, ``computing_in``, ``standard_flags``, ...). It is taken
+    waiting in short steps, each a single C call under the shield, with interrupts delivered
+    between them (nothing held when one lands), and released by the ``Undo`` with the restore,
+    in this thread: where an interrupt skipped the exit, at this thread's next call."""
     with Shield() as shield:
-        undo = Undo(restore, caller_frame())
+        held: list[threading.RLock] = []
+
+        def undo_all() -> None:
+            try:
+                restore()
+            finally:
+                while held:
+                    held.pop().release()
+
+        undo = Undo(undo_all, caller_frame())
         try:
+            _take(_lock_of(model), shield, held)
             change()
             with shield.open():
                 yield
         finally:
             undo()
+
+
+def _lock_of(model: Any) -> threading.RLock | None:
+    try:
+        return _model_lock(model)
+    except TypeError:  # not weak-referenceable: not a model
+        return None
+
+
+def _take(lock: threading.RLock | None, shield: Shield, held: list[threading.RLock]) -> None:
+    """Acquire ``lock`` into ``held``: a wait of 50 ms at a time, interrupts delivered between."""
+    if lock is None:
+        return
+    while not lock.acquire(timeout=0.05):
+        with shield.open():  # a Ctrl-C caught while waiting raises here, with nothing held
+            pass
+    held.append(lock)
 
 
 def finish_stale() -> None:
@@ -245,7 +280,7 @@ def guarded(model: Any) -> Iterator[None]:
         if state["level"] < 0:
             reset_forward_ad()  # a level leaked by an earlier interrupt, seen only by C++
 
-    with state_change(change, lambda: _restore(model, state)):
+    with state_change(change, lambda: _restore(model, state), model=model):
         yield
 
 

@@ -670,5 +670,7 @@ def weights_set(
             B.write_parameters(model, saved)
 
     finish_stale()
-    with state_change(change, restore):  # interrupts wait while weights change or are restored
+    with state_change(
+        change, restore, model=model
+    ):  # interrupts wait while weights change or are restored
         yield model

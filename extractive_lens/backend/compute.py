@@ -100,7 +100,7 @@ def computing_in(model: Any, dtype: torch.dtype) -> Iterator[None]:
             cfg.dtype = old
         _COMPUTE_DTYPE.set(previous)
 
-    with state_change(change, restore):
+    with state_change(change, restore, model=model):
         yield
 
 
@@ -255,7 +255,7 @@ def substituted(module: Any, tensors: dict[str, Tensor]) -> Iterator[None]:
             owner[attr] = original
         installed.clear()
 
-    with state_change(change, restore):
+    with state_change(change, restore, model=module):
         yield
 
 
@@ -360,7 +360,7 @@ def frozen_parameters(model: Any) -> Iterator[None]:
         for p, flag in saved:
             p.requires_grad_(flag)
 
-    with state_change(change, restore):
+    with state_change(change, restore, model=model):
         yield
 
 

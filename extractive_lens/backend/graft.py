@@ -235,5 +235,5 @@ def grafting(model: Any, diff: Any, where: Any) -> Iterator[None]:
             h.remove()
         handles.clear()
 
-    with state_change(change, restore):
+    with state_change(change, restore, model=model):
         yield

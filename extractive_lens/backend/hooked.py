@@ -248,7 +248,7 @@ def standard_flags(model: Any) -> Iterator[None]:
         for f, v in saved.items():
             setattr(cfg, f, v)
 
-    with state_change(change, restore):
+    with state_change(change, restore, model=model):
         yield
 
 
@@ -271,7 +271,7 @@ def ungrouped_kv(model: Any) -> Iterator[None]:
     def restore() -> None:
         cfg.ungroup_grouped_query_attention = False
 
-    with state_change(change, restore):
+    with state_change(change, restore, model=model):
         yield
 
 

@@ -18,6 +18,14 @@ TransformerLens users hold a model. What is looked at:
   first layer, ``W_E``) have zero mean over ``d_model``, row by row; trained or randomly
   initialised weights never do.
 - ``center_unembed``: ``W_U`` has zero mean over the vocabulary, row by row.
+- ``fold_value_biases`` (``from_pretrained``'s default even with ``fold_ln=False,
+  center_writing_weights=False, center_unembed=False``; ``process_weights_`` always does it):
+  every layer's value bias ``b_V`` is exactly zero while some output bias ``b_O`` is not (the
+  folding moved ``b_V @ W_O`` into ``b_O``). A model whose value biases are zero anyway (Llama,
+  Mistral, Gemma: no attention biases) is unchanged by the folding and not flagged.
+- ``refactor_factored_attn_matrices``: every head of the first attention layer has ``W_O`` with
+  orthonormal rows (``W_O[h] W_O[h]ᵀ = I``), which the refactoring's SVD makes and trained
+  weights never have.
 - on a ``TransformerBridge``: ``process_weights()`` (which ``enable_compatibility_mode()`` runs by
   default) sets its ``_weights_processed`` flag.
 
@@ -68,7 +76,38 @@ def processing_found(model: Any) -> tuple[str, ...]:
         found.append("center_writing_weights")
     if "unembed.W_U" in params and _centred(params["unembed.W_U"].T, 0):
         found.append("center_unembed")
+    if _value_biases_folded(params, model.cfg.n_layers):
+        found.append("fold_value_biases")
+    if _attention_refactored(params):
+        found.append("refactor_factored_attn_matrices")
     return tuple(found)
+
+
+def _value_biases_folded(params: dict[str, torch.Tensor], n_layers: int) -> bool:
+    """``b_V`` zero in every layer that has one, ``b_O`` not zero in some."""
+    b_V = [params.get(f"blocks.{i}.attn.b_V", params.get(f"blocks.{i}.attn._b_V"))
+           for i in range(n_layers)]  # fmt: skip
+    b_O = [params.get(f"blocks.{i}.attn.b_O") for i in range(n_layers)]
+    values = [b for b in b_V if b is not None]
+    outputs = [b for b in b_O if b is not None]
+    return bool(values and outputs and not any(bool(b.detach().any()) for b in values)
+                and any(bool(b.detach().any()) for b in outputs))  # fmt: skip
+
+
+ORTHONORMAL = 1e-4
+"""``W_O[h]`` counts as having orthonormal rows when ``W_O[h] W_O[h]ᵀ`` is within this of the
+identity everywhere (float32 rounding of the SVD's factors: about 1e-6; trained weights: far)."""
+
+
+def _attention_refactored(params: dict[str, torch.Tensor]) -> bool:
+    """Every head of layer 0 writes through a ``W_O`` with orthonormal rows."""
+    W_O = params.get("blocks.0.attn.W_O")
+    if W_O is None:
+        return False
+    w = W_O.detach().double()  # [head, d_head, d_model]
+    gram = w @ w.transpose(-1, -2)
+    eye = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
+    return bool((gram - eye).abs().max() <= ORTHONORMAL)
 
 
 def refusal(model: Any, what: str) -> str | None:

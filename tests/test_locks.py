@@ -1,0 +1,81 @@
+"""One lock discipline: every public context that changes a model's state holds the model's
+lock (``interrupts.state_change``), so a scoring call in another thread waits for the block to
+end and then scores the model as it is, not the state the block gave it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import extractive_lens as el
+from extractive_lens import model as M
+from extractive_lens.backend.installed import has_hooked
+from tests.conftest import make_pair
+from tests.test_linear import small_batch
+
+
+def _flags(model):
+    """``standard_flags`` changes state only where a view flag is on: turn one on."""
+    if not has_hooked():
+        pytest.skip("a TransformerBridge has no view flags to turn off")
+    model.cfg.use_attn_result = True
+    return M.standard_flags(model)
+
+
+CONTEXTS = {
+    "applied": lambda model, diff: diff.applied(model),
+    "applied_components": lambda model, diff: diff.applied(model, components=["L0H1"]),
+    "grafted": lambda model, diff: diff.grafted(model, components="L1MLP"),
+    "computing_in": lambda model, diff: M.computing_in(model, torch.float32),
+    "frozen_parameters": lambda model, diff: M.frozen_parameters(model),
+    "standard_flags": lambda model, diff: _flags(model),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    base, ft = make_pair("ln_gelu", torch.float64)
+    diff = el.WeightDiff.from_models(base, ft)
+    batch = small_batch(base, n=2)
+    alone = el.linear_scores(base, diff, batch, show_progress=False)
+    return base, diff, batch, alone
+
+
+@pytest.mark.parametrize("name", list(CONTEXTS))
+def test_a_scoring_call_in_another_thread_waits_for_the_block(pair, name):
+    base, diff, batch, alone = pair
+    out: dict[str, object] = {}
+    done = threading.Event()
+
+    def score() -> None:
+        try:
+            out["scores"] = el.linear_scores(base, diff, batch, show_progress=False)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=score)
+    try:
+        with CONTEXTS[name](base, diff):
+            worker.start()
+            finished_inside = done.wait(timeout=1.0)  # alone it takes ~0.1 s
+    finally:
+        base.cfg.use_attn_result = False
+    worker.join(timeout=60)
+    assert not finished_inside, f"{name}: the other thread's call ran inside the block"
+    assert "error" not in out, out.get("error")
+    got = out["scores"]
+    for kind in alone.kinds:
+        assert torch.equal(got[kind], alone[kind]), (name, kind)
+
+
+def test_the_same_thread_scores_inside_its_own_block(pair):
+    """The lock is re-entrant: scoring inside ``applied`` in the thread that holds it runs (on
+    the weights the block set)."""
+    base, diff, batch, alone = pair
+    with diff.applied(base):
+        inside = el.linear_scores(base, el.WeightDiff.zeros_like(base), batch, show_progress=False)
+    assert inside.metadata is not None
