@@ -215,7 +215,7 @@ def test_sufficient_and_necessary_are_their_own_runs(pair64):
     assert not torch.allclose(suff.values, nec.values, atol=1e-3)
 
 
-def test_a_single_cell_sufficiency_is_the_exact_informative_score(pair64):
+def test_a_single_cell_sufficiency_is_the_exact_informative_score(pair64, family, tmp_path):
     base, ft = pair64
     diff = WeightDiff.from_models(base, ft)
     batch = small_batch(base)
@@ -232,6 +232,12 @@ def test_a_single_cell_sufficiency_is_the_exact_informative_score(pair64):
     two = graft_scores(base, diff, batch, groups={"g": ["L0H2", "L0MLP"]}, roles={"r": [1, "last"]})
     row = two.compare(exact).iloc[0]
     assert abs(row["graft"] - row["summed"]) > 1e-6
+    if family != "ln_gelu":  # the report once
+        return
+    from extractive_lens.plotting import report
+
+    html = report(exact, path=tmp_path / "r.html", extra_figures=[("graft map", s.plot())])
+    assert "graft map" in html.read_text()
 
 
 def test_where_resolves_components_and_positions(pair64):
