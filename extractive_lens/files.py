@@ -1,4 +1,22 @@
-"""Writing files so that a reader never sees half of one, and never through a planted link.
+"""The file layer: every file extractive_lens reads or writes goes through this module.
+
+Reading (checkpoints, GGUF files, adapters, saved diffs, saved results, data files):
+
+- ``opened(path, fix=...)``: a regular file, opened once. A FIFO, socket, device, folder or a
+  link loop is refused in one sentence before anything blocks on it; ``fix`` is the sentence
+  saying what to do, appended to every refusal about the file.
+- ``read_bytes``, ``read_text``, ``read_json``: a small file whole, its identity (device, inode,
+  size, modification time) the same before and after the read.
+- ``SafetensorsFile(path, fix=...)``: a safetensors file's header parsed and checked against
+  the file's size; ``read(name)`` copies one tensor out with ``os.pread`` (never a view of a
+  memory map: a map of a file truncated later kills the process with SIGBUS, and one
+  rewritten in place by ``cp`` changes values already loaded), checking the file's identity
+  before and after, so a file rewritten while it is read is refused by name. Copying costs one
+  tensor's bytes at a time: peak memory is what the caller keeps, never the whole file twice.
+- ``refuse_special_files(folder)``: a folder a loader lists holds regular files (or links to
+  them) and folders, nothing a read could block on.
+
+Writing, so that a reader never sees half of a file, and never through a planted link:
 
 - ``replacing(path)``: a temporary file beside ``path`` for a writer to fill, renamed over
   ``path`` in one step at the end. An overwritten file keeps its mode (a private 0600 diff stays
@@ -23,7 +41,7 @@ import secrets
 import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -62,9 +80,7 @@ def save_safetensors(
 
     import torch
 
-    from extractive_lens.backend.weight_files import DTYPES
-
-    codes = {dt: code for code, dt in DTYPES.items()}
+    codes = {dt: code for code, dt in safetensors_dtypes().items()}
     names = sorted(tensors)
     header: dict[str, Any] = {}
     offset = 0
@@ -228,3 +244,299 @@ def locked(folder: str | Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------ reading (module docstring)
+
+CHANGED = (
+    "read it again once it is complete; write a new file under a new name, or rename it into "
+    "place (a reader keeps reading the file it opened)"
+)
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory")):  # fmt: skip
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def not_regular(path: Path, mode: int, fix: str | None = None) -> ValueError:
+    """The refusal of ``path``, which is a FIFO, socket, device or folder, not a regular file."""
+    if stat.S_ISDIR(mode):
+        return ValueError(f"{path} is a directory, not a file: " + (fix or "pass the file."))
+    return ValueError(
+        f"{path} is {_kind(mode)}, not a regular file, and reading it could block forever: "
+        + (fix or "replace it with the file itself (or remove it).")
+    )
+
+
+def _unreadable(path: Path, e: OSError, fix: str) -> OSError | ValueError:
+    import errno
+
+    if e.errno == errno.ENOENT:
+        return FileNotFoundError(f"{path} does not exist: {fix}")
+    if e.errno == errno.ELOOP:
+        return ValueError(
+            f"{path} is a loop of symbolic links (or a chain too long to follow), not a file: "
+            f"replace the link with the file itself; {fix}"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return PermissionError(f"{path} cannot be read (permission denied): {fix}")
+    return OSError(f"{path} cannot be read ({e.strerror}): {fix}")
+
+
+def opened(path: str | Path, *, fix: str) -> int:
+    """A read-only descriptor of the regular file at ``path`` (links followed): anything else
+    (FIFO, socket, device, folder, a link loop, a missing file) is refused in one sentence
+    ending with ``fix``, before anything could block on it. The caller closes it."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode, fix)
+        # non-blocking: a FIFO swapped in since the stat is refused below, not waited on
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise _unreadable(path, e, fix) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(path, st.st_mode, fix)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def identity(st: os.stat_result) -> tuple[int, ...]:
+    """What says a file is unchanged: device, inode, size, modification time (not ctime: a
+    rename over the name changes that, and the open file still holds the bytes it had)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_File = TypeVar("_File", bound="RegularFile")
+
+
+class RegularFile:
+    """A regular file opened once (``opened``), its identity recorded: every read checks it
+    before and after, so a file truncated or rewritten in place (``cp``, ``dd``,
+    ``rsync --inplace``) is refused by name instead of giving a mix of two versions. A file
+    replaced by renaming a new one over its name is still read as it was when opened.
+
+    ``fix``: what to do about a damaged file, the end of every refusal (``damaged``)."""
+
+    def __init__(self, path: str | Path, *, fix: str, changed: str = CHANGED) -> None:
+        import weakref
+
+        self.path, self.fix, self._changed = Path(path), fix, changed
+        fd = opened(self.path, fix=fix)
+        st = os.fstat(fd)
+        self._identity, self.size = identity(st), st.st_size
+        self._fd: int | None = fd
+        self._closer = weakref.finalize(self, os.close, fd)  # also at exit, os still there
+
+    def damaged(self, why: str) -> ValueError:
+        """The refusal of a file whose content is not what it should be: ``why``, then ``fix``."""
+        return ValueError(f"{self.path} is damaged ({why}): {self.fix}")
+
+    def check(self) -> None:
+        """Refuse the file if it changed on disk since it was opened."""
+        if self._fd is None:
+            raise ValueError(f"{self.path} was closed.")
+        now = identity(os.fstat(self._fd))
+        if now != self._identity:
+            what = "size" if now[2] != self._identity[2] else "modification time"
+            raise ValueError(
+                f"{self.path} changed on disk after it was opened (its {what} differs), so what "
+                f"was read from it would mix two versions: {self._changed}."
+            )
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the bytes at ``offset`` (``os.pread``: no shared file position,
+        threads may read at once), the file unchanged before and after."""
+        self.check()
+        assert self._fd is not None
+        got = 0
+        while got < len(view):
+            if hasattr(os, "preadv"):
+                n = os.preadv(self._fd, [view[got:]], offset + got)
+            else:  # pragma: no cover - no preadv (macOS before 11, Windows)
+                chunk = os.pread(self._fd, len(view) - got, offset + got)
+                view[got : got + len(chunk)] = chunk
+                n = len(chunk)
+            if n == 0:
+                self.check()  # truncated since the check above: say so
+                raise self.damaged(f"it ends at byte {offset + got}, inside what it holds")
+            got += n
+        self.check()  # not rewritten while it was read
+
+    def read(self, n: int, offset: int = 0) -> bytes:
+        """``n`` bytes at ``offset`` (``read_into``)."""
+        out = bytearray(n)
+        self.read_into(memoryview(out), offset)
+        return bytes(out)
+
+    def close(self) -> None:
+        self._fd = None
+        self._closer()
+
+    def __enter__(self: _File) -> _File:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_bytes(path: str | Path, *, fix: str, limit: int = 2**30) -> bytes:
+    """The whole regular file at ``path`` (``RegularFile``), at most ``limit`` bytes."""
+    with RegularFile(path, fix=fix) as f:
+        if f.size > limit:
+            raise f.damaged(f"{f.size} bytes, more than the {limit} such a file can hold")
+        return f.read(f.size)
+
+
+def read_text(path: str | Path, *, fix: str) -> str:
+    """``read_bytes`` as UTF-8 text; other bytes refused by name."""
+    try:
+        return read_bytes(path, fix=fix).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} is not UTF-8 text ({e.reason} at byte {e.start}): {fix}"
+        ) from None
+
+
+def read_json(path: str | Path, *, fix: str) -> Any:
+    """``read_text`` parsed as JSON; invalid JSON refused by name with its line."""
+    import json
+
+    try:
+        return json.loads(read_text(path, fix=fix))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): {fix}") from None
+
+
+def refuse_special_files(folder: str | Path, fix: str | None = None) -> None:
+    """Refuse a folder holding a FIFO, socket, device or link loop (links followed), which a
+    library listing the folder could block on forever or fail on; subfolders are left alone,
+    and so are dangling links (the loader names what is missing)."""
+    import errno
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return  # the loaders say what they expected
+    for entry in sorted(folder.iterdir()):
+        try:
+            mode = os.stat(entry).st_mode
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _unreadable(entry, e, fix or "or remove it.") from None
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise not_regular(entry, mode, fix)
+
+
+def safetensors_dtypes() -> dict[str, Any]:
+    """safetensors' dtype codes -> torch dtypes (those this torch has)."""
+    import torch
+
+    return {
+        name: dt
+        for name, dt in {
+            "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+            "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+            "F8_E5M2": getattr(torch, "float8_e5m2", None),
+            "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
+            "U64": getattr(torch, "uint64", None),
+        }.items()
+        if dt is not None
+    }  # fmt: skip
+
+
+MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+class SafetensorsFile(RegularFile):
+    """One safetensors file (``RegularFile``), its header parsed and checked against the file's
+    size; ``read(name)`` copies one tensor out (module docstring), ``metadata`` is the header's
+    ``__metadata__``. Never executes anything, never maps the file."""
+
+    def __init__(self, path: str | Path, *, fix: str, changed: str = CHANGED) -> None:
+        super().__init__(path, fix=fix, changed=changed)
+        try:
+            self.entries, self.metadata, self._data_start = self._header()
+        except BaseException:
+            self.close()
+            raise
+
+    def damaged(self, why: str) -> ValueError:
+        return ValueError(f"{self.path} is not a valid safetensors file ({why}): {self.fix}")
+
+    def _header(self) -> tuple[dict[str, tuple[Any, tuple[int, ...], int, int]], dict[str, str], int]:  # fmt: skip
+        import json
+
+        import torch
+
+        size = self.size
+        if size < 8:
+            raise self.damaged(f"{size} bytes, shorter than a header")
+        n = int.from_bytes(self.read(8), "little")
+        if n > min(MAX_HEADER, size - 8):
+            raise self.damaged(f"a header of {n} bytes in a file of {size}")
+        try:
+            header = json.loads(self.read(n, 8).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise self.damaged(f"its header is not JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise self.damaged("its header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise self.damaged("its __metadata__ is not a map of strings to strings")
+        dtypes = safetensors_dtypes()
+        data_start, data_size = 8 + n, size - 8 - n
+        entries = {}
+        for name, info in header.items():
+            try:
+                dtype = dtypes[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self.damaged(f"{name!r} has no valid dtype, shape and data_offsets") from None
+            numel = 1
+            for s in shape:
+                numel *= s
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_size:
+                raise self.damaged(f"{name!r} lies outside the file's {data_size} data bytes")
+            if end - begin != nbytes:
+                raise self.damaged(f"{name!r} has {end - begin} bytes for shape {list(shape)}")
+            entries[name] = (dtype, shape, begin, end)
+        spans = sorted((b, e, k) for k, (_, _, b, e) in entries.items() if e > b)
+        for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise self.damaged(f"{k0!r} and {k1!r} share bytes")
+        return entries, metadata, data_start
+
+    def read_tensor(self, name: str) -> Tensor:
+        """The tensor ``name``, copied out of the file (a tensor of its own, not a view)."""
+        import torch
+
+        dtype, shape, begin, end = self.entries[name]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        if end > begin:
+            self.read_into(memoryview(out.numpy()), self._data_start + begin)  # type: ignore[arg-type]
+        else:
+            self.check()
+        return out.view(dtype).reshape(shape)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor, each copied out as it is read (``read_tensor``)."""
+        return {name: self.read_tensor(name) for name in self.entries}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import typing
 from collections.abc import Sequence
@@ -475,7 +476,7 @@ class ComponentScores:
     @classmethod
     def load(cls, path: str | Path) -> ComponentScores:
         path = Path(path)
-        if not (path / "scores.json").is_file():
+        if not os.path.lexists(path / "scores.json"):  # anything else: the file layer says
             raise FileNotFoundError(
                 f"{path} has no scores.json: pass a directory written by "
                 "ComponentScores.save() (or `extractive-lens score --out`)."
@@ -492,11 +493,19 @@ class ComponentScores:
 
     @classmethod
     def _load(cls, path: Path) -> ComponentScores:
-        from safetensors import safe_open
+        """Both files read through the file layer (``extractive_lens.files``): regular files
+        only, each tensor copied out (nothing loaded shares memory with the file, so a later
+        truncation or ``cp`` over it changes nothing loaded)."""
+        from extractive_lens.files import SafetensorsFile, read_bytes
 
         try:
-            raw = (path / "scores.json").read_text()
-            info = json.loads(raw)
+            raw = read_bytes(path / "scores.json", fix=_FIX, limit=2**28)
+            try:
+                info = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(
+                    f"{path / 'scores.json'} is not valid JSON ({e}): {_FIX}"
+                ) from None
             name = info.get("tensors", "scores.safetensors")  # before manifests: fixed names
             if (
                 not isinstance(name, str)
@@ -505,15 +514,16 @@ class ComponentScores:
             ):
                 raise ValueError(f"scores.json names {name!r} as its tensor file")
             try:
-                with safe_open(str(path / name), framework="pt") as f:
-                    tensor_save = (f.metadata() or {}).get("save_id")
-                    t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-            except Exception:
-                if (path / name).exists():
-                    raise
-                if (path / "scores.json").read_text() != raw:
+                f = SafetensorsFile(path / name, fix=_FIX)
+            except FileNotFoundError:
+                if read_bytes(path / "scores.json", fix=_FIX, limit=2**28) != raw:
                     raise _Superseded() from None  # a newer save switched and cleaned up
-                raise FileNotFoundError(f"{name}, which scores.json names, is missing") from None
+                raise FileNotFoundError(
+                    f"{path / name}, which scores.json names, is missing: {_FIX}"
+                ) from None
+            with f:
+                tensor_save = f.metadata.get("save_id")
+                t = f.tensors()
             if info.get("save_id") != tensor_save:
                 raise _MixedSave()
             fields: dict[str, Any] = dict(
@@ -535,9 +545,16 @@ class ComponentScores:
                 f"{path}: the tensor file and scores.json come from two different saves (one "
                 "was interrupted); score again, or restore the directory from a backup."
             ) from None
-        except Exception as e:  # KeyError, JSON errors, safetensors' own error for a damaged file
+        except (OSError, ValueError) as e:  # the file layer's refusals name the file already
+            if str(path) in str(e):
+                raise
             raise ValueError(
-                f"{path} is not a complete ComponentScores directory ({type(e).__name__}: {e})."
+                f"{path} is not a complete ComponentScores directory ({e}): {_FIX}"
+            ) from None
+        except Exception as e:  # a field missing from scores.json or of the wrong type
+            raise ValueError(
+                f"{path} is not a complete ComponentScores directory ({type(e).__name__}: {e} in "
+                f"scores.json): {_FIX}"
             ) from None
         try:
             return cls(**tensors, other=t.get("other"), **fields)
@@ -620,6 +637,8 @@ class ComponentScores:
 _ANSWER = re.compile(r"^answer\[\d+\]$")
 """The roles ``make_batch`` gives the teacher-forced answer continuations (``answer[k]``)."""
 
+_FIX = "score again, or pass a directory written by ComponentScores.save()."
+
 
 class _MixedSave(Exception):
     """The two files of a saved result carry different save ids."""
@@ -631,8 +650,10 @@ class _Superseded(Exception):
 
 def _tensor_file(path: Path) -> Path | None:
     """The tensor file ``path/scores.json`` names now (``None``: no readable manifest)."""
+    from extractive_lens.files import read_bytes
+
     try:
-        info = json.loads((path / "scores.json").read_text())
+        info = json.loads(read_bytes(path / "scores.json", fix=_FIX, limit=2**28))
         name = info.get("tensors", "scores.safetensors")
     except (OSError, ValueError, AttributeError):
         return None

@@ -663,7 +663,7 @@ CASES = [
         "scores: garbage tensors",
         lambda e: _saved_scores(e, "garbage"),
         ValueError,
-        "not a complete ComponentScores directory",
+        "not a valid safetensors file",
     ),
     # --- comparison and distributed
     (
@@ -803,7 +803,7 @@ CLI_CASES = [
     (
         "score: --diff not safetensors",
         ["score", "--base", "world", "--diff", "GOOD", "--data", "GOOD"],
-        "is not a safetensors file",
+        "not a valid safetensors file",
     ),
     (
         "score: --diff of another model",

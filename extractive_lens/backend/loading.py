@@ -16,6 +16,7 @@ runs the same refusals on what it reads.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,7 +173,9 @@ def _gguf() -> Any:
 
 FORMATS: list[CheckpointFormat] = [
     CheckpointFormat(
-        "Hugging Face directory", lambda p: (p / "config.json").exists(), _load_hf_directory
+        "Hugging Face directory",
+        lambda p: p.is_dir() and os.path.lexists(p / "config.json"),
+        _load_hf_directory,
     ),
     CheckpointFormat(
         "GGUF file", lambda p: _gguf().accepts(p), lambda p, **k: _gguf().load(p, **k)
@@ -190,23 +193,16 @@ def refuse_remote_code(path: str | Path) -> None:
     (``auto_map`` in its configuration files, or ``.py`` files beside them): extractive_lens
     never executes code from a checkpoint, and ``transformers`` would otherwise prompt for it.
     First, a folder holding a FIFO, socket or device (which a read would block on forever)."""
-    import json
-
-    from extractive_lens.backend.weight_files import refuse_special_files
+    from extractive_lens.backend.weight_files import FIX, refuse_special_files
+    from extractive_lens.files import read_json
 
     path = Path(path)
     refuse_special_files(path)
     asks = []
-    for name in REMOTE_CODE_FILES:
-        f = path / name
-        if not f.is_file():
-            continue
-        try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError):
-            raise ValueError(f"{f} is not valid JSON: is this a Hugging Face checkpoint?") from None
-        if isinstance(data, dict) and "auto_map" in data:
-            asks.append(f"{name} has an auto_map")
+    for f in sorted(path.glob("*.json")):  # every JSON file transformers may read, each named
+        data = read_json(f, fix=FIX)
+        if f.name in REMOTE_CODE_FILES and isinstance(data, dict) and "auto_map" in data:
+            asks.append(f"{f.name} has an auto_map")
     asks += [f"{p.name} is code" for p in sorted(path.glob("*.py"))]
     if asks:
         raise ValueError(

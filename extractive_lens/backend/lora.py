@@ -22,6 +22,7 @@ TransformerLens parameters.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -128,23 +129,8 @@ def _read(adapter: Any) -> tuple[Any, dict[str, Tensor], str]:
         ) from None
 
     if isinstance(adapter, (str, Path)):
-        path = Path(adapter)
-        if not (path / "adapter_config.json").is_file():
-            raise FileNotFoundError(
-                f"{path} has no adapter_config.json: pass the directory peft's save_pretrained "
-                "wrote (or a PeftModel)."
-            )
-        weights = path / "adapter_model.safetensors"
-        if not weights.is_file():
-            raise FileNotFoundError(
-                f"{path} has no adapter_model.safetensors (extractive_lens reads no pickled "
-                "adapter_model.bin): save the adapter with save_pretrained(dir, "
-                "safe_serialization=True)."
-            )
-        from safetensors.torch import load_file
-
-        config = peft.PeftConfig.from_pretrained(str(path))
-        return config, load_file(str(weights)), path.name
+        config, state = _read_folder(peft, Path(adapter))
+        return config, state, Path(adapter).name
     if isinstance(adapter, peft.PeftModel):
         name = adapter.active_adapter
         config = adapter.peft_config[name]
@@ -153,6 +139,58 @@ def _read(adapter: Any) -> tuple[Any, dict[str, Tensor], str]:
     raise TypeError(
         f"from_peft takes an adapter directory or a peft.PeftModel, got {type(adapter).__name__}."
     )
+
+
+FIX = (
+    "save the adapter again with peft's save_pretrained(dir) (safe_serialization=True, the "
+    "default), or pass the PeftModel itself."
+)
+
+
+def _read_folder(peft: Any, path: Path) -> tuple[Any, dict[str, Tensor]]:
+    """The config and tensors of an adapter folder, read through the file layer
+    (``extractive_lens.files``): regular files only, tensors copied out, each failure naming
+    the file."""
+    from extractive_lens.files import SafetensorsFile, read_json, refuse_special_files
+
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is not a folder: pass the directory peft's save_pretrained wrote (or a "
+            "PeftModel)."
+        )
+    refuse_special_files(path, FIX)
+    if not os.path.lexists(path / "adapter_config.json"):
+        raise FileNotFoundError(
+            f"{path} has no adapter_config.json: pass the directory peft's save_pretrained "
+            "wrote (or a PeftModel)."
+        )
+    if not os.path.lexists(path / "adapter_model.safetensors"):
+        raise FileNotFoundError(
+            f"{path} has no adapter_model.safetensors (extractive_lens reads no pickled "
+            "adapter_model.bin): save the adapter with save_pretrained(dir, "
+            "safe_serialization=True)."
+        )
+    data = read_json(path / "adapter_config.json", fix=FIX)
+    if not isinstance(data, dict) or not isinstance(data.get("peft_type"), str):
+        raise ValueError(
+            f"{path / 'adapter_config.json'} is not a peft adapter config (no peft_type): {FIX}"
+        )
+    with SafetensorsFile(path / "adapter_model.safetensors", fix=FIX) as f:
+        state = f.tensors()
+    try:
+        config = peft.PeftConfig.from_pretrained(str(path))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ValueError(
+            f"{path / 'adapter_config.json'} is not a config peft can read ({type(e).__name__}: "
+            f"{e}): {FIX}"
+        ) from None
+    for key, t in state.items():
+        if "lora_" in key and (t.ndim != 2 or 0 in t.shape or not t.is_floating_point()):
+            raise ValueError(
+                f"{path / 'adapter_model.safetensors'} holds {key} of shape {list(t.shape)} and "
+                f"dtype {t.dtype}, not a floating-point matrix of rank at least 1: {FIX}"
+            )
+    return config, state
 
 
 _FACTORS = frozenset({"lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B"})
@@ -338,6 +376,11 @@ class _Reader:
             left, right = parts["lora_embedding_A"].T, parts["lora_embedding_B"].T
         else:  # Linear and Conv1D alike: Δ (as x @ W) = Aᵀ Bᵀ, [in, out]
             left, right = parts["lora_A.weight"].T, parts["lora_B.weight"].T
+        if left.ndim != 2 or right.ndim != 2 or left.shape[1] != right.shape[0]:
+            raise ValueError(
+                f"{module}: the adapter's two factors have shapes {list(left.T.shape)} and "
+                f"{list(right.T.shape)}, which do not multiply: the adapter is damaged; {FIX}"
+            )
         left = (left.to(device=self.device, dtype=self.dtype) * scale).contiguous()
         right = right_all = right.to(device=self.device, dtype=self.dtype).contiguous()
         if module == self.family.embed and self.scaled:

@@ -76,14 +76,14 @@ def from_pairs(records: Sequence[Mapping[str, Any] | tuple[Any, Any] | Pair]) ->
 
 def load_pairs(path: str | Path) -> list[Pair]:
     """``Pair`` objects from a JSON list, JSONL or CSV file (``candidates`` in CSV: ``a|b|c``)."""
+    from extractive_lens.files import read_text
+
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist.")
-    if not path.is_file():
+    if path.is_dir():
         raise ValueError(
             f"{path} is a directory; pass a .json, .jsonl or .csv file of (prompt, answer) pairs."
         )
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, fix="pass a .json, .jsonl or .csv file of (prompt, answer) pairs.")
     if path.suffix == ".csv":
         rows: list[dict[str, Any]] = list(csv.DictReader(text.splitlines()))
         for r in rows:

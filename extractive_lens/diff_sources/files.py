@@ -57,28 +57,32 @@ def write(
     return path
 
 
+FIX = (
+    "pass a file written by WeightDiff.save() or `extractive-lens finetune --out` (save the "
+    "diff again if it was damaged)."
+)
+
+
 def read(path: str | Path, *, device: str | torch.device = "cpu") -> Parts:
-    """The parts of a diff ``write`` wrote: a source like the others (``WeightDiff.load``)."""
-    from safetensors import safe_open
+    """The parts of a diff ``write`` wrote: a source like the others (``WeightDiff.load``).
+
+    Read through the file layer (``extractive_lens.files.SafetensorsFile``): each tensor is
+    copied out of the file as it is read and moved to ``device`` before the next is read, so
+    the loaded diff shares nothing with the file (truncating it or copying another diff over
+    it later changes nothing loaded) and the host holds one tensor beyond what is kept."""
+    from extractive_lens.files import SafetensorsFile
 
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
         raise FileNotFoundError(
-            f"{path} does not exist (or is not a file): pass a .safetensors file written by "
-            "WeightDiff.save() or `extractive-lens finetune --out`."
+            f"{path} is a directory: pass a .safetensors file written by WeightDiff.save() or "
+            "`extractive-lens finetune --out`."
         )
-    try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            meta = f.metadata() or {}
-            deltas: Mapping[str, Tensor] = (
-                {k: f.get_tensor(k) for k in f.keys()} if meta.get("format") == _FORMAT else {}
-            )
-    except Exception as e:  # safetensors' own error type for a file that is not safetensors
-        raise ValueError(
-            f"{path} is not a safetensors file ({e}); pass a file written by WeightDiff.save()."
-        ) from None
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"{path} is not a WeightDiff file written by WeightDiff.save().")
+    with SafetensorsFile(path, fix=FIX) as f:
+        meta = f.metadata
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a WeightDiff file written by WeightDiff.save().")
+        deltas: Mapping[str, Tensor] = {name: f.read_tensor(name).to(device) for name in f.entries}
     version = meta.get("format_version")
     if version is None or not version.isdigit() or int(version) > FORMAT_VERSION:
         raise ValueError(

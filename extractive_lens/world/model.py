@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -268,6 +269,12 @@ def _recipe(version: int = 2, steps: int | None = None) -> dict[str, Any]:
     return out
 
 
+_FIX = (
+    "save the world model again (save_world_model), or train one with `python -m "
+    "extractive_lens.world train --seed 0`."
+)
+
+
 def load_world_model(
     directory: str | Path | None = None,
     *,
@@ -281,26 +288,33 @@ def load_world_model(
     (3.x), else a bridge (4.x). ``directory``: a saved world model, or a bundled world by name
     (``"v2"``, ``"v3"``); default: the default world (``DEFAULT_VERSION``)."""
     import transformers
-    from safetensors.torch import load_file
 
     from extractive_lens.backend.building import build, native_bridge
     from extractive_lens.backend.installed import resolve_backend
+    from extractive_lens.files import SafetensorsFile, read_json, refuse_special_files
 
     backend = resolve_backend(backend)
     if directory is None or directory in WORLDS:
         directory = WORLD_DIRS[WORLDS.get(str(directory), DEFAULT_VERSION)]
     directory = Path(directory)
-    if not (directory / "model.safetensors").exists():
+    if not os.path.lexists(directory / "model.safetensors"):
         raise FileNotFoundError(
             f"No world model in {directory}: train one with `python -m extractive_lens.world train --seed 0`."
         )
-    meta = json.loads((directory / "world.json").read_text())
+    # every file through the file layer: regular files only, tensors copied out, each named
+    refuse_special_files(directory, _FIX)
+    meta = read_json(directory / "world.json", fix=_FIX)
+    if not isinstance(meta, dict) or not {"cfg", "model_name"} <= set(meta):
+        raise ValueError(f"{directory / 'world.json'} has no cfg and model_name: {_FIX}")
+    for file in sorted(directory.glob("*.json")):
+        read_json(file, fix=_FIX)  # the tokenizer's files: damage named here, not by tokenizers
     tok = transformers.AutoTokenizer.from_pretrained(directory)
-    state = {
-        k: v.to(dtype)
-        for k, v in load_file(str(directory / "model.safetensors")).items()
-        if not k.endswith(("IGNORE", "mask"))  # HookedTransformer buffers, not weights
-    }
+    with SafetensorsFile(directory / "model.safetensors", fix=_FIX) as f:
+        state = {
+            k: f.read_tensor(k).to(dtype)
+            for k in f.entries
+            if not k.endswith(("IGNORE", "mask"))  # HookedTransformer buffers, not weights
+        }
     world_notes = {"world": meta.get("world", {})}
     if backend == "bridge":
         return native_bridge(

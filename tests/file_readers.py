@@ -1,0 +1,188 @@
+"""Every public function that reads files, as a table the file attacks iterate
+(``tests/test_file_layer.py``): a new reader is one entry here and gets every attack (truncated,
+rewritten in place after loading, a FIFO, a symlink loop, a damaged header) for free.
+``test_every_public_loading_function_is_in_the_table`` fails on a public function that takes a
+path and is neither here nor a writer.
+
+Each entry writes a small valid input under a folder (``make``: the argument to pass, and the
+files a reader reads, each one attacked), calls the public function (``read``), and says which
+tensors it loaded (``tensors``: a rewrite of the file after loading must not change them)."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import extractive_lens as el
+
+CFG = {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_head": 8, "d_mlp": 32, "d_vocab": 24,
+       "n_ctx": 16, "dtype": torch.float32}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Reader:
+    name: str
+    """The public function, as ``test_every_public_loading_function_is_in_the_table`` names it
+    (``WeightDiff.load``, ``load_checkpoint``)."""
+    make: Callable[[Path, Path], tuple[Path, list[Path]]]
+    """``make(folder, shared)``: write a valid input under ``folder`` (``shared``: a folder for
+    what several cases reuse, such as a base checkpoint); the argument to pass and the files
+    read from it."""
+    read: Callable[[Path, Path], Any]
+    """``read(argument, shared)``: the public call."""
+    values: Callable[[Any], list[Any]]
+    """What was loaded (tensors, or plain values): a file rewritten after the load must not
+    change them."""
+
+
+@functools.cache
+def _pair() -> tuple[Any, Any]:
+    base = el.tiny_model(CFG, seed=0)
+    ft = el.tiny_model(CFG, seed=1)
+    return base, ft
+
+
+def _diff() -> el.WeightDiff:
+    base, ft = _pair()
+    return el.WeightDiff.from_models(base, ft)
+
+
+def make_diff(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    path = _diff().save(folder / "diff.safetensors")
+    return path, [path]
+
+
+@functools.cache
+def _scores() -> el.ComponentScores:
+    base, _ = _pair()
+    batch = el.make_batch(base, [([1, 2, 3], [4]), ([5, 6, 7], [8])])
+    return el.linear_scores(base, _diff(), batch)
+
+
+def make_scores(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    import json
+
+    path = _scores().save(folder / "scores")
+    tensors = path / json.loads((path / "scores.json").read_text())["tensors"]
+    return path, [tensors, path / "scores.json"]
+
+
+@functools.cache
+def _checkpoints(shared: Path) -> tuple[Path, Path]:
+    """A base and a finetuned tiny Llama checkpoint, written once under ``shared``."""
+    from tests import lora_models as LM
+
+    for name, seed in (("base", 0), ("ft", 1)):
+        if not (shared / name / "model.safetensors").exists():
+            LM.base_checkpoint("llama", shared / name, seed=seed)
+    return shared / "base", shared / "ft"
+
+
+def make_checkpoint(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    path = Path(shutil.copytree(_checkpoints(shared)[1], folder / "ft"))
+    return path, [path / "model.safetensors", path / "config.json", path / "tokenizer.json"]
+
+
+def make_finetuned(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    """A finetuned checkpoint: the files ``from_checkpoints`` reads (no tokenizer)."""
+    path, files = make_checkpoint(folder, shared)
+    return path, files[:2]
+
+
+def read_from_checkpoints(path: Path, shared: Path) -> el.WeightDiff:
+    return el.WeightDiff.from_checkpoints(_checkpoints(shared)[0], path)
+
+
+def make_gguf(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    from tests.test_gguf import write_tiny_gguf
+
+    path = folder / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path, [path]
+
+
+@functools.cache
+def _adapter_base(shared: Path) -> tuple[Any, Any]:
+    """The base model (loaded) and a trained adapter on it (a ``PeftModel``)."""
+    import transformers
+
+    from tests import lora_models as LM
+
+    base_dir = _checkpoints(shared)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir).double()
+    adapter = LM.train_adapter(hf, {"r": 2, "target_modules": ["q_proj"]})
+    return el.load_checkpoint(base_dir, dtype=torch.float64), adapter
+
+
+def make_adapter(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    path = folder / "adapter"
+    _adapter_base(shared)[1].save_pretrained(path)
+    return path, [path / "adapter_model.safetensors", path / "adapter_config.json"]
+
+
+def read_adapter(path: Path, shared: Path) -> el.WeightDiff:
+    return el.WeightDiff.from_peft(_adapter_base(shared)[0], path)
+
+
+def make_world(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    from extractive_lens.world.model import DEFAULT_VERSION, WORLD_DIRS
+
+    path = Path(shutil.copytree(WORLD_DIRS[DEFAULT_VERSION], folder / "world"))
+    return path, [path / "model.safetensors", path / "world.json", path / "tokenizer.json"]
+
+
+def make_pairs(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    import json
+
+    path = folder / "pairs.json"
+    path.write_text(json.dumps([{"prompt": "a b", "answer": " c"}]))
+    return path, [path]
+
+
+def _parameters(model: Any) -> list[Tensor]:
+    return [p.detach() for p in model.parameters()]
+
+
+def _plain(function: Callable[[Path], Any]) -> Callable[[Path, Path], Any]:
+    return lambda path, shared: function(path)
+
+
+READERS: list[Reader] = [
+    Reader(
+        "WeightDiff.load", make_diff, _plain(el.WeightDiff.load), lambda d: list(d.deltas.values())
+    ),
+    Reader(
+        "ComponentScores.load",
+        make_scores,
+        _plain(el.ComponentScores.load),
+        lambda s: [s.values, s.totals, s.prompt_values, s.prompt_totals],
+    ),
+    Reader(
+        "WeightDiff.from_checkpoints",
+        make_finetuned,
+        read_from_checkpoints,
+        lambda d: [d.deltas[n] for n in d.deltas],
+    ),
+    Reader("load_checkpoint", make_checkpoint, _plain(el.load_checkpoint), _parameters),
+    Reader("load_checkpoint", make_gguf, _plain(el.load_checkpoint), _parameters),
+    Reader(
+        "WeightDiff.from_peft",
+        make_adapter,
+        read_adapter,
+        lambda d: [f for lr in d.deltas.factors.values() for f in (lr.left, lr.right)],
+    ),
+    Reader("load_world_model", make_world, _plain(el.load_world_model), _parameters),
+    Reader("load_pairs", make_pairs, _plain(el.datasets.load_pairs), list),
+]
+"""The readers, each with the input it makes (one public function may have several: a
+checkpoint folder and a GGUF file for ``load_checkpoint``)."""
+
+WRITERS = {"ComponentScores.save", "WeightDiff.save", "report", "word_tokenizer"}
+"""Public functions that take a path to write to, not to read."""
