@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,20 +89,21 @@ class Between(LazyDeltas):
 
 class FileDeltas(Mapping[str, Tensor]):
     """The Δ tensors of a dense ``WeightDiff`` file (``WeightDiff.save``), read one at a time
-    through the package's one safetensors reader (``backend.weight_files``: a regular file,
-    unchanged since it was opened); nothing is kept."""
+    through the file layer (``extractive_lens.files.SafetensorsFile``: a regular file,
+    unchanged since it was opened, each tensor copied out); nothing is kept."""
 
     def __init__(self, path: str | Path) -> None:
-        from extractive_lens.backend.weight_files import SafetensorsFile
+        from extractive_lens.diff_sources.files import FIX
+        from extractive_lens.files import SafetensorsFile
 
         self.path = Path(path)
-        self._file = SafetensorsFile(self.path)
+        self._file = SafetensorsFile(self.path, fix=FIX)
         self.shapes = {n: tuple(e[1]) for n, e in self._file.entries.items()}
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self.shapes:
             raise KeyError(name)
-        return self._file.read(name)
+        return self._file.read_tensor(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self.shapes
@@ -212,18 +214,17 @@ class Trajectory:
     def load(cls, folder: str | Path) -> Trajectory:
         """The trajectory ``finetune(..., keep=...)`` wrote into ``folder`` (its manifest,
         ``trajectory.json``, and one WeightDiff file per checkpoint)."""
+        from extractive_lens.files import read_json
+
         folder = Path(folder)
         path = folder / MANIFEST
-        if not path.is_file():
+        if not os.path.lexists(path):  # anything there is read by the file layer, which says
             raise FileNotFoundError(
                 f"{path} does not exist: pass the folder finetune(..., keep='epochs') wrote "
                 "(diff.metadata['trajectory']), or use Trajectory.from_checkpoints for a folder "
                 "of Hugging Face / peft checkpoint-* folders."
             )
-        try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON ({e}): the manifest is damaged.") from None
+        manifest = read_json(path, fix="the manifest is damaged; finetune again with keep=...")
         if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
             raise ValueError(f"{path} is not a trajectory manifest written by finetune(keep=...).")
         checkpoints = tuple(
@@ -308,7 +309,7 @@ def _file_opener(
     one a tensor at a time (``FileDeltas``)."""
 
     def open_() -> WeightDiff:
-        if not path.is_file():
+        if not os.path.lexists(path):  # anything else there: the file layer says what
             raise FileNotFoundError(
                 f"{path} is missing: the trajectory folder is incomplete (was it moved or "
                 "partly deleted?); finetune again with keep=... to record it."
@@ -323,10 +324,18 @@ def _file_opener(
 
 
 def _trainer_epoch(path: Path) -> float | None:
+    """The epoch ``trainer_state.json`` records (``None``: no such file, or no epoch in it); a
+    FIFO, device or link loop there is refused by the file layer, not waited on."""
+    from extractive_lens.files import opened, read_json
+
     state = path / "trainer_state.json"
+    if not os.path.lexists(state):
+        return None
+    fix = "remove it, or replace it with the file the Trainer wrote."
+    os.close(opened(state, fix=fix))
     try:
-        return float(json.loads(state.read_text(encoding="utf-8"))["epoch"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return float(read_json(state, fix=fix)["epoch"])
+    except (ValueError, KeyError, TypeError):
         return None
 
 

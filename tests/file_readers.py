@@ -146,6 +146,39 @@ def make_pairs(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
     return path, [path]
 
 
+def make_trajectory(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    """The folder ``finetune(..., keep="epochs")`` writes: its manifest and a diff per epoch."""
+    import json
+
+    base, _ = _pair()
+    batch = el.make_batch(base, [([1, 2, 3], [4])])
+    path = folder / "trajectory"
+    el.finetune(base, batch, el.FinetuneConfig(epochs=1), keep="epochs", trajectory=path,
+                show_progress=False)  # fmt: skip
+    first = json.loads((path / "trajectory.json").read_text())["checkpoints"][0]["file"]
+    return path, [path / "trajectory.json", path / first]
+
+
+def make_trainer_output(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    """A Trainer's ``output_dir``: one ``checkpoint-1`` folder (a full finetuned model)."""
+    path = folder / "output"
+    checkpoint = Path(shutil.copytree(_checkpoints(shared)[1], path / "checkpoint-1"))
+    return path, [checkpoint / "model.safetensors", checkpoint / "config.json"]
+
+
+@functools.cache
+def _hf_base(shared: Path) -> Any:
+    return el.load_checkpoint(_checkpoints(shared)[0])
+
+
+def _opened(trajectory: Any) -> list[el.WeightDiff]:
+    return [c.open() for c in trajectory.checkpoints]
+
+
+def _all_deltas(diffs: list[el.WeightDiff]) -> list[Tensor]:
+    return [d.deltas[n] for d in diffs for n in d.deltas]
+
+
 def _parameters(model: Any) -> list[Tensor]:
     return [p.detach() for p in model.parameters()]
 
@@ -180,9 +213,21 @@ READERS: list[Reader] = [
     ),
     Reader("load_world_model", make_world, _plain(el.load_world_model), _parameters),
     Reader("load_pairs", make_pairs, _plain(el.datasets.load_pairs), list),
+    Reader(
+        "Trajectory.load",
+        make_trajectory,
+        lambda path, shared: _opened(el.Trajectory.load(path)),
+        _all_deltas,
+    ),
+    Reader(
+        "Trajectory.from_checkpoints",
+        make_trainer_output,
+        lambda path, shared: _opened(el.Trajectory.from_checkpoints(_hf_base(shared), path)),
+        _all_deltas,
+    ),
 ]
 """The readers, each with the input it makes (one public function may have several: a
 checkpoint folder and a GGUF file for ``load_checkpoint``)."""
 
-WRITERS = {"ComponentScores.save", "WeightDiff.save", "report", "word_tokenizer"}
+WRITERS = {"ComponentScores.save", "WeightDiff.save", "report", "word_tokenizer", "finetune"}
 """Public functions that take a path to write to, not to read."""

@@ -185,7 +185,10 @@ def _read_folder(peft: Any, path: Path) -> tuple[Any, dict[str, Tensor]]:
             f"{e}): {FIX}"
         ) from None
     for key, t in state.items():
-        if "lora_" in key and (t.ndim != 2 or 0 in t.shape or not t.is_floating_point()):
+        factor = key.endswith(
+            ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B")
+        )
+        if factor and (t.ndim != 2 or 0 in t.shape or not t.is_floating_point()):
             raise ValueError(
                 f"{path / 'adapter_model.safetensors'} holds {key} of shape {list(t.shape)} and "
                 f"dtype {t.dtype}, not a floating-point matrix of rank at least 1: {FIX}"
