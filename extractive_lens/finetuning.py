@@ -126,6 +126,7 @@ def finetune(
     show_progress: bool | None = None,
     keep: Keep | None = None,
     trajectory: str | Path | None = None,
+    on_epoch: Callable[[int], None] | None = None,
 ) -> WeightDiff:
     """Finetune on ``data`` (answer tokens only) and return the weight change.
 
@@ -142,6 +143,9 @@ def finetune(
             memory at a time); ``diff.metadata["trajectory"]`` is the folder, which
             ``Trajectory.load`` reads (``extractive_lens.trajectory``).
         trajectory: the folder to write it into (default: a new temporary folder).
+        on_epoch: called after every epoch with ``epoch`` while the model holds the weights
+            trained so far (no Δ formed, nothing swapped: evaluate the checkpoint in place, at
+            no memory beyond the evaluation's own; it must not change the weights).
 
     ``diff.metadata["losses"]`` holds the mean training loss of each epoch (nats per answer).
     """
@@ -192,7 +196,7 @@ def finetune(
         state_change(change, restore, model=model),
     ):  # weights and .grad restored, interrupts or not
         diff = _train(model, data, cfg, params, masks, train, snapshot, callback, show_progress,
-                      recorder)  # fmt: skip
+                      recorder, on_epoch)  # fmt: skip
     if recorder is None:
         return diff
     return WeightDiff(diff.deltas, diff.signature,
@@ -210,6 +214,7 @@ def _train(
     callback: Callable[[int, WeightDiff], None] | None,
     show_progress: bool | None,
     recorder: Recorder | None = None,
+    on_epoch: Callable[[int], None] | None = None,
 ) -> WeightDiff:
     """The training loop of ``finetune`` (which restores the model afterwards)."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -264,6 +269,8 @@ def _train(
         losses.append(total_loss / n)
         if hasattr(epochs, "set_postfix"):
             epochs.set_postfix(loss=f"{losses[-1]:.4f}")
+        if on_epoch is not None:  # the trained weights, in place
+            on_epoch(epoch)
         if callback is not None:  # the callback sees the original model and the diff so far
             diff = _diff(model, params, snapshot, cfg, losses)
             with weights_set(model, M.tl_view(model, snapshot)):
@@ -322,10 +329,10 @@ def rank_trajectory(
 
     rows = [(0, name, mean_rank(model, b)) for name, b in evaluate.items()]
 
-    def record(epoch: int, diff: WeightDiff) -> None:
-        rows.extend((epoch + 1, name, mean_rank(model, b, diff)) for name, b in evaluate.items())
+    def record(epoch: int) -> None:  # the model holds the weights trained so far
+        rows.extend((epoch + 1, name, mean_rank(model, b)) for name, b in evaluate.items())
 
-    diff = finetune(model, data, config, callback=record, show_progress=show_progress)
+    diff = finetune(model, data, config, on_epoch=record, show_progress=show_progress)
     return diff, pd.DataFrame(rows, columns=["epoch", "split", "mean_rank"])
 
 

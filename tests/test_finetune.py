@@ -149,6 +149,31 @@ def test_losses_recorded_and_shown_in_the_bar(capsys):
     assert "finetune" in err and "loss=" in err
 
 
+def test_on_epoch_evaluates_the_trained_weights_in_place():
+    """``on_epoch`` sees the checkpoint ``callback`` reaches through ``diff.applied`` (the
+    same ranks and logits), with the original weights back afterwards."""
+    base, _ = make_pair("ln_gelu", torch.float32)
+    data = _facts(base)
+    snap = {n: p.detach().clone() for n, p in base.named_parameters()}
+    cfg = FinetuneConfig(lr=3e-3, epochs=3, batch_size=4, seed=1)
+    in_place, applied = [], []
+
+    def seen(epoch):
+        with torch.no_grad():
+            in_place.append(base(data.tokens))
+
+    def through_diff(epoch, diff):
+        with torch.no_grad(), diff.applied(base):
+            applied.append(base(data.tokens))
+
+    finetune(base, data, cfg, on_epoch=seen, callback=through_diff)
+    assert len(in_place) == 3 and not torch.equal(in_place[0], in_place[-1])
+    for a, b in zip(in_place, applied):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for n, p in base.named_parameters():
+        assert torch.equal(p, snap[n])
+
+
 def test_delta_dtype_float32_holds_the_same_update_in_half_the_bytes():
     """``delta_dtype="float32"``: Δ in float32 (half of the default float64 for float32
     weights), and ``W + Δ`` the default's trained weights to within one float32 unit."""

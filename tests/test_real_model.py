@@ -250,7 +250,8 @@ def test_the_protocol_runs_end_to_end_on_a_tiny_model(text_model, monkeypatch, t
     assert {"whole", "per_token", "first_token", "whole_null", "chance"} <= set(after)
     assert after["whole"]["low"] <= after["whole"]["estimate"] <= after["whole"]["high"]
     assert saved["first_hop"]["spread"]["facts"]["whole"]["per_seed"].__len__() == 2
-    assert len(saved["first_hop"]["seeds"]["1"]["ranks"]) == 3  # before + 2 epochs
+    assert len(saved["first_hop"]["seeds"]["0"]["ranks"]) == 3  # before + 2 epochs
+    assert len(saved["first_hop"]["seeds"]["1"]["ranks"]) == 2  # before and after
     m = saved["scores"]["mass_implications"]["linear"]
     assert len(m["last_prompt_roles"]) == 1 and not m["last_prompt_roles"][0].startswith("answer")
     assert saved["scores"]["facts_linear_vs_causal"] and "known_hop" in res

@@ -104,9 +104,14 @@ class Timer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        t = dict(wall_s=time.perf_counter() - self.wall, cpu_s=time.process_time() - self.cpu)
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+        t = dict(wall_s=time.perf_counter() - self.wall, cpu_s=time.process_time() - self.cpu,
+                 peak_rss_gib_so_far=peak)  # fmt: skip
         self.results.setdefault("times", {})[self.name] = t
-        self.echo(f"   {self.name}: {t['wall_s']:.1f} s wall, {t['cpu_s']:.1f} s CPU")
+        self.echo(f"   {self.name}: {t['wall_s']:.1f} s wall, {t['cpu_s']:.1f} s CPU, "
+                  f"peak resident {peak:.2f} GiB so far")  # fmt: skip
 
 
 def save_figure(fig: Any, stem: Path) -> None:
@@ -182,8 +187,9 @@ def rank_summary(batch: Any, ranks: dict[str, Any], scores: Any, seed: int = 0) 
 def trajectory(
     model: Any, ds: Any, name: str, seeds: Sequence[int], results: dict, out: Path
 ) -> Any:
-    """Finetune on the facts once per seed; ranks of facts and implications before training
-    and after every epoch, three ways; the first seed's Δ is returned (the scores step's)."""
+    """Finetune on the facts once per seed; ranks of facts and implications three ways, before
+    training and after every epoch for the first seed (evaluated in place: ``on_epoch``), before
+    and after for the others; the first seed's Δ is returned (the scores step's)."""
     import plotly.graph_objects as go
 
     facts, impls = ds.batches(model)
@@ -195,7 +201,7 @@ def trajectory(
         start: dict[str, Any] = {}
         last: dict[str, Any] = {}
 
-        def record(diff: Any = None) -> None:
+        def record(diff: Any = None) -> None:  # diff None: the weights the model holds
             row = {}
             for split, b in splits.items():
                 row[split], last[split] = batch_ranks(model, b, diff)
@@ -203,8 +209,11 @@ def trajectory(
             epochs.append(row)
 
         record()
+        every = seed == seeds[0]  # the figure's seed: every epoch; the others: before and after
         diff = finetune(model, facts, FinetuneConfig(**{**FINETUNE, "seed": seed}),
-                        callback=lambda _, d: record(d))  # fmt: skip
+                        on_epoch=(lambda _: record()) if every else None)  # fmt: skip
+        if not every:
+            record(diff)
         res["seeds"][str(seed)] = dict(
             losses=diff.metadata["losses"], ranks=epochs,
             before={s: rank_summary(b, epochs[0][s], start[s], seed) for s, b in splits.items()},
