@@ -38,6 +38,7 @@ _EXPORTS = {
     "linear_scores": "extractive_lens.scoring.linear",
     "causal_scores": "extractive_lens.scoring.causal",
     "integrated_scores": "extractive_lens.scoring.integrated",
+    "verified_scores": "extractive_lens.scoring.verified",
     "graft_scores": "extractive_lens.scoring.graft",
     "GraftScores": "extractive_lens.scoring.graft",
     "compare": "extractive_lens.comparison",

@@ -103,6 +103,7 @@ from extractive_lens.scoring.integrated import integrated_scores as integrated_s
 from extractive_lens.scoring.linear import linear_scores as linear_scores
 from extractive_lens.scoring.trajectory import trajectory_integrated as trajectory_integrated
 from extractive_lens.scoring.trajectory import trajectory_scores as trajectory_scores
+from extractive_lens.scoring.verified import verified_scores as verified_scores
 from extractive_lens.trajectory import Trajectory as Trajectory
 from extractive_lens.types import Component as Component
 from extractive_lens.types import iter_components as iter_components

@@ -213,6 +213,21 @@ class ComponentScores:
         t = self.totals[self.kind_index(kind)]
         return [self._label(layer, c) for layer, c in torch.isnan(t).nonzero().tolist()]
 
+    def provenance(self, kind: ScoreKind) -> Any:
+        """Which method produced each cell, ``[layer, component, pos]`` (a numpy array of
+        ``"exact"``, ``"integrated"`` or ``"linear"``): a ``verified_scores`` result's record;
+        every cell of any other result is its own method's (``"exact"`` for causal)."""
+        import numpy as np
+
+        k = self.kind_index(kind)
+        record = (self.metadata.get("verified") or {}).get("provenance")
+        shape = tuple(self.values.shape[1:])
+        if record is None:
+            name = "exact" if self.method == "causal" else self.method
+            return np.full(shape, name, dtype=object)
+        per_component = np.array(record[self.kinds[k]], dtype=object)
+        return np.repeat(per_component[..., None], shape[-1], axis=-1)
+
     @property
     def flags(self) -> tuple[Any, ...]:
         """Cells that cannot be right and roles that mix unlike positions (``guards.Flag``s:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 ScoreKind = Literal["informative", "upstream", "downstream"]
 SCORE_KINDS: tuple[ScoreKind, ...] = ("informative", "upstream", "downstream")
-Method = Literal["linear", "integrated", "causal"]
+Method = Literal["linear", "integrated", "causal", "verified"]
 Ablation = Literal["mean", "zero", "resample"]
 Convention = Literal["paper", "authors_code"]
 

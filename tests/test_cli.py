@@ -358,6 +358,15 @@ def test_score_options_and_report_command(tmp_path):
     assert res.exit_code == 0, res.output
     assert ComponentScores.load(whole / "causal").per == "component"
     assert (whole / "comparison.csv").exists()
+    checked = tmp_path / "verified"  # through the table: linear checked by exact and an audit
+    res = runner.invoke(
+        app,
+        ["score", "--base", "world", "--diff", str(diff), "--data", str(facts), "--method",
+         "verified", "--kinds", "downstream", "--steps", "2", "--out", str(checked)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    v = ComponentScores.load(checked / "verified")
+    assert v.method == "verified" and "exact" in set(v.provenance("downstream").flatten())
     (out / "report.html").unlink()
     res = runner.invoke(app, ["report", str(out), "--title", "re-rendered"])
     assert res.exit_code == 0, res.output
@@ -380,7 +389,7 @@ def test_score_options_and_report_command(tmp_path):
         options = [line for line in text.splitlines() if line.lstrip().startswith("--")]
         assert options and not any("<" in line for line in options), command  # real metavars
         assert all(len(line) <= 100 for line in text.splitlines()), command
-    assert "--method linear|integrated|causal|both|all" in help_text
+    assert "--method linear|integrated|causal|verified|both|all" in help_text
 
 
 def test_data_command_writes_the_files_the_readme_uses(tmp_path):

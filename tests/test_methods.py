@@ -114,13 +114,20 @@ def test_a_method_missing_from_the_table_cannot_be_called(world_setting, monkeyp
     monkeypatch.setattr(
         methods, "METHODS", {n: m for n, m in methods.METHODS.items() if n != "integrated"}
     )
-    with pytest.raises(ValueError, match="must be one of linear, causal, got 'integrated'"):
+    with pytest.raises(
+        ValueError, match="must be one of linear, causal, verified, got 'integrated'"
+    ):
         distributed_scores("integrated", base, diff, batch)
-    with pytest.raises(ValueError, match="must be one of linear, causal, got 'integrated'"):
+    with pytest.raises(
+        ValueError, match="must be one of linear, causal, verified, got 'integrated'"
+    ):
         el.estimate(base, diff, batch, "integrated")
     res = runner.invoke(app, ["score", "--base", "world", "--diff", str(root / "d.safetensors"),
                               "--data", str(root / "facts.jsonl"), "--method", "integrated"])  # fmt: skip
-    assert res.exit_code != 0 and "--method must be linear, causal, both or all" in res.output
+    assert (
+        res.exit_code != 0
+        and "--method must be linear, causal, verified, both or all" in res.output
+    )
     res = runner.invoke(app, ["score", "--base", "world", "--diff", str(root / "d.safetensors"),
                               "--data", str(root / "facts.jsonl"), "--method", "half"])  # fmt: skip
     assert res.exit_code != 0 and "--method must be" in res.output

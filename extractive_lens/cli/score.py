@@ -45,9 +45,10 @@ def score(
     ),
     method: str = typer.Option(
         "linear",
-        help="linear, integrated (path-integrated), causal (exact), both (linear and causal) or "
-        "all three.",
-        metavar="linear|integrated|causal|both|all",
+        help="linear, integrated (path-integrated), causal (exact), verified (linear checked "
+        "by exact on the top and an audit; el.verified_scores), both (linear and causal) or "
+        "all three of linear, integrated and causal.",
+        metavar="linear|integrated|causal|verified|both|all",
     ),
     steps: str = typer.Option(
         "4",
@@ -120,7 +121,8 @@ def score(
     from extractive_lens.scoring.methods import METHODS
     from extractive_lens.scoring.methods import method as entry
 
-    methods = {"both": ("linear", "causal"), "all": tuple(METHODS)}.get(method, (method,))
+    every = tuple(name for name, m in METHODS.items() if not m.composite)
+    methods = {"both": ("linear", "causal"), "all": every}.get(method, (method,))
     if any(m not in METHODS for m in methods):
         raise typer.BadParameter(f"--method must be {', '.join(METHODS)}, both or all.")
     if steps != "auto" and not (steps.isdigit() and int(steps) >= 1):

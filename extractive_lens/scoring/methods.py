@@ -1,11 +1,11 @@
 """The table of scoring methods: one entry per method, read by everything that is not its engine.
 
 >>> tuple(METHODS)
-('linear', 'integrated', 'causal')
+('linear', 'integrated', 'causal', 'verified')
 >>> method("causal").shown, method("causal").reference
 ('exact', 2)
 >>> [(m.name, m.reference) for m in METHODS.values()]
-[('linear', 0), ('integrated', 1), ('causal', 2)]
+[('linear', 0), ('integrated', 1), ('causal', 2), ('verified', 0)]
 
 ``el.estimate`` (``budget.py``), ``distributed_scores``, the CLI's ``score`` command and
 ``compare`` look a method up here (``method(name)``, which refuses a name the table lacks,
@@ -36,6 +36,8 @@ listing the ones it has) instead of branching on its name. An entry (``Method``)
   are compared with exact ones, ``remedy``: what to run when it disagrees with the reference
   (``{kind}`` and ``{fix}``, a ``causal_scores(..., top_k=)`` call, are filled in), ``why``:
   the likely reason it does, by kind (``"*"``: any other kind).
+- ``composite``: built from the other methods' engines (``verified``): not one of
+  ``score --method all``'s.
 
 Adding a method is one entry in ``METHODS`` below plus its engine (CONTRIBUTING.md, "Add a
 scoring method"); ``tests/test_methods.py`` follows that recipe with a toy method.
@@ -54,6 +56,7 @@ from extractive_lens.scoring.causal import causal_scores
 from extractive_lens.scoring.integrated import IntegratedOptions, integrated_scores
 from extractive_lens.scoring.linear import additivity_check, linear_scores
 from extractive_lens.scoring.options import CausalOptions, LinearOptions, ScoreOptions
+from extractive_lens.scoring.verified import VerifiedOptions, verified_scores
 
 Shard = Literal["prompts", "layers"]
 
@@ -75,6 +78,7 @@ class Method:
     totals_note: str = ""
     why: Mapping[str, str] = dataclasses.field(default_factory=dict)
     gradients: bool = True
+    composite: bool = False
     gathered: Callable[[ComponentScores], Any] | None = None
     merged: Callable[[ComponentScores, list[Any], int], None] | None = None
 
@@ -169,6 +173,16 @@ register(Method(
     shards=("prompts", "layers"), cli=_EXACT_FLAGS, reference=2, shown="exact", gradients=False,
     informative_totals="informative: each component's weights finetuned alone, the rest at W",
     remedy="{fix}",
+))  # fmt: skip
+
+register(Method(
+    name="verified", engine=verified_scores, options=VerifiedOptions,
+    memory=lambda s, o: max(costs.linear_memory(s, o), costs.exact_memory(s, o),
+                            key=lambda parts: sum(parts.values())),
+    shards=("prompts",), cli=("steps",), reference=0, shown="verified",
+    informative_totals="informative: exact where patched, integrated or linear elsewhere "
+    "(provenance per cell)",
+    remedy="a larger budget (verified_scores(..., budget=...)), or {fix}", composite=True,
 ))  # fmt: skip
 
 

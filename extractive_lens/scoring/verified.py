@@ -1,0 +1,465 @@
+"""A map the package can vouch for: linear everywhere, exact where it matters, audited.
+
+>>> v = verified_scores(base, diff, batch, budget=3.0, seed=0)
+>>> v.provenance("upstream").shape          # [layer, component, pos]: exact / integrated / linear
+(4, 5, 11)
+>>> sorted(v.metadata["verified"]["estimates"])
+['downstream', 'informative', 'upstream']
+
+Per kind, in order:
+
+1. **Linear on every cell** (``linear_scores``), timed: its seconds are the budget's unit.
+2. **Exact on the cells carrying the linear mass**: components by decreasing linear mass
+   (``Σ`` over roles of ``|linear|``) until ``coverage`` of it, at most half the budget's
+   components.
+3. **Exact on a seeded random audit of all the other components**, stratified by layer and
+   component type (heads, MLP), at least ``MIN_PER_STRATUM`` per stratum: every other cell has
+   a known chance of being drawn, so the agreement estimated from the audit is an estimate over
+   the whole map, not over linear's favourites. The exact engine is ``causal_scores(...,
+   top_k=, linear=)`` handed a ranking that puts exactly the chosen components first.
+4. **Integrated where linear and exact disagree**: in each stratum where an audited
+   component's linear cells miss its exact ones by more than ``tolerance`` (relative), the
+   un-audited components get ``integrated_scores`` (as far as the budget allows).
+5. **Estimates with intervals**: the whole map's Pearson r and slope (linear on exact, through
+   0, as ``compare``) and the share of the exact |mass| outside the cells of step 2 (what
+   linear's ranking would have missed), from the census of step 2 plus the audit weighted by
+   ``N_h / n_h`` per stratum. Intervals: a seeded bootstrap that resamples the prompts
+   (``stats.counts``) and, within each stratum, the audited components; the verdict is stated
+   on the intervals.
+
+Each cell of the result carries its provenance (``ComponentScores.provenance``): ``exact``
+where step 2 or 3 patched its component, ``integrated`` where step 4 did, else ``linear``.
+``budget``: a multiple of linear's measured seconds (``3.0``: the whole call takes about three
+times linear's time) or seconds (``"120s"``); ``audit=`` fixes the audited components per kind
+instead, for a reproducible design. ``el.estimate(model, diff, batch, "verified")`` says its
+memory and Δ traffic before it runs (the table's entry: the larger of linear's and exact's).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from extractive_lens.batch import PromptBatch
+from extractive_lens.results import ComponentScores
+from extractive_lens.rewards import Reward
+from extractive_lens.scoring.options import LinearOptions
+from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
+
+MIN_PER_STRATUM = 2
+"""Audited components per stratum, at least (where it has that many): one gives no variance."""
+STAND_IN_R, STAND_IN_SLOPE, STAND_IN_MISSED = 0.9, (0.8, 1.25), 0.2
+"""A linear map can stand in when r's lower bound, the slope's interval and missed mass's upper
+bound pass these."""
+
+
+@dataclass(frozen=True)
+class VerifiedOptions(LinearOptions):
+    """``verified_scores``' options: linear's, and the design (see the module docstring)."""
+
+    budget: float | str = 3.0
+    coverage: float = 0.8
+    audit: int | None = None
+    tolerance: float = 0.2
+    steps: int = 4
+    level: float = 0.95
+    n_boot: int = 1000
+    linear: Any = None  # linear scores of this batch and diff, to reuse (and time as given)
+    linear_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.coverage <= 1:
+            raise ValueError(f"coverage must be in (0, 1], got {self.coverage!r}.")
+        if self.audit is not None and self.audit < 0:
+            raise ValueError(f"audit must be a number of components >= 0, got {self.audit!r}.")
+        _seconds(self.budget, 1.0)  # checks its form
+
+
+def _seconds(budget: float | str, linear_seconds: float) -> float:
+    """The budget in seconds: ``"120s"`` as it says, a number as a multiple of linear's."""
+    if isinstance(budget, str):
+        if not budget.endswith("s") or not _number(budget[:-1]):
+            raise ValueError(
+                f"budget must be a multiple of linear's time (3.0) or seconds ('120s'), got "
+                f"{budget!r}."
+            )
+        return float(budget[:-1])
+    if not isinstance(budget, (int, float)) or budget < 1:
+        raise ValueError(
+            f"budget must be at least 1 (linear alone) as a multiple of linear's time, or "
+            f"seconds such as '120s'; got {budget!r}."
+        )
+    return float(budget) * linear_seconds
+
+
+def _number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def verified_scores(
+    model: Any,
+    diff: Any,
+    batch: PromptBatch,
+    *,
+    budget: float | str = 3.0,
+    kinds: Sequence[ScoreKind] | ScoreKind = SCORE_KINDS,
+    seed: int = 0,
+    coverage: float = 0.8,
+    audit: int | None = None,
+    tolerance: float = 0.2,
+    steps: int = 4,
+    reward: str | Reward | None = None,
+    ablation: Ablation | None = None,
+    reference: PromptBatch | None = None,
+    batch_size: int | None = 16,
+    level: float = 0.95,
+    n_boot: int = 1000,
+    show_progress: bool | None = None,
+    compute_dtype: torch.dtype | str | None = None,
+    linear: ComponentScores | None = None,
+    linear_seconds: float | None = None,
+) -> ComponentScores:
+    """Linear scores of every cell, exact where they carry the mass and on a random audit of
+    the rest, integrated where the audit finds linear off, with the whole map's agreement
+    estimated with intervals (module docstring; ``docs/scores.md`` §13).
+
+    Args:
+        budget: a multiple of linear's measured time (default 3.0) or seconds (``"120s"``).
+        kinds: as in ``linear_scores``.
+        seed: the audit's draw and the bootstrap's.
+        coverage: the share of linear |mass| whose components are computed exactly.
+        audit: audited components per kind (default: what the budget leaves).
+        tolerance: relative error past which an audited component's linear cells disagree.
+        steps: integrated scores' nodes where linear disagrees.
+        level, n_boot: the intervals' coverage and resamples.
+        reward, ablation, reference, batch_size, show_progress, compute_dtype: as in
+            ``linear_scores`` (the paper convention; the exact scores exist only there).
+        linear: ``linear_scores(model, diff, batch, kinds=kinds)`` already computed, to reuse
+            (with ``linear_seconds``, the time it took, as the budget's unit).
+
+    Returns a ``ComponentScores`` (``method="verified"``) whose cells hold the exact,
+    integrated or linear value (``provenance(kind)``), with ``metadata["verified"]``: per kind
+    the design (components computed, strata, audit), ``estimates`` (``r``, ``slope``,
+    ``missed_mass``: each ``[estimate, low, high]``), the verdict, times and the budget.
+    """
+    options = VerifiedOptions(
+        kinds=kinds, reward=reward, ablation=ablation, reference=reference,
+        batch_size=batch_size, seed=seed, show_progress=show_progress,
+        compute_dtype=compute_dtype, budget=budget, coverage=coverage, audit=audit,
+        tolerance=tolerance, steps=steps, level=level, n_boot=n_boot, linear=linear,
+        linear_seconds=linear_seconds,
+    )  # fmt: skip
+    return verified_scores_with(model, diff, batch, options)
+
+
+def verified_scores_with(
+    model: Any, diff: Any, batch: PromptBatch, options: VerifiedOptions
+) -> ComponentScores:
+    """``verified_scores`` with its options as one ``VerifiedOptions`` object."""
+    from extractive_lens.scoring.causal import causal_scores
+    from extractive_lens.scoring.integrated import integrated_scores
+    from extractive_lens.scoring.linear import linear_scores
+
+    common = dict(
+        reward=options.reward_fn, ablation=options.ablation, reference=options.reference,
+        batch_size=options.batch_size, show_progress=options.show_progress,
+        compute_dtype=options.compute_dtype,
+    )  # fmt: skip
+    start = time.perf_counter()
+    lin = options.linear
+    if lin is None:
+        lin = linear_scores(model, diff, batch, kinds=options.score_kinds, **common)  # type: ignore[arg-type]
+    elif lin.method != "linear" or lin.kinds != options.score_kinds:
+        raise ValueError(
+            f"verified_scores(linear=...) takes linear_scores of the kinds asked for "
+            f"({options.score_kinds}); got {lin.method} scores of {lin.kinds}."
+        )
+    t_lin = time.perf_counter() - start if options.linear is None else options.linear_seconds
+    if t_lin is None:
+        raise ValueError("verified_scores(linear=...) needs linear_seconds=, the time it took.")
+    allowed = _seconds(options.budget, t_lin)
+    n_layers, n_comp = lin.totals.shape[1:]
+    total = n_layers * n_comp
+    rng = np.random.default_rng(options.seed)
+    strata = _strata(lin.component_labels, n_layers)
+    plan: dict[str, Any] = {}
+    values, prompt_values = lin.values.clone(), lin.prompt_values.clone()
+    totals, prompt_totals = lin.totals.clone(), lin.prompt_totals.clone()
+    provenance = np.full((len(lin.kinds), n_layers, n_comp), "linear", dtype=object)
+    times = {"linear": t_lin}
+    per_kind = max(allowed - t_lin, 0.0) / len(lin.kinds)  # seconds each kind may spend
+    for k, kind in enumerate(lin.kinds):
+        spent = time.perf_counter()
+        mass = lin.values[k].abs().nan_to_num(0.0).sum(-1).double()  # [layer, comp]
+        top = _covering(mass, options.coverage, cap=max(1, total // 2))
+        rest = [c for c in range(total) if c not in set(top)]
+        # the top set and the smallest audit first; their time per component sizes the rest
+        sample = _stratified(rest, strata, options.audit or 0, rng, least=MIN_PER_STRATUM)
+        first = [c for cs in sample.values() for c in cs]
+        t0 = time.perf_counter()
+        exact = _exact(causal_scores, model, diff, batch, lin, kind, top + first, common)
+        per_comp = (time.perf_counter() - t0) / max(len(top + first), 1)
+        if options.audit is None:
+            left = per_kind - (time.perf_counter() - spent)
+            more = _stratified([c for c in rest if c not in set(first)], strata,
+                               max(0, int(left / per_comp)), rng, least=0)  # fmt: skip
+            extra = [c for cs in more.values() for c in cs]
+            exact = _merge_exact(exact, _exact(causal_scores, model, diff, batch, lin, kind,
+                                               extra, common), extra)  # fmt: skip
+            for h, cs in more.items():
+                sample[h] = sorted(sample.get(h, []) + cs)
+        audited = [c for cs in sample.values() for c in cs]
+        for c in top + audited:
+            _put(values, prompt_values, totals, prompt_totals, k, c, n_comp, exact, 0)
+            provenance[k, c // n_comp, c % n_comp] = "exact"
+        # integrated where linear and exact disagree, on the components not patched exactly
+        off = _disagreeing(lin, exact, k, audited, n_comp, options.tolerance)
+        bad_strata = {strata[c] for c in off}
+        pending = [c for c in rest if c not in set(audited) and strata[c] in bad_strata]
+        left = per_kind - (time.perf_counter() - spent)
+        n_int = len(pending) if options.audit is not None else int(left / (per_comp * 2))
+        integrate = pending[: max(0, n_int)]
+        if integrate:
+            ig = _integrated(integrated_scores, model, diff, batch, lin, kind, integrate, common,
+                             options.steps)  # fmt: skip
+            for c in integrate:
+                _put(values, prompt_values, totals, prompt_totals, k, c, n_comp, ig, 0)
+                provenance[k, c // n_comp, c % n_comp] = "integrated"
+        times[kind] = time.perf_counter() - spent
+        plan[kind] = dict(
+            top=top, strata={str(h): len([c for c in rest if strata[c] == h]) for h in
+                             sorted(set(strata.values()))},
+            sample={str(h): cs for h, cs in sample.items()}, audited=audited,
+            disagreeing=off, integrated=integrate,
+            coverage=float(mass.flatten()[top].sum() / mass.sum()) if mass.sum() > 0 else 1.0,
+            per_component_seconds=per_comp,
+        )  # fmt: skip
+        plan[kind]["estimates"] = _estimates(lin, exact, k, top, sample, rest, strata, n_comp,
+                                             options)  # fmt: skip
+        plan[kind]["verdict"] = _verdict(kind, plan[kind])
+    meta = dict(lin.metadata)
+    meta["verified"] = dict(
+        budget=options.budget, budget_seconds=allowed, seconds=times,
+        total_seconds=time.perf_counter() - start, linear_seconds=t_lin,
+        coverage=options.coverage, tolerance=options.tolerance, seed=options.seed,
+        level=options.level, n_boot=options.n_boot, steps=options.steps,
+        provenance={kd: provenance[i].tolist() for i, kd in enumerate(lin.kinds)},
+        kinds=plan,
+    )  # fmt: skip
+    meta["verified"]["estimates"] = {kd: plan[kd]["estimates"] for kd in lin.kinds}
+    return replace(lin, values=values, totals=totals, prompt_values=prompt_values,
+                   prompt_totals=prompt_totals, method="verified", metadata=meta)  # fmt: skip
+
+
+def _strata(labels: Sequence[str], n_layers: int) -> dict[int, tuple[int, str]]:
+    """Each flat component index's stratum: its layer and type (heads or MLP)."""
+    n = len(labels)
+    return {
+        layer * n + c: (layer, "mlp" if labels[c] == "MLP" else "heads")
+        for layer in range(n_layers)
+        for c in range(n)
+    }
+
+
+def _covering(mass: Tensor, coverage: float, cap: int) -> list[int]:
+    """The fewest components (flat indices) whose linear mass reaches ``coverage`` of the
+    whole, largest first, at most ``cap``."""
+    flat = mass.flatten()
+    order = torch.argsort(flat, descending=True).tolist()
+    whole = float(flat.sum())
+    out: list[int] = []
+    got = 0.0
+    for c in order:
+        if whole == 0 or got >= coverage * whole or len(out) >= cap:
+            break
+        out.append(c)
+        got += float(flat[c])
+    return out
+
+
+def _stratified(
+    rest: list[int], strata: dict[int, Any], n: int, rng: np.random.Generator, *, least: int
+) -> dict[Any, list[int]]:
+    """About ``n`` components of ``rest`` drawn without replacement, allocated to strata in
+    proportion to their sizes, at least ``least`` in each (where it has them)."""
+    groups: dict[Any, list[int]] = {}
+    for c in rest:
+        groups.setdefault(strata[c], []).append(c)
+    size = sum(len(g) for g in groups.values())
+    want = {h: min(len(g), max(least, round(n * len(g) / size))) for h, g in groups.items()}
+    return {
+        h: sorted(int(c) for c in rng.choice(g, size=want[h], replace=False))
+        for h, g in sorted(groups.items())
+    }
+
+
+def _chooser(lin: ComponentScores, kind: str, chosen: list[int]) -> ComponentScores:
+    """``lin`` with its ``kind`` totals replaced by a ranking that puts ``chosen`` first, so
+    ``causal_scores(top_k=len(chosen), linear=...)`` patches exactly those."""
+    k = lin.kind_index(kind)  # type: ignore[arg-type]
+    totals = torch.zeros_like(lin.totals)
+    flat = totals[k].view(-1)
+    flat[torch.tensor(chosen, dtype=torch.long)] = 1.0
+    return replace(lin, totals=totals)
+
+
+def _exact(causal: Any, model: Any, diff: Any, batch: PromptBatch, lin: ComponentScores,
+           kind: str, chosen: list[int], common: dict[str, Any]) -> ComponentScores | None:  # fmt: skip
+    if not chosen:
+        return None
+    return causal(model, diff, batch, kinds=(kind,), top_k=len(chosen),
+                  linear=_chooser(lin, kind, chosen), **common)  # fmt: skip
+
+
+def _integrated(integrated: Any, model: Any, diff: Any, batch: PromptBatch,
+                lin: ComponentScores, kind: str, chosen: list[int], common: dict[str, Any],
+                steps: int) -> ComponentScores:  # fmt: skip
+    return integrated(model, diff, batch, kinds=(kind,), top_k=len(chosen), steps=steps,
+                      linear=_chooser(lin, kind, chosen), **common)  # fmt: skip
+
+
+def _merge_exact(
+    a: ComponentScores | None, b: ComponentScores | None, b_cells: list[int]
+) -> ComponentScores | None:
+    """One exact result of the two runs (``b``'s components over ``a``'s NaN)."""
+    if a is None or b is None:
+        return a or b
+    n_comp = a.totals.shape[2]
+    out = [t.clone() for t in (a.values, a.totals, a.prompt_values, a.prompt_totals)]
+    for c in b_cells:
+        layer, comp = divmod(c, n_comp)
+        out[0][:, layer, comp] = b.values[:, layer, comp]
+        out[1][:, layer, comp] = b.totals[:, layer, comp]
+        out[2][:, :, layer, comp] = b.prompt_values[:, :, layer, comp]
+        out[3][:, :, layer, comp] = b.prompt_totals[:, :, layer, comp]
+    return replace(a, values=out[0], totals=out[1], prompt_values=out[2], prompt_totals=out[3])
+
+
+def _put(values: Tensor, pv: Tensor, totals: Tensor, pt: Tensor, k: int, c: int, n_comp: int,
+         src: ComponentScores | None, src_k: int) -> None:  # fmt: skip
+    """Component ``c``'s cells of kind ``k`` from ``src`` (its kind ``src_k``)."""
+    if src is None:
+        return
+    layer, comp = divmod(c, n_comp)
+    values[k, layer, comp] = src.values[src_k, layer, comp].to(values)
+    totals[k, layer, comp] = src.totals[src_k, layer, comp].to(totals)
+    pv[k, :, layer, comp] = src.prompt_values[src_k, :, layer, comp].to(pv)
+    pt[k, :, layer, comp] = src.prompt_totals[src_k, :, layer, comp].to(pt)
+
+
+def _disagreeing(lin: ComponentScores, exact: ComponentScores | None, k: int,
+                 audited: list[int], n_comp: int, tolerance: float) -> list[int]:  # fmt: skip
+    """Audited components whose linear cells miss the exact ones by more than ``tolerance``
+    of the exact cells' norm (and of 1% of the kind's largest exact cell)."""
+    if exact is None or not audited:
+        return []
+    ex = exact.values[0].double()
+    floor = 0.01 * float(ex.abs().nan_to_num(0.0).max())
+    out = []
+    for c in audited:
+        layer, comp = divmod(c, n_comp)
+        a, b = lin.values[k, layer, comp].double(), ex[layer, comp]
+        if float((a - b).norm()) > tolerance * float(b.norm()) + floor:
+            out.append(c)
+    return out
+
+
+def _estimates(lin: ComponentScores, exact: ComponentScores | None, k: int, top: list[int],
+               sample: dict[Any, list[int]], rest: list[int], strata: dict[int, Any],
+               n_comp: int, options: VerifiedOptions) -> dict[str, Any]:  # fmt: skip
+    """The whole map's r, slope and missed mass, with bootstrap intervals (module docstring)."""
+    from extractive_lens import stats
+
+    if exact is None:
+        nan = [float("nan")] * 3
+        return dict(r=nan, slope=nan, missed_mass=nan, audited=0)
+    n = lin.n_prompts
+    w_prompts = torch.cat([torch.ones(1, n, dtype=torch.float64),
+                           stats.counts(n, options.n_boot, options.seed)])  # fmt: skip
+    x = stats.resampled_maps(lin, "token", w_prompts)[:, k]  # [r, layer, comp, pos]
+    y = stats.resampled_maps(exact, "token", w_prompts)[:, 0]
+    r_all = x.shape[0]
+    x = x.reshape(r_all, -1, x.shape[-1])  # [r, component, pos]
+    y = y.reshape(r_all, -1, y.shape[-1])
+    sizes = {h: sum(1 for c in rest if strata[c] == h) for h in sample}
+    if any(sizes[h] and not cs for h, cs in sample.items()):
+        nan = [float("nan")] * 3  # a stratum nobody audited: no estimate over the whole map
+        return dict(r=nan, slope=nan, missed_mass=nan, audited=sum(map(len, sample.values())))
+    g = torch.Generator().manual_seed(options.seed + 1)
+    weight = torch.zeros(r_all, x.shape[1], dtype=torch.float64)  # per component
+    weight[:, top] = 1.0
+    for h, cs in sample.items():
+        if not cs:
+            continue
+        idx = torch.tensor(cs)
+        scale = sizes[h] / len(cs)
+        weight[0, idx] += scale
+        draws = torch.randint(0, len(cs), (r_all - 1, len(cs)), generator=g)
+        counts = torch.zeros(r_all - 1, len(cs), dtype=torch.float64)
+        counts.scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+        weight[1:, idx] += scale * counts
+    in_top = torch.zeros(x.shape[1], dtype=torch.bool)
+    in_top[top] = True
+    ok = torch.isfinite(x) & torch.isfinite(y)
+    w = weight[:, :, None].expand_as(x) * ok
+    x0, y0 = torch.where(ok, x, 0.0), torch.where(ok, y, 0.0)
+    s = {
+        "n": w.sum((1, 2)), "x": (w * x0).sum((1, 2)), "y": (w * y0).sum((1, 2)),
+        "xx": (w * x0 * x0).sum((1, 2)), "yy": (w * y0 * y0).sum((1, 2)),
+        "xy": (w * x0 * y0).sum((1, 2)),
+    }  # fmt: skip
+    cov = s["xy"] - s["x"] * s["y"] / s["n"]
+    var_x = s["xx"] - s["x"] ** 2 / s["n"]
+    var_y = s["yy"] - s["y"] ** 2 / s["n"]
+    r = cov / (var_x * var_y).sqrt()
+    slope = s["xy"] / s["yy"]
+    outside = (w * y0.abs() * (~in_top)[None, :, None]).sum((1, 2))
+    missed = outside / (w * y0.abs()).sum((1, 2))
+    out: dict[str, Any] = {"audited": int(sum(len(c) for c in sample.values()))}
+    for name, t in (("r", r), ("slope", slope), ("missed_mass", missed)):
+        iv = stats.percentile_interval(t[0], t[1:], level=options.level, n_boot=options.n_boot,
+                                       seed=options.seed, n=n)  # fmt: skip
+        out[name] = list(iv.item())
+    return out
+
+
+def _verdict(kind: str, plan: dict[str, Any]) -> str:
+    """The verdict on the intervals (thresholds ``STAND_IN_*``)."""
+    e = plan["estimates"]
+    r, slope, missed = e["r"], e["slope"], e["missed_mass"]
+    if any(math.isnan(v) for v in (*r, *slope, *missed)):
+        return (
+            f"linear {kind}: not estimated (too few components audited); read the exact cells "
+            "only, or raise the budget."
+        )
+    said = (
+        f"over the whole map, r = {r[0]:.2f} [{r[1]:.2f}, {r[2]:.2f}], slope {slope[0]:.2f} "
+        f"[{slope[1]:.2f}, {slope[2]:.2f}], exact mass outside the {len(plan['top'])} components "
+        f"checked first {missed[0]:.0%} [{missed[1]:.0%}, {missed[2]:.0%}] (exact on "
+        f"{len(plan['top'])} + {e['audited']} audited components"
+        + (f", integrated on {len(plan['integrated'])}" if plan["integrated"] else "")
+        + ")"
+    )
+    lo, hi = STAND_IN_SLOPE
+    if r[1] >= STAND_IN_R and lo <= slope[1] and slope[2] <= hi and missed[2] <= STAND_IN_MISSED:
+        return f"linear {kind} can stand in for exact: {said}."
+    if r[1] >= STAND_IN_R:
+        return f"linear {kind} ranks as exact does but not its values: {said}; read the exact cells for values."
+    return (
+        f"linear {kind} cannot be read on its own: {said}; read the cells marked exact or "
+        "integrated, and raise the budget to check more."
+    )
+
+
+Provenance = Literal["exact", "integrated", "linear"]

@@ -1,0 +1,133 @@
+"""verified_scores: provenance that matches the cells, an audit drawn from every component
+(not linear's favourites), estimates that are compare()'s on a census and whose intervals hold
+the full exact map's values, and a planted disagreement found."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from extractive_lens import (
+    WeightDiff,
+    causal_scores,
+    compare,
+    integrated_scores,
+    linear_scores,
+    verified_scores,
+)
+from tests.conftest import make_pair
+from tests.test_linear import small_batch
+
+KINDS = ("informative", "downstream")
+
+
+@pytest.fixture(scope="module")
+def world():
+    base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.1, n_layers=3)
+    batch = small_batch(base, n=5)
+    diff = WeightDiff.from_models(base, ft)
+    lin = linear_scores(base, diff, batch, kinds=KINDS)
+    full = causal_scores(base, diff, batch, kinds=KINDS)  # the whole exact map, once
+    return base, diff, batch, lin, full
+
+
+def _verified(world, lin=None, **kw):
+    base, diff, batch, lin0, _ = world
+    kw.setdefault("n_boot", 200)
+    return verified_scores(base, diff, batch, kinds=KINDS, linear=lin or lin0, linear_seconds=1.0,
+                           **kw)  # fmt: skip
+
+
+def test_every_cell_holds_what_its_provenance_says(world):
+    base, diff, batch, lin, full = world
+    v = _verified(world, audit=3, coverage=0.5, seed=1, tolerance=100.0)  # nothing integrated
+    assert v.method == "verified"
+    for k, kind in enumerate(KINDS):
+        prov = v.provenance(kind)
+        assert prov.shape == tuple(v.values.shape[1:])
+        exact, linear = prov == "exact", prov == "linear"
+        assert exact.any() and linear.any()
+        got, want_ex, want_lin = (t[k].numpy() for t in (v.values, full.values, lin.values))
+        assert np.allclose(got[exact], want_ex[exact])
+        assert np.allclose(got[linear], want_lin[linear])
+        # a linear cell is not exact's value (else provenance could be anything)
+        assert not np.allclose(got[linear], want_ex[linear])
+    v = _verified(world, audit=2, coverage=0.5, seed=1, tolerance=0.0)  # integrate the rest
+    ig = integrated_scores(base, diff, batch, kinds=KINDS, steps=4)
+    for k, kind in enumerate(KINDS):
+        prov = v.provenance(kind)
+        assert (prov == "integrated").any()
+        cells = prov == "integrated"
+        assert np.allclose(v.values[k].numpy()[cells], ig.values[k].numpy()[cells])
+
+
+def test_a_census_gives_compare_s_numbers(world):
+    """Auditing every component, the estimates are the full map's statistics."""
+    *_, lin, full = world
+    v = _verified(world, audit=100, coverage=0.3)
+    cmp = compare(lin, full)
+    for kind in KINDS:
+        row = next(r for r in cmp.rows if (r["kind"], r["part"]) == (kind, "all"))
+        e = v.metadata["verified"]["estimates"][kind]
+        assert e["r"][0] == pytest.approx(row["pearson"], abs=1e-9)
+        assert e["slope"][0] == pytest.approx(row["slope"], abs=1e-9)
+        top = v.metadata["verified"]["kinds"][kind]["top"]
+        ex = full.values[full.kind_index(kind)].abs().double()
+        outside = ex.flatten(0, 1).sum(-1)
+        outside[top] = 0
+        assert e["missed_mass"][0] == pytest.approx(float(outside.sum() / ex.sum()))
+
+
+def test_the_intervals_hold_the_full_map_values(world):
+    *_, lin, full = world
+    cmp = compare(lin, full)
+    v = _verified(world, audit=4, coverage=0.5, seed=3, n_boot=400)
+    for kind in KINDS:
+        row = next(r for r in cmp.rows if (r["kind"], r["part"]) == (kind, "all"))
+        e = v.metadata["verified"]["estimates"][kind]
+        assert e["r"][1] <= row["pearson"] <= e["r"][2]
+        assert e["slope"][1] <= row["slope"] <= e["slope"][2]
+        assert e["r"][2] - e["r"][1] > 0  # a partial audit leaves doubt
+        assert kind in v.metadata["verified"]["kinds"][kind]["verdict"]
+
+
+def test_a_planted_disagreement_is_found_by_the_audit(world):
+    """An MLP whose linear score is zeroed is outside linear's top set; only the audit, drawn
+    from all the other components (each layer's MLP its own stratum), can find it."""
+    *_, lin, full = world
+    k = lin.kind_index("downstream")
+    ex_mlp = full.totals[k][:, -1].abs()
+    layer = int(ex_mlp.argmax())
+    values, pv = lin.values.clone(), lin.prompt_values.clone()
+    values[k, layer, -1] = 0.0
+    pv[k, :, layer, -1] = 0.0
+    zeroed = dataclasses.replace(lin, values=values, prompt_values=pv)
+    v = _verified(world, lin=zeroed, audit=2, coverage=0.6, seed=0)
+    plan = v.metadata["verified"]["kinds"]["downstream"]
+    c = layer * len(lin.component_labels) + len(lin.component_labels) - 1
+    assert c not in plan["top"] and c in plan["audited"] and c in plan["disagreeing"]
+    assert v.provenance("downstream")[layer, -1, 0] == "exact"
+    assert torch.allclose(v.values[k, layer, -1], full.values[k, layer, -1])
+    assert plan["estimates"]["missed_mass"][0] > 0
+
+
+def test_the_audit_reaches_every_component_outside_the_top(world):
+    seen = set()
+    for seed in range(6):
+        plan = _verified(world, audit=2, coverage=0.5, seed=seed, n_boot=20).metadata["verified"]
+        top = plan["kinds"]["informative"]["top"]
+        audited = plan["kinds"]["informative"]["audited"]
+        assert not set(top) & set(audited)
+        seen |= set(audited)
+    rest = set(range(15)) - set(top)
+    assert seen == rest  # not only the components linear ranks next
+
+
+def test_bad_budgets_are_refused(world):
+    with pytest.raises(ValueError, match="budget"):
+        _verified(world, budget="soon")
+    with pytest.raises(ValueError, match="budget"):
+        _verified(world, budget=0.5)
