@@ -72,10 +72,12 @@ def curves(ts: Any, components: Sequence[str], kind: str = "informative",
                 yaxis="y2", mode="lines", line={"dash": "dot"},
             ))  # fmt: skip
         fig.update_layout(yaxis2={"title": "mean rank (0 = top)", "overlaying": "y",
-                                  "side": "right", "rangemode": "tozero"})  # fmt: skip
+                                  "side": "right", "rangemode": "tozero", "tickformat": ".1f",
+                                  "showgrid": False})  # fmt: skip
     fig.update_layout(
         title=f"{kind} per component over training", xaxis_title="epoch",
         yaxis_title=f"{kind} ({score_unit(ts.scores[0])})", template="plotly_white",
+        legend={"orientation": "h", "y": -0.2},
     )  # fmt: skip
     return fig
 
