@@ -191,20 +191,33 @@ def grafting(model: Any, diff: Any, where: Any) -> Iterator[None]:
     handles: list[Any] = []
     points = dict(model.hook_dict)
 
+    # the recomputations inside a hook run the model's modules again (a bridge's attention
+    # may run a whole forward to record its arguments): the graft's hooks sit those out
+    busy = [False]
+
     def keep(table: dict[int, Tensor], layer: int) -> Any:
         def hook(_m: Any, _i: Any, out: Tensor) -> None:
-            table[layer] = out
+            if not busy[0]:
+                table[layer] = out
 
         return hook
 
     def replace(fn: Callable[[int, Tensor], Tensor], layer: int) -> Any:
-        def hook(_m: Any, _i: Any, out: Tensor) -> Tensor:
-            return fn(layer, out)
+        def hook(_m: Any, _i: Any, out: Tensor) -> Tensor | None:
+            if busy[0]:
+                return None
+            busy[0] = True
+            try:
+                return fn(layer, out)
+            finally:
+                busy[0] = False
 
         return hook
 
     def offset_of(layer: int) -> Any:
         def pre(_m: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+            if busy[0]:
+                return
             entry = kwargs.get("past_kv_cache_entry")
             past = getattr(entry, "past_keys", None)
             run.offset[layer] = 0 if past is None else int(past.shape[1])
