@@ -26,6 +26,7 @@ _EXPORTS = {
     "iter_components": "extractive_lens.types",
     "tiny_model": "extractive_lens.model",
     "load_pretrained": "extractive_lens.model",
+    "load_hf_pretrained": "extractive_lens.model",
     "load_checkpoint": "extractive_lens.model",
     "from_hf": "extractive_lens.model",
     "WeightDiff": "extractive_lens.weight_diff",

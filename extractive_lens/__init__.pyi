@@ -78,6 +78,9 @@ from extractive_lens.model import (
     load_checkpoint as load_checkpoint,
 )
 from extractive_lens.model import (
+    load_hf_pretrained as load_hf_pretrained,
+)
+from extractive_lens.model import (
     load_pretrained as load_pretrained,
 )
 from extractive_lens.model import (

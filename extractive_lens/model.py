@@ -60,6 +60,7 @@ from extractive_lens.backend.installed import BACKEND_NAMES, resolve_backend  # 
 from extractive_lens.backend.loading import (  # noqa: F401
     NO_PROCESSING,
     load_checkpoint,
+    load_hf_pretrained,
     load_pretrained,
 )
 from extractive_lens.backend.tiny import tiny_model  # noqa: F401

