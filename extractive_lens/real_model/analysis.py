@@ -14,7 +14,7 @@ per-prompt candidate scores and rank rows, so each can be tested on hand-made in
   that keeps the length bias).
 - ``reverted_shares``: the share of the learned improvement each freezing condition keeps or
   loses, instead of adjectives.
-- ``interval``: a seeded percentile bootstrap over prompts for any per-prompt statistic.
+- ``interval``: a seeded percentile bootstrap over prompts (``stats.bootstrap``) as a dict.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens.batch import PromptBatch
+from extractive_lens.stats import bootstrap
 
 EARLY_FRACTION = 0.5
 """``mass``: early layers are blocks ``[0, L // 2)``, the first half (the paper's two sites)."""
@@ -176,20 +177,11 @@ def interval(
     n_boot: int = N_BOOT,
     seed: int = 0,
 ) -> dict[str, float]:
-    """A statistic of per-prompt rows with its 95% percentile interval over ``n_boot``
-    resamples of the prompts (``torch.Generator().manual_seed(seed)``); the mean by default."""
-    gen = torch.Generator().manual_seed(seed)
-    n = per_prompt.shape[0]
-    draws = torch.stack([torch.randint(n, (n,), generator=gen) for _ in range(n_boot)])
-    if statistic is None:
-        boot, estimate = per_prompt[draws].double().mean(1), per_prompt.double().mean(0)
-    else:
-        boot = torch.stack([statistic(per_prompt[d]) for d in draws]).double()
-        estimate = statistic(per_prompt)
-    return dict(
-        estimate=float(estimate), low=float(boot.quantile(0.025)),
-        high=float(boot.quantile(0.975)), n=n, n_boot=n_boot, seed=seed,
-    )  # fmt: skip
+    """A statistic of per-prompt rows (the mean by default) with its 95% percentile interval
+    over ``n_boot`` resamples of the prompts: ``stats.bootstrap``, as a JSON-ready dict."""
+    ci = bootstrap(per_prompt, statistic, n_boot=n_boot, seed=seed)
+    estimate, low, high = ci.item()
+    return dict(estimate=estimate, low=low, high=high, n=ci.n, n_boot=n_boot, seed=seed)
 
 
 def reverted_shares(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
