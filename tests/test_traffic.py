@@ -60,6 +60,54 @@ def test_linear_sweep_equals_the_whole_graph_scores(deep64, group, monkeypatch):
     )
 
 
+def test_a_kind_in_KINDS_reaches_the_large_model_sweep(deep64, monkeypatch):
+    """A kind is reached through ``KINDS`` alone, on the large-model path too: a toy kind put
+    in ``KINDS`` (each layer's finetuned input minus the base's, summed over ``d_model``, in
+    the first component's cell) gives through the sweep (its ``layer_linear``, fed the
+    finetuned rows of each layer) what it gives through the whole graph (its ``linear``,
+    reading the finetuned run), and both equal TransformerLens's ``resid_pre`` of the two
+    models. A sweep calling the kind modules by name would give downstream's scores."""
+    from types import SimpleNamespace
+
+    from extractive_lens.scoring.kinds import KINDS
+    from extractive_lens.scoring.runs import wide
+
+    base, diff, batch = deep64
+    L = base.cfg.n_layers
+
+    def change(chunk, layer, pre):
+        return (wide(pre) - wide(chunk.base.pre[layer])).sum(-1)
+
+    def linear(chunk):
+        if "downstream" in chunk.swept:
+            return chunk.swept["downstream"]
+        out = chunk.new_scores()
+        for layer in range(L):
+            out[:, layer, 0] = change(chunk, layer, chunk.ft.pre[layer])
+        return out
+
+    def layer_linear(chunk, step, out):
+        if step.g is None:
+            out[:, step.layer, 0] = change(chunk, step.layer, step.finetuned.pre)
+
+    toy = SimpleNamespace(CONTEXTS=("base",), needs=lambda o: {"finetuned"},
+                          capture=lambda o: (), linear=linear, layer_linear=layer_linear)  # fmt: skip
+    monkeypatch.setitem(KINDS, "downstream", toy)
+    kw = dict(kinds="downstream", show_progress=False)
+    whole = linear_scores(base, diff, batch, **kw)
+    _large(monkeypatch)
+    swept = linear_scores(base, diff, batch, **kw)
+    names = [f"blocks.{layer}.hook_resid_pre" for layer in range(L)]
+    _, cache = base.run_with_cache(batch.tokens, names_filter=names)
+    with diff.applied(base):
+        _, ft_cache = base.run_with_cache(batch.tokens, names_filter=names)
+    want = torch.stack([(ft_cache[n] - cache[n]).sum(-1) for n in names], 1)
+    want = want * batch.position_mask[:, None, :]
+    for got in (whole, swept):
+        torch.testing.assert_close(got.prompt_values[0, :, :, 0], want, rtol=0, atol=1e-10)
+    assert want.abs().max() > 1e-3
+
+
 def test_linear_sweep_in_the_authors_convention(deep64, monkeypatch):
     """Informative with q, k, v credited apart runs in the sweep too."""
     base, diff, batch = deep64

@@ -34,7 +34,8 @@ from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
 from extractive_lens.scoring.ablation import AblationTable, table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
-from extractive_lens.scoring.kinds import KINDS, downstream, informative, upstream
+from extractive_lens.scoring.kinds import KINDS, upstream
+from extractive_lens.scoring.kinds.protocols import LayerStep
 from extractive_lens.scoring.options import LinearOptions, check_arguments, prepare
 from extractive_lens.scoring.runs import HeadGrads, Run, forward_run, layerwise, sizing, wide
 from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
@@ -150,14 +151,19 @@ class LinearChunk:
     other: Tensor | None = None  # [batch] the "other" parameters' informative share
     scores: Tensor | None = None  # [kind batch layer component pos]
     change: Tensor | None = None  # [batch] R(W') - R(W) (informative only)
-    # the blocks' informative scores and b_O's "other", where the finetuned sweep computed them
-    informative_blocks: tuple[Tensor, Tensor] | None = None
     # kinds' scores the sweep computed layer by layer (``_finetuned_passes``), by kind
     swept: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:
         return wide(self.base.pre[0]).dtype
+
+    @property
+    def informative_blocks(self) -> tuple[Tensor, Tensor] | None:
+        """Informative's scores of the blocks and ``b_O``'s "other" share, where a layer-major
+        pass computed them layer by layer (``None`` elsewhere)."""
+        inf = self.swept.get("informative")
+        return None if inf is None or self.other is None else (inf, self.other)
 
     def new_scores(self) -> Tensor:
         """A zero ``[batch, layer, component, pos]`` tensor for one kind."""
@@ -235,37 +241,27 @@ def _finetuned_passes(c: LinearChunk, needs: set[str], kinds: Sequence[ScoreKind
 
 def _swept(c: LinearChunk, finetuned: bool, grads: bool, kinds: Sequence[ScoreKind]) -> None:
     """The layer-major sweep (``upstream.sweep``), each kind's scores of a layer computed
-    while that layer's streams are at hand: informative's and downstream's in the forward
-    step (``c.informative_blocks``, ``c.swept["downstream"]``), upstream's per boundary in
-    the backward pass (``c.swept["upstream"]``). The finetuned run keeps no layer."""
-    inf = other = down = up = None
-    if "informative" in kinds:
-        inf = c.new_scores()
-        other = torch.zeros(len(c.batch), dtype=c.dtype, device=inf.device)
-        c.informative_blocks = (inf, other)
-    if "downstream" in kinds:
-        down = c.swept["downstream"] = c.new_scores()
-    if grads:
-        up = c.swept["upstream"] = c.new_scores()
+    while that layer's streams are at hand (``KINDS[kind].layer_linear``, into
+    ``c.swept[kind]``): in the forward step, the finetuned rows' values of the layer at hand
+    and the base weights in force; in the backward pass, ``ŷ'`` at each boundary as it
+    arrives. The finetuned run keeps no layer."""
+    for kind in kinds:
+        c.swept[kind] = c.new_scores()
 
     def on_layer(layer: int, step: Any) -> None:
         with B.unshifted(c.model):
-            if inf is not None and other is not None:
-                informative.layer_linear(c, [layer], inf, other)
-            if down is not None:
-                assert step is not None  # downstream needs the finetuned rows: they ran
-                downstream.layer_linear(c, layer, step.pre, step.mlp_in, down)
+            for kind in kinds:
+                KINDS[kind].layer_linear(c, LayerStep(layer, finetuned=step), c.swept[kind])
 
     def on_grad(layer: int, part: str, g: Tensor) -> None:
-        assert up is not None
-        upstream.layer_linear(c, layer, part, g, up)
+        for kind in kinds:
+            KINDS[kind].layer_linear(c, LayerStep(layer, part=part, g=g), c.swept[kind])
 
     with B.shifted(c.model, c.diff):
         c.ft, _, _ = upstream.sweep(
             c.model, c.diff, c.batch, c.base, c.options.reward_fn, finetuned=finetuned,
-            upstream=grads, group=c.options.upstream_group,
-            on_layer=on_layer if inf is not None or down is not None else None, record=False,
-            on_grad=on_grad if up is not None else None,
+            upstream=grads, group=c.options.upstream_group, on_layer=on_layer, record=False,
+            on_grad=on_grad if grads else None,
         )  # fmt: skip
 
 

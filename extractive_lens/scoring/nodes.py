@@ -38,7 +38,7 @@ from extractive_lens.backend import LayerRun, shift
 from extractive_lens.backend.blocks import Where
 from extractive_lens.scoring import passes, runs
 from extractive_lens.scoring.kinds import KINDS
-from extractive_lens.scoring.kinds.informative import layer_linear
+from extractive_lens.scoring.kinds.protocols import LayerStep
 from extractive_lens.scoring.runs import LayerW_O, Run, head_grad, readout, wide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,7 +116,7 @@ def _one_pass(
     """One layer-major pass (``layer_major``)."""
     from extractive_lens.scoring.linear import LinearChunk
 
-    L, b = model.cfg.n_layers, len(chunk)
+    L = model.cfg.n_layers
     store = shift.store_of(model, diff)
     lanes = [shift.Shift(model, diff, x, store) for x in xs]
     ft_shift = shift.Shift(model, diff, 1.0, store)
@@ -197,8 +197,7 @@ def _one_pass(
         for run in node_runs:
             g_z: list[Tensor] = [None] * L  # type: ignore[list-item]  # filled layer by layer
             c = LinearChunk(model, diff, diff.deltas, chunk, run, [], cast(Any, options), None, g_z)
-            inf = c.new_scores()
-            c.informative_blocks = (inf, torch.zeros(b, dtype=c.dtype, device=inf.device))
+            c.swept["informative"] = c.new_scores()
             chunks.append(c)
         for layer in reversed(range(first, L)):
             for k, s in enumerate(lanes):
@@ -212,16 +211,14 @@ def _one_pass(
                                                 entry_grads[i], rows)  # fmt: skip
                     if entries[i].start[0] == layer:
                         entries[i].g = entry_grads.pop(i)
+        scores = []
         for k, s in enumerate(lanes):
             node_runs[k].g_embed = grads[k]
             with shift.within(s):
-                chunks[k].informative_blocks = (
-                    KINDS["informative"].linear(chunks[k]),
-                    cast(Tensor, chunks[k].other),
-                )
+                scores.append(KINDS["informative"].linear(chunks[k]))
     total = other = None
-    for c, w in zip(chunks, ws):
-        inf, o = cast(tuple[Tensor, Tensor], c.informative_blocks)
+    for inf, c, w in zip(scores, chunks, ws):
+        o = cast(Tensor, c.other)
         total = w * inf if total is None else total + w * inf
         other = w * o if other is None else other + w * o
     return Pass(total, other, ft)
@@ -251,7 +248,7 @@ def _empty_run(L: int, model: Any, s: shift.Shift) -> Run:
 def _back(c: Any, layer: int, x: Tensor, g: Tensor) -> Tensor:
     """One node's layer, backward: the layer re-run on its kept input with a graph, the
     gradient carried back through it, and the layer's informative scores (forward-mode pass at
-    this node's weights, reading the Δ the shifts have loaded) into ``c.informative_blocks``.
+    this node's weights, reading the Δ the shifts have loaded) into ``c.swept``.
     The layer's values and gradients are dropped after: the run keeps no layer."""
     run: Run = c.base
     live: list[LayerRun] = []
@@ -264,9 +261,8 @@ def _back(c: Any, layer: int, x: Tensor, g: Tensor) -> Tensor:
         run.mlp_in[layer] = values.mlp_in.detach()
         run.g_mlp[layer] = cast(Tensor, step.mlp_out)
     c.g_z[layer] = head_grad(wide(step.attn_out), run.W_O[layer])
-    inf, other = c.informative_blocks
     with torch.no_grad():
-        layer_linear(c, [layer], inf, other)
+        KINDS["informative"].layer_linear(c, LayerStep(layer), c.swept["informative"])
     for field in (run.z, run.g_attn, run.mlp_in, c.g_z, run.g_mlp):
         if field:
             cast(list[Any], field)[layer] = None

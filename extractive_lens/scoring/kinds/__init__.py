@@ -6,7 +6,11 @@ A kind module provides (``downstream.py`` is the smallest example):
   (``"finetuned"``: a finetuned forward run; ``"finetuned_grad"``: with gradients;
   ``"upstream_grads"``: the resumed ``ŷ'`` pass) and ``capture(options)``: the attention hook
   values the base run must record beyond ``z``;
-- ``linear(chunk: LinearChunk) -> [batch, layer, component, pos]``;
+- ``linear(chunk: LinearChunk) -> [batch, layer, component, pos]``, and
+  ``layer_linear(chunk, step: LayerStep, out)``: the same scores one layer at a time, added to
+  ``out`` in the large-model sweep (``runs.layerwise``) while the layer's values are at hand
+  (forward: the finetuned rows' values of the layer; backward: ``ŷ'`` at one of its
+  boundaries); ``linear`` then returns ``chunk.swept[kind]``, what the sweep accumulated;
 - ``patch_values(chunk: CausalChunk, layer) -> (Δ heads, Δ MLP)``: what the exact engine adds
   to the stream right after each component of ``layer`` (formed one layer at a time; what every
   layer shares, such as a finetuned run, is kept with ``chunk.cached(key, make)``);

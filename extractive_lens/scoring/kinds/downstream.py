@@ -14,7 +14,7 @@ from extractive_lens import backend as B
 from extractive_lens.scoring.runs import forward_run, head_out, wide
 
 if TYPE_CHECKING:  # pragma: no cover
-    from extractive_lens.scoring.kinds.protocols import CausalChunk, LinearChunk
+    from extractive_lens.scoring.kinds.protocols import CausalChunk, LayerStep, LinearChunk
     from extractive_lens.scoring.options import ScoreOptions
 
 CONTEXTS = ("base",)
@@ -36,13 +36,18 @@ def linear(chunk: LinearChunk) -> Tensor:
     assert ft is not None
     out = chunk.new_scores()
     for layer in range(chunk.model.cfg.n_layers):
-        layer_linear(chunk, layer, ft.pre[layer], ft.mlp_in[layer] if has_mlp else None, out)
+        _layer(chunk, layer, ft.pre[layer], ft.mlp_in[layer] if has_mlp else None, out)
     return out
 
 
-def layer_linear(
-    chunk: LinearChunk, layer: int, pre: Tensor, mlp_in: Tensor | None, out: Tensor
-) -> None:
+def layer_linear(chunk: LinearChunk, step: LayerStep, out: Tensor) -> None:
+    """The sweep's forward step: the layer's scores from the finetuned rows' inputs of it."""
+    if step.g is None:
+        assert step.finetuned is not None  # "finetuned" is needed: the finetuned rows ran
+        _layer(chunk, step.layer, step.finetuned.pre, step.finetuned.mlp_in, out)
+
+
+def _layer(chunk: LinearChunk, layer: int, pre: Tensor, mlp_in: Tensor | None, out: Tensor) -> None:
     """One layer's downstream scores into ``out``: the base layer re-run on the finetuned
     run's inputs of that layer (``pre``, and ``mlp_in`` for its MLP). Call with the base
     weights (the sweep calls it unshifted, as each layer's finetuned inputs are formed)."""

@@ -18,7 +18,7 @@ from extractive_lens.backend.lowrank import LowRank
 from extractive_lens.scoring.runs import head_grad, head_out, layerwise, wide
 
 if TYPE_CHECKING:  # pragma: no cover
-    from extractive_lens.scoring.kinds.protocols import CausalChunk, LinearChunk
+    from extractive_lens.scoring.kinds.protocols import CausalChunk, LayerStep, LinearChunk
     from extractive_lens.scoring.options import ScoreOptions
 
 CONTEXTS = ("base",)
@@ -44,9 +44,11 @@ def linear(chunk: LinearChunk) -> Tensor:
     model = chunk.model
     L = model.cfg.n_layers
     dtype, device = chunk.dtype, model.cfg.device
-    blocks = chunk.informative_blocks
-    if blocks is not None:  # the blocks' share, computed while each layer's Δ was loaded
-        inf, other = blocks
+    swept = chunk.swept.get("informative")
+    if swept is not None:  # the blocks' share, computed while each layer's Δ was loaded
+        inf = swept
+        other = torch.zeros(inf.shape[0], dtype=dtype, device=inf.device)
+        other = other if chunk.other is None else chunk.other
     else:
         inf = chunk.new_scores()
         other = torch.zeros(inf.shape[0], dtype=dtype, device=inf.device)
@@ -54,7 +56,7 @@ def linear(chunk: LinearChunk) -> Tensor:
         # and duals at a time) where activations or weights are large
         groups = [[l] for l in range(L)] if layerwise(model, chunk.batch) else [list(range(L))]
         for group in groups:
-            layer_linear(chunk, group, inf, other)
+            _layers(chunk, group, inf, other)
     base = chunk.base
     tokens = chunk.batch.tokens.to(device)
     # the embedding and the unembedding ("other"): together on small models, else one at a time
@@ -75,7 +77,17 @@ def linear(chunk: LinearChunk) -> Tensor:
     return inf
 
 
-def layer_linear(chunk: LinearChunk, group: list[int], inf: Tensor, other: Tensor) -> None:
+def layer_linear(chunk: LinearChunk, step: LayerStep, out: Tensor) -> None:
+    """The sweep's forward step: the layer's scores into ``out``, ``b_O``'s share into
+    ``chunk.other`` (``_layers``, reading the Δ the finetuned rows' shift has loaded)."""
+    if step.g is not None:
+        return
+    if chunk.other is None:
+        chunk.other = torch.zeros(out.shape[0], dtype=chunk.dtype, device=out.device)
+    _layers(chunk, [step.layer], out, chunk.other)
+
+
+def _layers(chunk: LinearChunk, group: list[int], inf: Tensor, other: Tensor) -> None:
     """The informative scores of the layers ``group`` into ``inf`` (``b_O``'s share into
     ``other``): one forward-mode pass, each layer's attention and MLP re-run on their cached
     base inputs with the weights' tangent set to that layer's Δ. The tangents are Δ as loaded

@@ -11,6 +11,7 @@ field's type: ``LinearOptions`` for ``ScoreOptions``) except what a kind writes 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from torch import Tensor
@@ -63,8 +64,6 @@ class LinearChunk(Chunk, Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
     @property
-    def informative_blocks(self) -> tuple[Tensor, Tensor] | None: ...
-    @property
     def swept(self) -> dict[str, Tensor]: ...
 
     other: Tensor | None  # informative writes the "other" parameters' share here
@@ -82,6 +81,20 @@ class CausalChunk(Chunk, Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LayerStep:
+    """One layer of a layer-major pass as a kind's ``layer_linear`` receives it: with
+    ``g is None``, the layer's values are at hand (the chunk's run's, with the weights it ran
+    at in force; ``finetuned``: the finetuned rows' values of the layer, a ``LayerRun``, where
+    they ran); else ``ŷ'`` at one boundary of the layer, ``part`` (``"attn"``: its heads',
+    ``"mlp"``: its MLP's), gradient ``g``."""
+
+    layer: int
+    finetuned: Any = None
+    part: str | None = None
+    g: Tensor | None = None
+
+
 class Kind(Protocol):
     """A score kind: a module in ``scoring/kinds/`` (``__init__.py`` says what each function
     does; mypy checks every module in ``KINDS`` against this)."""
@@ -92,5 +105,6 @@ class Kind(Protocol):
     def needs(self, options: ScoreOptions) -> set[str]: ...
     def capture(self, options: ScoreOptions) -> tuple[str, ...]: ...
     def linear(self, chunk: LinearChunk) -> Tensor: ...
+    def layer_linear(self, chunk: LinearChunk, step: LayerStep, out: Tensor) -> None: ...
     def patch_values(self, chunk: CausalChunk, layer: int) -> tuple[Tensor, Tensor | None]: ...
     def exact(self, effects: dict[str, Any]) -> Any: ...

@@ -32,7 +32,7 @@ from extractive_lens.scoring.runs import (
 if TYPE_CHECKING:  # pragma: no cover
     from extractive_lens.batch import PromptBatch
     from extractive_lens.rewards import Reward
-    from extractive_lens.scoring.kinds.protocols import CausalChunk, LinearChunk
+    from extractive_lens.scoring.kinds.protocols import CausalChunk, LayerStep, LinearChunk
     from extractive_lens.scoring.options import ScoreOptions
     from extractive_lens.weight_diff import WeightDiff
 
@@ -64,13 +64,20 @@ def linear(chunk: LinearChunk) -> Tensor:
             assert chunk.gp_attn is not None and chunk.gp_mlp is not None
             g_attn, W_O = chunk.gp_attn[layer], base.W_O[layer]
             g_mlp = chunk.gp_mlp[layer] if has_mlp else None
-        layer_linear(chunk, layer, "attn", g_attn, out, W_O)
+        _boundary(chunk, layer, "attn", g_attn, out, W_O)
         if g_mlp is not None:
-            layer_linear(chunk, layer, "mlp", g_mlp, out)
+            _boundary(chunk, layer, "mlp", g_mlp, out)
     return out
 
 
-def layer_linear(
+def layer_linear(chunk: LinearChunk, step: LayerStep, out: Tensor) -> None:
+    """The sweep's backward step: the scores of the boundary whose ``ŷ'`` it reached."""
+    if step.g is not None:
+        assert step.part is not None
+        _boundary(chunk, step.layer, step.part, step.g, out)
+
+
+def _boundary(
     chunk: LinearChunk, layer: int, part: str, g: Tensor, out: Tensor, W_O: Tensor | None = None
 ) -> None:
     """One boundary's upstream scores into ``out``: ``g`` is ``ŷ'`` there (``dR/d attn_out``
