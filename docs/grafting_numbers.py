@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import extractive_lens as el
-from extractive_lens.real_model import save_figure
+from extractive_lens.real_model.protocol import save_figure
 
 NIEF = {  # Nief et al. (ICLR 2026), dynamic weight grafting, in words: what the maps are set beside
     "enrichment": "Δ at the entity's tokens alone can recover a finetuned fact",
@@ -38,7 +38,7 @@ def load(name: str) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         model, ds, config = load_world_model(), first_hop(), dict(FINETUNE, seed=0)
     else:
         from extractive_lens.datasets.twohop import first_hop
-        from extractive_lens.real_model import FINETUNE
+        from extractive_lens.real_model.protocol import FINETUNE
 
         model, ds, config = el.load_pretrained("smollm2-135m"), first_hop(n=20), dict(FINETUNE)
     facts, impls = ds.batches(model)

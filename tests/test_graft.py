@@ -164,7 +164,6 @@ def test_generation_grafts_the_generated_positions(gqa_pair, cached):
         assert (steps - want).abs().max() < 1e-9, positions
 
 
-@needs_hooked
 def test_cached_and_uncached_generation_agree_token_for_token(gqa_pair):
     base, ft = gqa_pair
     diff = (WeightDiff.from_models(base, ft)) * 3.0  # a large change: the tokens move

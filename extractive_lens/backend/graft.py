@@ -128,7 +128,7 @@ class _Run:
         if offset == 0 and layer == self.where.layers[0]:
             if self.prompt_len is None:  # the first forward inside the graft is the prompt
                 self.prompt_len = x.shape[1]
-            elif self.where.batch is None and x.shape[1] < self.prompt_len:
+            elif x.shape[1] < self.prompt_len:
                 raise RuntimeError(
                     f"grafted: a forward of {x.shape[1]} positions after a prompt of "
                     f"{self.prompt_len}, not resumed from TransformerLens's KV cache (a "
