@@ -211,6 +211,32 @@ class Trajectory:
 
     # ------------------------------------------------------------------ sources
     @classmethod
+    def from_diffs(
+        cls, diffs: Sequence[WeightDiff], *, epochs: Sequence[float] | None = None
+    ) -> Trajectory:
+        """Checkpoints already in hand: ``diffs[k - 1]`` is ``D_k = W_k - W_0`` (every one from
+        the same base); ``epochs`` label them (default ``1 … T``, steps ``1 … T``).
+
+        >>> traj = Trajectory.from_diffs([diff * 0.5, diff])   # two straight segments
+        >>> traj.steps, len(traj)
+        ([0, 1, 2], 2)
+        """
+        diffs = list(diffs)
+        if not diffs or not all(isinstance(d, WeightDiff) for d in diffs):
+            raise TypeError(
+                "Trajectory.from_diffs takes a non-empty list of WeightDiff, each W_k - W_0 "
+                "from the same base (e.g. [WeightDiff.from_models(base, m) for m in checkpoints])."
+            )
+        epochs = list(range(1, len(diffs) + 1)) if epochs is None else list(epochs)
+        if len(epochs) != len(diffs):
+            raise ValueError(f"{len(diffs)} diffs but {len(epochs)} epochs: give one per diff.")
+        checkpoints = tuple(
+            Checkpoint(step=k + 1, epoch=float(e), open=functools.partial(_same, d))
+            for k, (d, e) in enumerate(zip(diffs, epochs))
+        )
+        return cls(checkpoints, dict(diffs[-1].signature), {"source": "diffs"})
+
+    @classmethod
     def load(cls, folder: str | Path) -> Trajectory:
         """The trajectory ``finetune(..., keep=...)`` wrote into ``folder`` (its manifest,
         ``trajectory.json``, and one WeightDiff file per checkpoint)."""
@@ -279,6 +305,10 @@ class Trajectory:
                                           source=str(path)))  # fmt: skip
         meta = {"folder": str(folder), "source": "checkpoints"}
         return cls(tuple(checkpoints), B.signature(base), meta)
+
+
+def _same(diff: WeightDiff) -> WeightDiff:
+    return diff
 
 
 def _open_checkpoint(base: Any, path: Path, dtype: torch.dtype | None) -> WeightDiff:

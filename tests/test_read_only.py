@@ -12,11 +12,13 @@ import torch
 
 import extractive_lens.scoring.runs as runs
 from extractive_lens import (
+    Trajectory,
     WeightDiff,
     causal_scores,
     graft_scores,
     integrated_scores,
     linear_scores,
+    trajectory_integrated,
 )
 from extractive_lens import backend as B
 from tests.conftest import make_pair
@@ -55,6 +57,9 @@ CALLS = {
     "graft_sufficient": lambda m, d, b: graft_scores(m, d, b),
     "graft_necessary": lambda m, d, b: graft_scores(m, d, b, mode="necessary"),
     "grafted_forward": lambda m, d, b: _grafted_forward(m, d, b),
+    "trajectory_integrated": lambda m, d, b: trajectory_integrated(
+        m, Trajectory.from_diffs([d * 0.5, d]), b, steps=2
+    ),
 }
 
 

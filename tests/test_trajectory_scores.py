@@ -12,7 +12,7 @@ import torch
 import extractive_lens as el
 from extractive_lens.rewards import answer_logprob
 from extractive_lens.scoring.integrated import nodes
-from extractive_lens.trajectory import Checkpoint, Trajectory
+from extractive_lens.trajectory import Trajectory
 from tests import reference as ref
 from tests.conftest import make_pair
 from tests.test_linear import small_batch
@@ -31,11 +31,7 @@ def _moved(model, seed, scale=0.1):
 
 def _broken_line(base, models):
     """A trajectory through ``models`` (checkpoints 1 … T) from ``base``, held in memory."""
-    diffs = [el.WeightDiff.from_models(base, m) for m in models]
-    checkpoints = tuple(
-        Checkpoint(step=k + 1, epoch=float(k + 1), open=lambda d=d: d) for k, d in enumerate(diffs)
-    )
-    return Trajectory(checkpoints, diffs[0].signature)
+    return Trajectory.from_diffs([el.WeightDiff.from_models(base, m) for m in models])
 
 
 @pytest.fixture(scope="module", params=["ln_gelu", "rms_gated_rotary_gqa"])
@@ -150,3 +146,40 @@ def test_arguments_say_what_to_pass(two_segments):
         el.trajectory_scores(base, traj, batch, method="exact")
     with pytest.raises(ValueError, match="segments"):
         _ = el.trajectory_scores(base, traj, batch, kinds="informative").total
+
+
+def test_the_large_model_path_gives_the_same_scores(two_segments, monkeypatch):
+    """Where gradients go one layer at a time (``runs.layerwise``: large models) the trajectory
+    integral is the same."""
+    from extractive_lens.scoring import runs
+
+    base, _, traj, batch = two_segments
+    want = el.trajectory_integrated(base, traj, batch, steps=2)
+    monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
+    got = el.trajectory_integrated(base, traj, batch, steps=2)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a.prompt_values, b.prompt_values, rtol=0, atol=1e-10)
+
+
+def test_lora_checkpoints_score_as_their_dense_products(tmp_path):
+    """A trajectory of peft adapters (points and steps kept as factors) scores as the same
+    checkpoints made dense."""
+    from extractive_lens.backend.loading import load_checkpoint
+    from tests.lora_models import base_checkpoint, train_adapter
+
+    hf = base_checkpoint("llama", tmp_path / "base")
+    lora = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    for step, n in ((1, 2), (2, 4)):
+        train_adapter(hf, lora, steps=n).save_pretrained(tmp_path / "out" / f"checkpoint-{step}")
+    base = load_checkpoint(tmp_path / "base")
+    factors = Trajectory.from_checkpoints(base, tmp_path / "out", steps_per_epoch=1)
+    dense = Trajectory.from_diffs(
+        [el.WeightDiff(dict(factors.diff(k).deltas.items()), factors.signature) for k in (1, 2)]
+    )
+    batch = small_batch(base)
+    got = el.trajectory_integrated(base, factors, batch, steps=2)
+    want = el.trajectory_integrated(base, dense, batch, steps=2)
+    scale = want.total.prompt_values.abs().max()
+    assert scale > 0
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a.prompt_values, b.prompt_values, rtol=1e-5, atol=1e-6 * scale)
