@@ -656,6 +656,14 @@ def report(
                 "Each panel has its own colour scale (read values on hover).",
             )
         )
+        if s.metadata.get("verified"):
+            from extractive_lens import verified_plots as vp
+
+            body.append(html_report.verified_section(vp.estimates_rows(s)))
+            for kind in s.kinds:
+                body.append(figures.add(vp.provenance_map(s, kind), (
+                    f"verified {kind}: each component's whole score, outlined where exact "
+                    "produced it, a diamond where integrated did, plain where linear did.")))  # fmt: skip
         if any(c != "MLP" for c in s.component_labels) and s.per == "token":
             for kind in s.kinds:
                 body.append(

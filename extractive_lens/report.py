@@ -256,6 +256,19 @@ def _what_to_trust(results: Sequence[ScoresView], comparison: Any) -> str:
     return "".join(out)
 
 
+def verified_section(rows: Sequence[tuple[Any, ...]]) -> str:
+    """A verified result's estimates over the whole map, with their intervals (docs/scores.md
+    §13), and each kind's verdict."""
+    header = ("kind", "r [95% interval]", "slope", "missed exact mass", "exact + audited / integrated",
+              "verdict")  # fmt: skip
+    return (
+        "<h3>verified: agreement over the whole map</h3><p class='caption'>Estimated from the "
+        "exact scores of the components carrying the linear mass and of a random audit of all "
+        "the others (stratified by depth and type); intervals from a bootstrap over prompts and "
+        f"audited components (docs/scores.md §13).</p>{_table(rows, header)}"
+    )
+
+
 def flags_section(results: Sequence[ScoresView]) -> str:
     """The guards' flags of every result (``scores.flags``), or ``""`` when all are clean."""
     items = [

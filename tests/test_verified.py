@@ -131,3 +131,26 @@ def test_bad_budgets_are_refused(world):
         _verified(world, budget="soon")
     with pytest.raises(ValueError, match="budget"):
         _verified(world, budget=0.5)
+
+
+def test_the_report_draws_provenance_and_intervals(world, tmp_path):
+    from extractive_lens import verified_plots as vp
+    from extractive_lens.plotting import report
+
+    *_, lin, full = world
+    v = _verified(world, audit=2, coverage=0.5, seed=1, tolerance=100.0)
+    fig = vp.provenance_map(v, "downstream")
+    marks = {t.name: set(zip(t.y, t.x)) for t in fig.data[1:]}
+    prov = v.provenance("downstream")[..., 0]
+    comps = v.component_labels
+    want = {(f"L{i}", comps[j]) for i, j in zip(*np.nonzero(prov == "exact"))}
+    assert marks["exact"] == want and marks["integrated"] == set()
+    bars = vp.interval_bars(lin, "informative", k=3)
+    ci = lin.ci("totals")
+    top = lin.top(3, "informative")
+    assert list(bars.data[0].x) == [lab for _, lab, _ in top]
+    layer, comp = int(top[0][1][1]), lin.component_labels.index(top[0][1][2:])
+    hi = float(ci.high[0, layer, comp]) - top[0][2]
+    assert bars.data[0].error_y.array[0] == pytest.approx(hi)
+    page = report(v, path=tmp_path / "v.html").read_text()
+    assert "agreement over the whole map" in page and "square-open" in page

@@ -12,8 +12,9 @@ Per kind, in order:
 2. **Exact on the cells carrying the linear mass**: components by decreasing linear mass
    (``Σ`` over roles of ``|linear|``) until ``coverage`` of it, at most half the budget's
    components.
-3. **Exact on a seeded random audit of all the other components**, stratified by layer and
-   component type (heads, MLP), at least ``MIN_PER_STRATUM`` per stratum: every other cell has
+3. **Exact on a seeded random audit of all the other components**, stratified by depth
+   (``DEPTH_BANDS`` bands of layers) and component type (heads, MLP), at least
+   ``MIN_PER_STRATUM`` per stratum: every other cell has
    a known chance of being drawn, so the agreement estimated from the audit is an estimate over
    the whole map, not over linear's favourites. The exact engine is ``causal_scores(...,
    top_k=, linear=)`` handed a ranking that puts exactly the chosen components first.
@@ -53,6 +54,8 @@ from extractive_lens.rewards import Reward
 from extractive_lens.scoring.options import LinearOptions
 from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
 
+DEPTH_BANDS = 4
+"""Strata of depth: the layers in this many equal bands (each with its heads and its MLPs)."""
 MIN_PER_STRATUM = 2
 """Audited components per stratum, at least (where it has that many): one gives no variance."""
 STAND_IN_R, STAND_IN_SLOPE, STAND_IN_MISSED = 0.9, (0.8, 1.25), 0.2
@@ -263,10 +266,12 @@ def verified_scores_with(
 
 
 def _strata(labels: Sequence[str], n_layers: int) -> dict[int, tuple[int, str]]:
-    """Each flat component index's stratum: its layer and type (heads or MLP)."""
+    """Each flat component index's stratum: its depth band (``DEPTH_BANDS`` equal bands of
+    layers; one per layer in models that shallow) and type (heads or MLP)."""
     n = len(labels)
+    bands = min(n_layers, DEPTH_BANDS)
     return {
-        layer * n + c: (layer, "mlp" if labels[c] == "MLP" else "heads")
+        layer * n + c: (layer * bands // n_layers, "mlp" if labels[c] == "MLP" else "heads")
         for layer in range(n_layers)
         for c in range(n)
     }
