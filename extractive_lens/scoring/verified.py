@@ -31,7 +31,9 @@ Per kind, in order:
 Each cell of the result carries its provenance (``ComponentScores.provenance``): ``exact``
 where step 2 or 3 patched its component, ``integrated`` where step 4 did, else ``linear``.
 ``budget``: a multiple of linear's measured seconds (``3.0``: the whole call takes about three
-times linear's time) or seconds (``"120s"``); ``audit=`` fixes the audited components per kind
+times linear's time) or seconds (``"120s"``); it sizes the audit beyond its smallest design and
+the integrated step, while the top set and ``MIN_PER_STRATUM`` per stratum are always done, so
+a budget too small for them is overrun (``metadata["verified"]["over_budget"]``); ``audit=`` fixes the audited components per kind
 instead, for a reproducible design. ``el.estimate(model, diff, batch, "verified")`` says its
 memory and Δ traffic before it runs (the table's entry: the larger of linear's and exact's).
 """
@@ -261,6 +263,8 @@ def verified_scores_with(
         kinds=plan,
     )  # fmt: skip
     meta["verified"]["estimates"] = {kd: plan[kd]["estimates"] for kd in lin.kinds}
+    # the top sets and the smallest audit are always done: a small budget can be overrun
+    meta["verified"]["over_budget"] = meta["verified"]["total_seconds"] > allowed
     return replace(lin, values=values, totals=totals, prompt_values=prompt_values,
                    prompt_totals=prompt_totals, method="verified", metadata=meta)  # fmt: skip
 
