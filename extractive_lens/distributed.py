@@ -14,7 +14,6 @@ is just the single-process call.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 from extractive_lens.batch import PromptBatch
+from extractive_lens.record import describe, differences, function_record
 from extractive_lens.results import ComponentScores, aggregate_by_role
 from extractive_lens.scoring.assemble import prompts_digest
 
@@ -197,49 +197,31 @@ def distributed_scores(
 
 def inputs_digest(
     method: str, model: Any, diff: Any, batch: PromptBatch, options: dict[str, Any] | None = None
-) -> dict[str, tuple[str, str]]:
-    """What a rank is about to score, as ``{what: (digest, shown)}``: the method, the base
-    model's weights, Δ and the batch (each a hash of its bytes: two rows swapped are another Δ)
-    and every option as the score function resolves it (``kinds``, ``steps``, ``ablation`` ...;
+) -> dict[str, tuple[str | None, str]]:
+    """What a rank is about to score, as ``{what: (digest, shown)}``: the method and the
+    function record (``extractive_lens.record``: the model's configuration, parameters and
+    buffers, Δ, the batch's tokens, answers, candidates and roles, the reward's identity) with
+    every option as the score function resolves it (``kinds``, ``steps``, ``ablation`` ...;
     not ``rows`` and ``show_progress``). ``shown`` is what an error prints.
 
-    Reads every base weight and every tensor of Δ once (the factors of a low-rank Δ)."""
-    out = {
-        "method": (method, repr(method)),
-        "base model": (_tensors_digest(model.named_parameters()), "another base model"),
-        "diff": (_diff_digest(diff), "another diff"),
-        "batch": (_batch_digest(batch), "another batch"),
-    }
-    for name, value in _resolved_options(method, options or {}).items():
-        out[f"option {name}"] = (_describe(value), f"{name}={_short(value)}")
+    Reads every base weight and every tensor of Δ once (the factors of a low-rank Δ). A reward
+    whose code cannot be read (a callable object) is refused: no rank could tell it apart."""
+    options = dict(options or {})
+    resolved = _resolved_options(method, options)
+    named = resolved.pop("reward_name", None)  # the reward is recorded by its identity
+    reward = options.get("reward")
+    record = function_record(model, diff, batch, {}, reward if callable(reward) else named)
+    if record["reward"] is None:
+        raise ValueError(
+            f"distributed_scores: reward={options.get('reward')!r} is a callable whose code "
+            "cannot be read, so the ranks cannot check that they score the same reward: pass a "
+            "function (def or lambda), a functools.partial of one, or a named reward."
+        )
+    out: dict[str, tuple[str | None, str]] = {"method": (method, repr(method))}
+    out.update({what: (digest, what) for what, digest in record.items()})
+    for name, value in resolved.items():
+        out[f"option {name}"] = (describe(value), f"{name}={_short(value)}")
     return out
-
-
-def _tensors_digest(named: Any) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(named, key=lambda item: item[0]):
-        t = t.detach()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _diff_digest(diff: Any) -> str:
-    deltas = diff.deltas
-    factors = getattr(deltas, "factors", None)
-    if factors is None:
-        return _tensors_digest((n, deltas[n]) for n in deltas)
-    parts = [(f"{n}::left", f.left) for n, f in factors.items()]  # a low-rank Δ: its factors
-    parts += [(f"{n}::right", f.right) for n, f in factors.items()]
-    parts += [(f"{n}::layout {f.layout} {f.n_heads}", torch.zeros(0)) for n, f in factors.items()]
-    parts += [(f"{n}::dense", d) for n, d in deltas.dense.items()]
-    return _tensors_digest(parts)
-
-
-def _batch_digest(batch: PromptBatch) -> str:
-    b = hashlib.blake2b(prompts_digest(batch).encode(), digest_size=16)
-    b.update(repr(batch.answer_targets.tolist()).encode() + repr(batch.roles).encode())
-    return b.hexdigest()
 
 
 def _resolved_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -254,28 +236,8 @@ def _resolved_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
         built = method_entry(method).options(**options)
     except Exception:  # noqa: BLE001 - refused again, with its message, by the score call
         return dict(sorted(options.items()))
-    skip = {"rows", "show_progress", "reward_fn"}  # reward_name says which reward
+    skip = {"rows", "show_progress", "reward_fn", "reward"}  # the record has the reward
     return {f.name: getattr(built, f.name) for f in dataclasses.fields(built) if f.name not in skip}
-
-
-def _describe(value: Any) -> str:
-    """A digest of an option's value: tensors, batches and results by content."""
-    from extractive_lens.results import ComponentScores
-
-    if isinstance(value, PromptBatch):
-        return "batch " + _batch_digest(value)
-    if isinstance(value, ComponentScores):
-        named = [("values", value.values), ("totals", value.totals)]
-        if value.prompt_totals is not None:
-            named.append(("prompt_totals", value.prompt_totals))
-        return f"scores {value.method} {value.kinds} " + _tensors_digest(named)
-    if isinstance(value, torch.Tensor):
-        return "tensor " + _tensors_digest([("t", value)])
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_describe(v) for v in value) + "]"
-    if callable(value) and not isinstance(value, type):
-        return f"callable {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
-    return repr(value)
 
 
 def _short(value: Any) -> str:
@@ -287,7 +249,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _same_inputs_everywhere(mine: dict[str, tuple[str, str]], rank: int, world: int) -> None:
+def _same_inputs_everywhere(mine: dict[str, tuple[str | None, str]], rank: int, world: int) -> None:
     """Every rank must score the same base model, diff, batch and options (each computes its
     shard of one result): gather their digests and refuse, on every rank, if any differs from
     rank 0's, saying what differs."""
@@ -311,9 +273,8 @@ def _same_inputs_everywhere(mine: dict[str, tuple[str, str]], rank: int, world: 
                     f"rank {r} runs {b[1] if b else '?'} where rank 0 runs {a[1] if a else '?'}"
                 )
             else:
-                differ.append(
-                    f"rank {r} has {what if what.startswith('another') else 'another ' + what}"
-                )
+                mine, yours = {what: a and a[0]}, {what: b and b[0]}
+                differ += [f"rank {r} has {p}" for p in differences(mine, yours, "rank 0")]
     if differ:
         raise ValueError(
             "distributed_scores: the processes are not scoring the same inputs ("

@@ -68,13 +68,15 @@ def run_mismatched(rank: int, world: int, port: int, out: str, what: str) -> Non
     os._exit(0)
 
 
-DISAGREEMENTS = ("steps", "ablation", "base", "swapped rows", "kinds", "agree")
+DISAGREEMENTS = ("steps", "ablation", "base", "swapped rows", "kinds", "eps", "candidates",
+                 "reward", "agree")  # fmt: skip
 
 
 def run_disagreeing(rank: int, world: int, port: int, out: str) -> None:
-    """#42: the ranks differ in one thing besides Δ and the batch (``DISAGREEMENTS``: the
+    """#42, #50: the ranks differ in one thing besides Δ and the batch (``DISAGREEMENTS``: the
     integrated steps, the ablation, another base of the same architecture, Δ with two rows of
-    one tensor swapped, the kinds; ``agree``: nothing). Every case runs in one process group;
+    one tensor swapped, the kinds, the norm eps in the config, the candidates, a reward lambda;
+    ``agree``: nothing). Every case runs in one process group;
     each rank writes what it got to ``out/{case}.rank{rank}``."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -90,6 +92,9 @@ def run_disagreeing(rank: int, world: int, port: int, out: str) -> None:
             base, [([1, 2, 3], [4]), ([1, 5, 6], [7]), ([2, 5, 9], [8]), ([3, 4, 5], [6])]
         )
         other_base, _ = make_pair("ln_gelu", torch.float64, seed=1)
+        other_eps, _ = make_pair("ln_gelu", torch.float64, delta_scale=0.2, eps=1e-6)
+        pairs = [([1, 2, 3], [4]), ([1, 5, 6], [7]), ([2, 5, 9], [8]), ([3, 4, 5], [6])]
+        cands = make_batch(base, pairs, candidates=[4, 7, 8, 6, 9] if rank == 1 else [4, 7, 8, 6])
         swapped = dict(diff.deltas)
         w = swapped["blocks.1.mlp.W_in"].clone()
         w[[0, 1]] = w[[1, 0]]  # the same sum and sum of squares: the old fingerprint's blind spot
@@ -105,6 +110,13 @@ def run_disagreeing(rank: int, world: int, port: int, out: str) -> None:
                 "linear", base, WeightDiff(swapped, diff.signature) if two else diff, batch),
             "kinds": lambda: distributed_scores(
                 "linear", base, diff, batch, **({"kinds": ("informative",)} if two else {})),
+            "eps": lambda: distributed_scores("linear", other_eps if two else base, diff, batch),
+            "candidates": lambda: distributed_scores("linear", base, diff, cands,
+                                                     reward="logit_margin"),
+            # two lambdas that describe alike (module and qualname): told apart by their code
+            "reward": lambda: distributed_scores("linear", base, diff, batch, reward=(
+                (lambda logits, b: logits[:, -1, 5]) if two
+                else (lambda logits, b: logits[:, -1, 4]))),
             # the defaults given explicitly on one rank only: the same options
             "agree": lambda: distributed_scores("linear", base, diff, batch, kinds=("upstream",),
                                                 **({"ablation": "mean", "seed": 3} if two else {})),

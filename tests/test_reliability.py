@@ -71,8 +71,9 @@ def test_ranks_scoring_different_inputs_are_refused(tmp_path, what):
 
 
 def test_ranks_that_differ_in_anything_but_delta_and_batch_are_refused(tmp_path):
-    """#42: ranks differing in the steps, the ablation, the base model (same architecture), a Δ
-    with two rows swapped (same sum and sum of squares) or the kinds all refuse, saying what
+    """#42, #50: ranks differing in the steps, the ablation, the base model (same architecture),
+    a Δ with two rows swapped (same sum and sum of squares), the kinds, the config (norm eps),
+    the candidates or a reward lambda (two lambdas describe alike) all refuse, saying what
     differs (the kinds: no tensor-size error); options left at their defaults on one rank and
     given explicitly on the other agree."""
     import torch.multiprocessing as mp
@@ -88,6 +89,9 @@ def test_ranks_that_differ_in_anything_but_delta_and_batch_are_refused(tmp_path)
         "swapped rows": "rank 1 has another diff",
         "kinds": "rank 1 has kinds=('informative',) where rank 0 has kinds=('informative', "
         "'upstream', 'downstream')",
+        "eps": "rank 1 has eps=1e-06 where rank 0 has eps=1e-05",
+        "candidates": "rank 1 has other candidate answers",
+        "reward": "rank 1 has another reward",
     }
     for case in dist_worker.DISAGREEMENTS:
         for rank in (0, 1):

@@ -13,6 +13,7 @@ from torch import Tensor
 from extractive_lens import backend as B
 from extractive_lens.arguments import in_range
 from extractive_lens.batch import PromptBatch, token_strings
+from extractive_lens.record import function_record
 from extractive_lens.results import ComponentScores, aggregate_by_role
 from extractive_lens.scoring.options import ScoreOptions
 from extractive_lens.types import ScoreKind, component_axis_labels
@@ -118,8 +119,26 @@ def base_metadata(
     )
     meta.update(extra)
     meta.update(options.metadata(), compute_dtype=str(cdt), prepend_bos=batch.prepend_bos)
+    meta["function_record"] = function_record(
+        model, diff, batch, recorded_options(options),
+        options.reward_name if options.reward is None or isinstance(options.reward, str)
+        else options.reward_fn, exact_diff=False,
+    )  # fmt: skip
     meta["rows"] = None if options.rows is None else list(options.rows)
     return meta
+
+
+NOT_RECORDED = frozenset({"rows", "show_progress", "reward", "reward_fn", "reward_name"})
+"""Options that do not change what a result is of (which rows a shard computed, the bar), or
+that the record holds as the reward's identity."""
+
+
+def recorded_options(options: ScoreOptions) -> dict[str, Any]:
+    """Every option of a call as resolved, for ``record.function_record``."""
+    import dataclasses
+
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+            if f.name not in NOT_RECORDED}  # fmt: skip
 
 
 def progress(iterable: Iterable[Any], total: int, desc: str, enabled: bool | None) -> Any:

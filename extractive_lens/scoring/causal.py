@@ -41,9 +41,21 @@ from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward, reads_answer_positions_only
 from extractive_lens.scoring import passes
 from extractive_lens.scoring.ablation import AblationTable, table_for
-from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
+from extractive_lens.scoring.assemble import (
+    assemble,
+    base_metadata,
+    plan_chunks,
+    progress,
+    recorded_options,
+)
 from extractive_lens.scoring.kinds import KINDS
-from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
+from extractive_lens.scoring.options import (
+    CausalOptions,
+    Per,
+    ScoreOptions,
+    check_arguments,
+    prepare,
+)
 from extractive_lens.scoring.runs import AnswerRows, Run, forward_run, readout, wide
 from extractive_lens.types import SCORE_KINDS, Ablation, Component, ScoreKind
 from extractive_lens.weight_diff import WeightDiff
@@ -172,6 +184,14 @@ def _skipped(
                     "diff's. Pass linear_scores(model, diff, batch) of this diff, or leave "
                     "linear=None to compute them."
                 )
+            unlike = _other_function(linear.metadata, model, diff, batch, options)
+            if unlike:
+                raise ValueError(
+                    "causal_scores(top_k=..., linear=...): these linear scores are of another "
+                    f"function ({'; '.join(unlike)}), so their top components are not this "
+                    "call's. Pass linear_scores(model, diff, batch) with the same reward and "
+                    "options, or leave linear=None to compute them."
+                )
             missing = [k for k in options.kinds if k not in linear.kinds]
             if missing:
                 raise ValueError(
@@ -196,6 +216,28 @@ def _skipped(
         for kind in options.kinds:
             skipped[kind] = sorted(set(skipped.get(kind, [])) | outside)
     return skipped
+
+
+SHARED_WITH_LINEAR = ("ablation", "reference", "convention", "resample_k", "seed", "positions")
+"""The options that change what linear scores rank components by (and mean the same there)."""
+
+
+def _other_function(meta: Mapping[str, Any], model: Any, diff: WeightDiff, batch: PromptBatch,
+                    options: ScoreOptions) -> list[str]:  # fmt: skip
+    """How the function a result's record (``extractive_lens.record``) is of differs from this
+    call's, in the model, the batch, the reward and the options linear scores share; Δ is
+    compared by ``_other_diff`` (to rounding). A result saved before records: not judged."""
+    from extractive_lens.record import BATCH, MODEL, differences, function_record
+
+    recorded = meta.get("function_record")
+    if recorded is None:
+        return []
+    reward = options.reward_name if options.reward is None or isinstance(options.reward, str) \
+        else options.reward_fn  # fmt: skip
+    mine = function_record(model, diff, batch, recorded_options(options), reward,
+                           exact_diff=False)  # fmt: skip
+    keys = [*MODEL, *BATCH, "reward", *(f"option {k}" for k in SHARED_WITH_LINEAR)]
+    return differences(mine, recorded, "this call", keys)
 
 
 def _other_diff(meta: Mapping[str, Any], diff: WeightDiff) -> str | None:
