@@ -4,6 +4,7 @@ a model whose BOS setting nobody chose to match its tokenizer."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -113,3 +114,29 @@ def test_a_bridge_booted_by_transformer_lens_itself_gets_the_warning(hf_and_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error", BosWarning)
         assert el.make_batch(ours, [("John Doe lives in", " Tokyo")]).prepend_bos is False
+
+
+def test_from_hf_never_converts_the_callers_model(hf_and_dir):
+    """A bridge runs the very object it is given: another dtype is refused, not applied to the
+    caller's model in place; the hooked conversion copies the weights in the dtype asked for."""
+    hf, tok, _ = hf_and_dir
+    mine = copy.deepcopy(hf)
+    with pytest.raises(ValueError, match="in place"):
+        el.from_hf(mine, tok, backend="bridge", dtype=torch.float64)
+    assert all(p.dtype == torch.float32 for p in mine.parameters())
+    if has_hooked():
+        model = el.from_hf(mine, tok, backend="hooked", dtype=torch.float64)
+        assert model.cfg.dtype == torch.float64
+        assert all(p.dtype == torch.float32 for p in mine.parameters())
+
+
+def test_a_config_without_architectures_is_read_by_the_models_class(hf_and_dir):
+    """A model made in memory (``from_config``) has no ``architectures`` in its config: its
+    class names it (was "Unsupported architecture None in the checkpoint's config.json")."""
+    hf, tok, _ = hf_and_dir
+    bare = copy.deepcopy(hf)
+    bare.config.architectures = None
+    want = parameters(el.from_hf(hf, tok))
+    got = parameters(el.from_hf(bare, tok))
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert bare.config.architectures is None  # the caller's config is left as it was

@@ -53,14 +53,23 @@ def from_hf(
     device = first.device if device is None else device
     name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
     tokenizer = named_tokenizer(tokenizer)
+    config = model.config
+    if not getattr(config, "architectures", None):  # a config made in memory: the class says
+        config = copy.copy(config)
+        config.architectures = [type(model).__name__]
     if backend == "hooked":
         return hooked_from_hf(
-            model.config, lambda: model, name=name, tokenizer=tokenizer, dtype=dtype, device=device
+            config, lambda: model, name=name, tokenizer=tokenizer, dtype=dtype, device=device
         )
     TransformerBridge = bridge_class()
 
     if dtype != first.dtype or torch.device(device) != first.device:
-        model.to(device=device, dtype=dtype)
+        raise ValueError(
+            f"from_hf(backend='bridge') runs this very model object, so dtype={dtype} / "
+            f"device={device} would convert your model in place (it is {first.dtype} on "
+            f"{first.device}): convert it yourself first (model.to(...)) and call from_hf "
+            "without them, or use backend='hooked', which copies the weights."
+        )
     # no tokenizer given: none (as for a HookedTransformer), not one looked up by the model's
     # name (offline, that fails); the bridge boots with a placeholder, dropped at once
     given = placeholder_tokenizer() if tokenizer is None else copy.deepcopy(tokenizer)
