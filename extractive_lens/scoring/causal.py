@@ -17,7 +17,8 @@ The engine, not a loop of full forwards:
   chunks of at most ``max_batch`` rows;
 - patch values come from cached quantities: ``f_c(z_c, W'_c)`` from the finetuned layer on the
   cached base input, ``f_c(z'_c, W_c)`` from the base layer on the finetuned run's input, and
-  ``y*``; upstream's ``W_late`` runs resume inside ``diff.applied``.
+  ``y*``; upstream's ``W_late`` runs resume inside ``B.shifted(model, diff)`` (``W + Δ``
+  supplied to the pieces, never written into the model), entering at ``passes.entry``.
 
 The resumed passes run through ``backend.run_blocks``; each kind's patch values and how its
 exact score combines the patch's effects are in ``scoring/kinds/``.

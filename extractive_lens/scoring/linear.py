@@ -5,7 +5,8 @@
 torch.Size([4, 5, 11])
 >>> authors = linear_scores(base, diff, batch, convention="authors_code")
 
-One model in memory: the finetuned weights come from ``diff.applied(model)``. Cost per batch:
+One model in memory: the finetuned weights are ``W + Δ`` supplied to each piece while it runs
+(``B.shifted(model, diff)``), never written into the model. Cost per batch:
 one forward+backward of the base model (``ŷ``), one forward-mode pass per layer along Δ
 (informative), one forward of the finetuned model plus one base pass per layer (downstream),
 and for upstream one resumed finetuned pass: the base residual stream enters at every layer

@@ -104,8 +104,8 @@ def upstream_gradients(
 ) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
     """``ŷ'`` at every layer boundary: ``dR/dy_c`` with ``W_late`` finetuned, at base activations.
 
-    Call with the finetuned weights applied (``with diff.applied(model):``); ``base`` is the
-    cached base run.
+    Call inside ``B.shifted(model, diff)`` (the finetuned weights supplied, never written);
+    ``base`` is the cached base run.
 
     The base residual stream enters the finetuned model right after each component (heads of
     layer l: where they re-enter, with ``b_O'``; MLP l: after the MLP) as extra rows of one
@@ -156,7 +156,7 @@ def sweep(
     """The finetuned run and ``ŷ'`` at every boundary, layer by layer: each layer's Δ is read
     once forward and once backward, whatever the depth (the large-model path: ``layerwise``).
 
-    Call with the finetuned weights applied. Forward, without a graph, layer by layer: the
+    Call inside ``B.shifted(model, diff)``. Forward, without a graph, layer by layer: the
     finetuned run's rows (``finetuned``) and every boundary's rows (``upstream``: the base
     stream entering the finetuned model right after each component, as in
     ``upstream_gradients``) advance together; the rows entering each layer are kept. Then the
