@@ -53,10 +53,9 @@ def provenance_map(scores: ScoresView, kind: ScoreKind) -> go.Figure:
             hoverinfo="skip",
         )  # fmt: skip
     fig.update_layout(
-        title=f"{kind}: each component's score and which method produced it (outlined: exact; "
-        "diamond: integrated; plain: linear)",
-        xaxis_title="component", yaxis_title="layer", height=max(300, 28 * len(layers) + 160),
-        legend=dict(orientation="h", y=-0.15),
+        title=f"{kind}: score and provenance (square: exact, diamond: integrated, plain: linear)",
+        title_font_size=14, xaxis_title="component", yaxis_title="layer",
+        height=max(420, 40 * len(layers) + 220), legend=dict(orientation="h", y=1.08, x=0),
     )  # fmt: skip
     return fig
 
