@@ -1,7 +1,9 @@
 """Figures of a number's provenance and doubt: which method produced each cell
 (``provenance_map``) and scores with their bootstrap intervals (``interval_bars``).
 
->>> fig = provenance_map(verified, "upstream")    # outlined: exact, diamonds: integrated
+>>> fig = provenance_map(scores, "upstream")   # a verified result's: squares exact, diamonds integrated
+>>> [t.name for t in fig.data[1:]]                # a linear result: every cell linear's, no marks
+['exact', 'integrated']
 >>> fig = interval_bars(scores, "informative", k=10)   # top totals with 95% intervals
 """
 
