@@ -297,8 +297,9 @@ class WeightDiff:
             out = {}
             for name, d in deltas.items():
                 p = params[name].detach()
-                d = d.to(p.device)
-                out[name] = (p.to(d.dtype) + (d if scale == 1.0 else scale * d)).to(p.dtype)
+                wide = torch.promote_types(p.dtype, d.dtype)  # W is never rounded to Δ's dtype
+                d = d.to(device=p.device, dtype=wide)
+                out[name] = (p.to(wide) + (d if scale == 1.0 else scale * d)).to(p.dtype)
             return out
 
         return weights_set(model, new_values)

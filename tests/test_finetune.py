@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from extractive_lens import FinetuneConfig, finetune, make_batch, mean_rank
+from extractive_lens import backend as B
 from extractive_lens.batch import PromptBatch
 from extractive_lens.finetuning import ranks_from_logits
 from tests.conftest import make_pair
@@ -185,7 +186,7 @@ def test_delta_dtype_float32_holds_the_same_update_in_half_the_bytes():
     assert {d.dtype for d in wide.deltas.values()} == {torch.float64}
     assert {d.dtype for d in narrow.deltas.values()} == {torch.float32}
     assert narrow.metadata["finetune"]["delta_dtype"] == "float32"
-    params = dict(base.named_parameters())
+    params = B.parameters(base)  # TransformerLens names, whatever the class
     for n, d in narrow.deltas.items():
         w = params[n].detach()
         trained = (w.double() + wide.deltas[n]).float()  # W' exactly (float64 Δ)

@@ -253,3 +253,20 @@ def test_on_demand_diff_refuses_a_finetuned_model_changed_in_place():
     again = linear_scores(base, WeightDiff.from_models(base, ft, on_demand=True), batch,
                           show_progress=False)  # fmt: skip
     assert not torch.allclose(again.values, before.values)  # a diff made again reads the edit
+
+
+def test_applied_never_rounds_the_weights_to_a_narrower_delta():
+    """A float32 Δ applied to float64 weights: ``W + Δ`` is formed in float64 (a zero Δ leaves
+    every weight bit-identical, also on a TransformerBridge's unstored TransformerLens views)."""
+    from extractive_lens import backend as B
+
+    model, _ = make_pair("ln_gelu", torch.float64)
+    before = {n: p.detach().clone() for n, p in parameters(model).items()}
+    zero = WeightDiff(
+        {n: torch.zeros(p.shape, dtype=torch.float32) for n, p in before.items()},
+        dict(B.signature(model)),
+        {},
+    )
+    with zero.applied(model):
+        for n, p in parameters(model).items():
+            assert torch.equal(p, before[n]), n
