@@ -89,7 +89,7 @@ def main() -> None:
         if args.kinds and method != "causal":
             options = {**options, "kinds": tuple(args.kinds)}
         t0 = time.perf_counter()
-        moved = _counted(narrow, diff, batch, method, options, sized=sized)
+        moved = _counted(narrow, diff, batch, method, options, narrow.cfg.n_layers, sized=sized)
         loads = moved.by_group
         layers = sum(n for g, n in loads.items() if isinstance(g, int))
         alone = sum(share * tensor_bytes(n) for n, share in moved.reads.items())

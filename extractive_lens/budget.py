@@ -11,7 +11,10 @@ Two parts, each said plainly in the printed estimate:
   (the same depth, heads, key/value heads, MLP and norm types, a batch of the same prompts'
   count and length, widths of 8) in the large-model regime (Δ held ``KEEP_LAYERS`` layers at a
   time), making every choice by size as the real model would (``runs.sized_as``: gradients one
-  layer at a time, the upstream group), and every layer load is scaled by the real diff's bytes
+  layer at a time, the upstream group). A model deeper than ``COUNT_DEPTHS`` is counted at those
+  depths and every count extrapolated as the quadratic through them (``counted``): a call then
+  costs about a second, where running the method on a copy of the full depth took minutes (its
+  exact passes grow with the square of the depth). Every layer load is scaled by the real diff's bytes
   for that layer, every tensor read on its own (``W_O``, ``b_O`` where its layer is not loaded)
   by that tensor's (``shift.counting``). Which layers a method reads, and how often, then does
   not depend on widths. The real diff's bytes are what crosses for it: a float32 or float64 Δ's
@@ -20,13 +23,14 @@ Two parts, each said plainly in the printed estimate:
   norms on its first scoring call. A vocabulary matrix that the real model reads a part at a
   time is counted whole (the narrow copy's vocabulary is small): the embedding's rows of the
   batch are less.
-- **Memory** above the weights is a formula over the shapes (listed in ``Estimate.parts``):
-  the Δ layers held on the device, one piece's ``W + αΔ`` in the compute dtype (twice: forward
-  and the backward's re-formed copy), the embedding's and unembedding's ``W + αΔ``, the logits
-  and the activations (one layer with a graph when gradients go one layer at a time, else every
-  layer's); one layer at a time, linear's layer-major sweep keeps every boundary's stream at
-  every later layer (up to ``upstream.SWEEP_BYTES``) and the integrated method each node's
-  stream entering each layer. It is an upper-bound-minded sketch checked against ``benchmarks/bench_memory.py``'s
+- **Passes** are counted on the same copy: every block forward (a batch of rows through one
+  block), and shown as forwards of the whole model.
+- **Memory** above the weights is a formula over the shapes (listed in ``Estimate.parts``), for
+  one pass's prompts (``batch_size``): the Δ layers held on the device, one piece's ``W + αΔ``
+  in the compute dtype where Δ is dense (twice: forward and the backward's re-formed copy; a
+  low-rank Δ is added as ``(x L) R`` and costs its products), the embedding's and
+  unembedding's ``W + αΔ`` where the diff changes them, the logits, and the method's own parts
+  (``Method.memory``, ``scoring/costs.py``: activations, what a layer-major pass keeps). It is an upper-bound-minded sketch checked against ``benchmarks/bench_memory.py``'s
   measurements (docs/benchmarks.md), not a guarantee.
 """
 
@@ -56,6 +60,9 @@ class Estimate:
     layer_loads: int = 0
     layerwise: bool = False
     gradients: bool = True
+    block_passes: int = 0
+    n_layers: int = 0
+    counted_at: tuple[int, ...] = ()
 
     @property
     def device_bytes(self) -> int:
@@ -77,7 +84,18 @@ class Estimate:
             + ("" if not self.gradients else "; gradients " + (
                 "one layer at a time" if self.layerwise else "through the whole graph"))
         )  # fmt: skip
+        lines.append(
+            f"passes: {self.block_passes} block forwards (≈ {self.passes:.1f} forwards of the "
+            f"whole model; a batch of rows through one block counts once)"
+            + (f"; counted at depths {self.counted_at} and extrapolated to "
+               f"{self.n_layers} layers" if len(self.counted_at) > 1 else "")
+        )  # fmt: skip
         return "\n".join(lines)
+
+    @property
+    def passes(self) -> float:
+        """``block_passes`` in forwards of the whole model."""
+        return self.block_passes / max(self.n_layers, 1)
 
 
 def _size(n: int) -> str:
@@ -116,9 +134,8 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
     for name, b in stored.items():
         g = shift._group_of(name)
         by_group[g] = by_group.get(g, 0) + b
-    moved = _counted(model, diff, batch, method, options)
-    read = sum(by_group.get(g, 0) * n for g, n in moved.by_group.items())
-    read += round(sum(stored.get(n, 0) * share for n, share in moved.reads.items()))
+    moved = counted(model, diff, batch, method, options)
+    read = moved.read_bytes(stored, by_group)
     if isinstance(deltas, LazyDeltas) and "_read_once" not in vars(diff):
         read += delta_bytes  # its norms and fingerprint (``WeightDiff._read_once``), first call
 
@@ -126,6 +143,8 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
     if any(p.dtype == torch.float64 for p in params.values()):
         compute = 8
     rows, pos = len(batch), batch.n_pos
+    if built.batch_size is not None:  # prompts per pass
+        rows = min(rows, built.batch_size)
     d_model, d_mlp, vocab = cfg.d_model, cfg.d_mlp or 0, cfg.d_vocab
     on_host = _on_host(deltas)
     model_dev = torch.device(cfg.device) if cfg.device else torch.device("cpu")
@@ -139,10 +158,22 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
         parts["Δ held on the device"] = (
             held + by_group.get(shift.EMBED, 0) + by_group.get(shift.UNEMBED, 0)
         )
-    block = sum(p.numel() for n, p in params.items() if B.layer_of(n) == 0)  # one block's
-    parts["one block's W + αΔ (forward, backward)"] = 2 * block * compute
+    factors = getattr(deltas, "factors", {})
+    dense = [n for n in deltas if n not in factors]  # W + αΔ formed where the piece runs
+    block = sum(params[n].numel() for n in dense if B.layer_of(n) == 0 and n in params)
+    if block:
+        parts["one block's W + αΔ (forward, backward)"] = 2 * block * compute
+    ranks = sum(f.rank for n, f in factors.items() if B.layer_of(n) == 0)
+    if ranks:  # a low-rank Δ is added as (x L) R: the products, never W + αΔ
+        parts["one block's low-rank products (x L) R"] = 2 * len(batch) * pos * ranks * compute
     vocab_matrix = vocab * d_model * compute
-    parts["embedding and unembedding W + αΔ"] = 2 * vocab_matrix
+    changed = sum(  # the vocabulary matrices among the names of Δ formed whole
+        shift._group_of(n) in (shift.EMBED, shift.UNEMBED)
+        and n in params and params[n].numel() == vocab * d_model
+        for n in dense
+    )  # fmt: skip
+    if changed:  # a vocabulary matrix whose Δ the diff holds (an adapter often has none)
+        parts["embedding and unembedding W + αΔ"] = changed * vocab_matrix
     parts["logits (value, log-softmax, gradient)"] = 3 * rows * pos * vocab * compute
     lw = entry.gradients and runs.layerwise(model, batch)
     shapes = Shapes(
@@ -153,7 +184,8 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
     return Estimate(
         method=method, device=str(model_dev), weights_bytes=weights, delta_bytes=delta_bytes,
         parts=parts, delta_read_bytes=read, layer_loads=moved.loads, layerwise=lw,
-        gradients=entry.gradients,
+        gradients=entry.gradients, block_passes=moved.passes, n_layers=cfg.n_layers,
+        counted_at=moved.depths,
     )  # fmt: skip
 
 
@@ -185,38 +217,111 @@ def _on_host(deltas: Any) -> bool:
     return first is None or held[first].device.type == "cpu"
 
 
+COUNT_DEPTHS = (3, 4, 5)
+"""The narrow copy's depths counted for a deeper model; its counts are extrapolated from them."""
+
+
+@dataclass
+class Counted:
+    """What the narrow copy's call read of Δ and ran: layer loads by group (a block's index,
+    ``shift.EMBED``, ``shift.UNEMBED``), tensors read on their own (``reads``: by name, in
+    whole tensors), block forwards (``passes``), and the depths counted (``depths``)."""
+
+    loads: int
+    by_group: dict[Any, float]
+    reads: dict[str, float]
+    passes: int
+    depths: tuple[int, ...]
+
+    def read_bytes(self, stored: dict[str, int], by_group: dict[Any, int]) -> int:
+        """The real diff's bytes moved: each load by its group's bytes, each read by its
+        tensor's. Counts extrapolated in depth (``by_group["block"]``, names with ``*`` for the
+        layer) take a block's, or a tensor role's, mean bytes over the real layers."""
+        layers = [b for g, b in by_group.items() if isinstance(g, int)]
+        mean_layer = sum(layers) / len(layers) if layers else 0.0
+        read = 0.0
+        for g, n in self.by_group.items():
+            read += n * (mean_layer if g == "block" else by_group.get(g, 0))
+        for name, share in self.reads.items():
+            if "*" in name:
+                alike = [b for n, b in stored.items() if _role(n) == name]
+                read += share * (sum(alike) / len(alike) if alike else 0)
+            else:
+                read += share * stored.get(name, 0)
+        return round(read)
+
+
+def _role(name: str) -> str:
+    """``name`` with its layer index as ``*`` (the same tensor of every layer)."""
+    import re
+
+    return re.sub(r"^(\w+)\.\d+\.", r"\1.*.", name)
+
+
+def counted(model: Any, diff: Any, batch: Any, method: str, options: dict[str, Any]) -> Counted:
+    """The call counted on a narrow copy of ``model`` (module docstring). Deeper than
+    ``COUNT_DEPTHS``, the copy is counted at those depths and each count extrapolated to the
+    model's depth as the quadratic through them (a method's passes through the layers after
+    each layer grow at most with the square of the depth; exact on the method's own counts at
+    depth 30), taking every layer's Δ to be alike. ``layers=`` and ``rows=`` are counted at the
+    model's own depth."""
+    depth = model.cfg.n_layers
+    if depth <= COUNT_DEPTHS[-1] or options.get("layers") is not None:
+        return _counted(model, diff, batch, method, options, depth)
+    at = [_counted(model, diff, batch, method, options, d, by_role=True) for d in COUNT_DEPTHS]
+    k = depth - COUNT_DEPTHS[0]
+
+    def extrapolate(f: list[float]) -> float:  # Newton's form through depths 3, 4, 5
+        return max(f[0] + (f[1] - f[0]) * k + (f[2] - 2 * f[1] + f[0]) * k * (k - 1) / 2, 0.0)
+
+    groups = {g for c in at for g in c.by_group}
+    names = {n for c in at for n in c.reads}
+    return Counted(
+        loads=round(extrapolate([c.loads for c in at])),
+        by_group={g: extrapolate([c.by_group.get(g, 0) for c in at]) for g in groups},
+        reads={n: extrapolate([c.reads.get(n, 0) for c in at]) for n in names},
+        passes=round(extrapolate([c.passes for c in at])),
+        depths=COUNT_DEPTHS,
+    )
+
+
 def _counted(
-    model: Any, diff: Any, batch: Any, method: str, options: dict[str, Any], sized: Any = None
-) -> Any:
-    """``shift.counting()``'s ``Traffic`` of the same call on a narrow copy (module docstring);
-    ``sized``: the model whose sizes the choices follow (default ``model``)."""
+    model: Any, diff: Any, batch: Any, method: str, options: dict[str, Any], depth: int,
+    by_role: bool = False, sized: Any = None,
+) -> Counted:  # fmt: skip
+    """``shift.counting()``'s ``Traffic`` of the same call on a narrow copy of ``depth`` layers
+    (module docstring), with its block forwards; ``by_role``: a copy shallower than the model,
+    whose layer loads are summed as ``"block"`` and whose reads are named by role; ``sized``:
+    the model whose sizes the choices follow (default ``model``)."""
     import copy
     import dataclasses
     import warnings
 
     from extractive_lens import WeightDiff, make_batch
+    from extractive_lens import backend as B
     from extractive_lens.backend import shift
     from extractive_lens.model import tiny_model
     from extractive_lens.scoring import runs
     from extractive_lens.scoring.linear import linear_scores
     from extractive_lens.scoring.methods import method as method_entry
 
-    narrow = tiny_model(_narrow_config(model), seed=0)  # which layers are read: not backend-bound
+    narrow = tiny_model(_narrow_config(model, depth), seed=0)  # not backend-bound
     g = torch.Generator().manual_seed(0)
-    moved = copy.deepcopy(
-        narrow
-    )  # the copy's stored weights moved (a bridge's unstored zeros stay)
+    moved = copy.deepcopy(narrow)  # the copy's stored weights moved (a bridge's zeros stay)
     with torch.no_grad():
         for p in moved.parameters():
             p.add_(1e-3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     full = WeightDiff.from_models(narrow, moved)
     # Δ on the copy's weight matrices the real diff changes: the loads are by layer, and each is
-    # scaled by the real diff's bytes for that layer below (biases and norms left out: a native
-    # TransformerLens 4 bridge shows zeros for some biases and refuses a change there)
-    names = set(diff.deltas)
+    # scaled by the real diff's bytes for that layer (biases and norms left out: a native
+    # TransformerLens 4 bridge shows zeros for some biases and refuses a change there); a
+    # shallower copy takes a name the real diff changes at any layer
+    names = {_role(n) for n in diff.deltas} if by_role else set(diff.deltas)
     proxy = WeightDiff(
-        {n: d for n, d in full.deltas.items() if n in names and d.ndim >= 2}, full.signature
-    )
+        {n: d for n, d in full.deltas.items() if (_role(n) if by_role else n) in names
+         and d.ndim >= 2},
+        full.signature,
+    )  # fmt: skip
     n_vocab = narrow.cfg.d_vocab
     pairs = [
         ([1 + (i + j) % (n_vocab - 2) for j in range(batch.n_pos - 1)], [1 + i % (n_vocab - 2)])
@@ -224,7 +329,14 @@ def _counted(
     ]  # fmt: skip
     proxy_batch = make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}))
     options = {k: v for k, v in options.items() if k not in ("linear", "show_progress")}
-    saved = shift.REUSE_BYTES
+    saved, attention = shift.REUSE_BYTES, B.attention
+    passes = 0
+
+    def counting_attention(*args: Any, **kwargs: Any) -> Any:
+        nonlocal passes
+        passes += 1
+        return attention(*args, **kwargs)
+
     try:
         shift.REUSE_BYTES = 0  # the large-model regime: Δ held a few layers at a time
         with warnings.catch_warnings(), runs.sized_as(sized or model):  # the real model's paths
@@ -236,21 +348,31 @@ def _counted(
                 lin = linear_scores(narrow, proxy, proxy_batch, show_progress=False)
             if lin is not None:
                 options["linear"] = lin
-            with shift.counting() as moved:
+            B.attention = counting_attention  # every block forward runs one attention
+            with shift.counting() as traffic:
                 entry.engine(narrow, proxy, proxy_batch, show_progress=False, **options)
     finally:
-        shift.REUSE_BYTES = saved
-    return moved
+        shift.REUSE_BYTES, B.attention = saved, attention
+    by_group: dict[Any, float] = {}
+    for grp, n in traffic.by_group.items():
+        key = "block" if by_role and isinstance(grp, int) else grp
+        by_group[key] = by_group.get(key, 0) + n
+    reads: dict[str, float] = {}
+    for name, share in traffic.reads.items():
+        key = _role(name) if by_role else name
+        reads[key] = reads.get(key, 0) + share
+    return Counted(traffic.loads, by_group, reads, passes, (depth,))
 
 
 _NARROW = 8
 
 
-def _narrow_config(model: Any) -> dict[str, Any]:
-    """The model's structure at width 8 (every head 8 wide, the MLP 16, a vocabulary of 64)."""
+def _narrow_config(model: Any, depth: int | None = None) -> dict[str, Any]:
+    """The model's structure at width 8 (every head 8 wide, the MLP 16, a vocabulary of 64),
+    ``depth`` layers deep (default: the model's)."""
     cfg = model.cfg
     out: dict[str, Any] = dict(
-        n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_head=_NARROW,
+        n_layers=cfg.n_layers if depth is None else depth, n_heads=cfg.n_heads, d_head=_NARROW,
         d_model=_NARROW * cfg.n_heads, d_mlp=2 * _NARROW * cfg.n_heads if cfg.d_mlp else None,
         d_vocab=64, n_ctx=max(cfg.n_ctx if cfg.n_ctx else 0, 8),
         act_fn=cfg.act_fn, normalization_type=cfg.normalization_type,

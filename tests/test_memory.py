@@ -332,3 +332,74 @@ def test_estimate_counts_a_diff_formed_on_demand(setting, monkeypatch):
     with shift.counting() as moved:
         el.linear_scores(model, lazy, batch, show_progress=False)
     assert e.delta_read_bytes == moved.bytes
+
+
+def test_estimate_of_a_deep_model_extrapolates_to_the_real_calls_counts(monkeypatch):
+    """Deeper than ``budget.COUNT_DEPTHS``, the narrow copy is counted at three depths and the
+    counts extrapolated: here they must equal the real call's Δ traffic and block forwards,
+    counted directly on a model of seven layers."""
+    from extractive_lens import budget
+
+    model = el.tiny_model(dict(CFG, n_layers=7, d_model=16, n_heads=2, d_mlp=32), seed=2)
+    diff = _random_diff(model, 5)
+    batch = el.make_batch(model, [([1, 2, 3], [5]), ([2, 4, 6], [7])], candidates=[5, 7])
+    for method, options in (("linear", {}), ("causal", {"per": "component"})):
+        e = el.estimate(model, diff, batch, method, **options)
+        assert e.counted_at == budget.COUNT_DEPTHS
+        calls = 0
+        attention = B.attention
+
+        def counting(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return attention(*args, **kwargs)
+
+        monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+        monkeypatch.setattr(B, "attention", counting)
+        with shift.counting() as moved:
+            getattr(el, f"{method}_scores")(model, diff, batch, show_progress=False, **options)
+        monkeypatch.undo()
+        assert (e.layer_loads, e.delta_read_bytes) == (moved.loads, moved.bytes), method
+        assert e.block_passes == calls and f"{calls} block forwards" in str(e), method
+
+
+def test_estimate_follows_the_options_and_the_diff(setting):
+    """``batch_size`` is the rows of one pass; ``steps="auto"`` is costed at its largest node
+    count; a diff without the vocabulary matrices does not hold them; a low-rank diff is
+    described as its products, not as ``W + αΔ``."""
+    from extractive_lens.backend.lowrank import LowRank, LowRankDeltas
+    from extractive_lens.scoring.integrated import AUTO_MAX_STEPS
+
+    model, diff, batch = setting
+    one, two = (el.estimate(model, diff, batch, "causal", per="component", batch_size=b)
+                for b in (1, 2))  # fmt: skip
+    assert 2 * one.parts["activations (every layer)"] == two.parts["activations (every layer)"]
+
+    from extractive_lens.scoring import costs
+    from extractive_lens.scoring.integrated import IntegratedOptions
+
+    shapes = costs.Shapes(rows=2, pos=5, n_layers=3, n_heads=4, d_model=32, d_mlp=64,
+                          d_vocab=50, compute=4, layerwise=True)  # fmt: skip
+
+    def kept(steps):
+        options = IntegratedOptions(steps=steps, kinds="informative")
+        return costs.integrated_memory(shapes, options)["each node's stream entering each layer"]
+
+    assert kept("auto") == kept(AUTO_MAX_STEPS) == 8 * kept(4)
+    assert "embedding and unembedding W + αΔ" in el.estimate(model, diff, batch).parts
+    blocks = el.WeightDiff(
+        {n: d for n, d in diff.deltas.items() if n.startswith("blocks.")}, diff.signature
+    )
+    assert "embedding and unembedding W + αΔ" not in el.estimate(model, blocks, batch).parts
+    g = torch.Generator().manual_seed(0)
+    r = 2
+    factors = {
+        f"blocks.{i}.mlp.{w}": LowRank(torch.randn(a, r, generator=g, dtype=torch.float64),
+                                        torch.randn(r, b, generator=g, dtype=torch.float64))
+        for i in range(CFG["n_layers"])
+        for w, (a, b) in (("W_in", (32, 64)), ("W_out", (64, 32)))
+    }  # fmt: skip
+    lora = el.WeightDiff(LowRankDeltas(factors, {}), diff.signature)
+    parts = el.estimate(model, lora, batch).parts
+    assert not any("W + αΔ" in p for p in parts)
+    assert parts["one block's low-rank products (x L) R"] == 2 * 2 * batch.n_pos * 2 * r * 4

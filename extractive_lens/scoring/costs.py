@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from extractive_lens.scoring.integrated import AUTO_MAX_STEPS
 from extractive_lens.scoring.kinds import upstream
 from extractive_lens.scoring.options import CausalOptions, LinearOptions
 
@@ -77,11 +78,13 @@ def exact_memory(s: Shapes, options: CausalOptions) -> dict[str, int]:
 
 def integrated_memory(s: Shapes, options: Any) -> dict[str, int]:
     """Integrated: linear's activations at each node; in the layer-major pass each node's
-    stream entering each layer (informative) and upstream's finetuned-late paths' rows."""
+    stream entering each layer (informative) and upstream's finetuned-late paths' rows
+    (``steps="auto"``: at its largest node count, ``AUTO_MAX_STEPS``)."""
     parts = _activations(s)
     if not s.layerwise:
         return parts
-    steps = 4 if options.steps == "auto" else int(options.steps)
+    # "auto" doubles the nodes until complete: at worst its last pass has AUTO_MAX_STEPS
+    steps = AUTO_MAX_STEPS if options.steps == "auto" else int(options.steps)
     if "informative" in options.score_kinds:
         parts["each node's stream entering each layer"] = steps * s.n_layers * s.stream
     if "upstream" in options.score_kinds:
