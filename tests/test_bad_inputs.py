@@ -687,7 +687,7 @@ CASES = [
         "distributed method typo",
         lambda e: distributed_scores("lineer", e["base"], e["diff"], e["batch"]),
         ValueError,
-        "'linear', 'integrated' or 'causal'",
+        "must be one of linear, integrated, causal",
     ),
     (
         "distributed shard typo",
@@ -828,7 +828,7 @@ CLI_CASES = [
     (
         "score: --method typo",
         ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--method", "exact"],
-        "linear, integrated, causal, both or all",
+        "--method must be linear, integrated, causal",
     ),
     (
         "score: --compute-dtype typo",
