@@ -216,6 +216,38 @@ def state_change(change: Any, restore: Any, *, model: Any) -> Iterator[None]:
             undo()
 
 
+class locked:
+    """``with locked(model):`` holds the model's lock (the one every public call and state
+    change takes) for the block: for TransformerLens's own calls, which do not take it, while
+    another thread scores the model.
+
+    >>> with locked(model):                                      # doctest: +SKIP
+    ...     logits, cache = model.run_with_cache(tokens)
+
+    ``run_with_cache`` attaches hooks to the model for the length of its forward: a scoring call
+    in another thread meanwhile would see them as hooks left attached (and refuse), or its own
+    forwards would fire them and fill that cache with the scorer's activations. Inside the block,
+    scoring in other threads waits. Re-entrant in the thread that holds it. A plain object (no
+    generator), so that an interrupt cannot leave the lock held."""
+
+    def __init__(self, model: Any) -> None:
+        self.lock = _model_lock(model)
+        self.held: list[threading.RLock] = []
+
+    def __enter__(self) -> None:
+        try:
+            with Shield() as shield:
+                _take(self.lock, shield, self.held)
+        except BaseException:  # an interrupt replayed as the shield closed: nothing kept held
+            while self.held:
+                self.held.pop().release()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        while self.held:
+            self.held.pop().release()
+
+
 def _lock_of(model: Any) -> threading.RLock | None:
     try:
         return _model_lock(model)
@@ -454,5 +486,7 @@ def refuse_attached_hooks(model: Any, fn: str) -> None:
         raise ValueError(
             f"{fn}: the model has hooks attached at {shown}; they would change the scores silently. "
             "Remove them first: model.reset_hooks(including_permanent=True) (or leave the `with "
-            "model.hooks(...)` block) and score again."
+            "model.hooks(...)` block) and score again. If another thread attached them for a "
+            "moment (run_with_cache, model.hooks), run that inside `with "
+            "el.model.locked(model):`, which scoring waits for."
         )

@@ -11,7 +11,8 @@ Everything here is re-exported from ``extractive_lens.backend`` (the one package
 TransformerLens): ``parameter_slices`` (which component owns which parameter, docs/scores.md §2),
 ``embed`` / ``attention`` / ``mlp`` / ``unembed`` and ``run_blocks`` (so the scoring engines can
 resume the residual stream at any layer boundary) and ``signature`` (what must match between a
-base and a finetuned model).
+base and a finetuned model); and ``locked`` (``extractive_lens.interrupts``: hold the model's
+lock, the one scoring takes, around TransformerLens's own calls such as ``run_with_cache``).
 """
 
 from __future__ import annotations
@@ -69,3 +70,4 @@ from extractive_lens.backend.tokenizer import (  # noqa: F401
     tokenizer_prepends_bos,
     word_tokenizer,
 )
+from extractive_lens.interrupts import locked  # noqa: F401, E402

@@ -79,3 +79,54 @@ def test_the_same_thread_scores_inside_its_own_block(pair):
     with diff.applied(base):
         inside = el.linear_scores(base, el.WeightDiff.zeros_like(base), batch, show_progress=False)
     assert inside.metadata is not None
+
+
+def test_run_with_cache_in_another_thread_under_the_models_lock(pair):
+    """TransformerLens's ``run_with_cache`` attaches hooks for its forward; in a second thread
+    while scoring runs, scoring refused them as the user's hooks or filled that cache with its
+    own activations. Inside ``el.model.locked(model)`` the two take turns: every cache equals
+    the one made alone, every score the one computed alone."""
+    base, diff, batch, alone = pair
+    tokens = batch.tokens[:1, :4]
+    _, want = base.run_with_cache(tokens)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def cache() -> None:
+        try:
+            while not stop.is_set():
+                with M.locked(base):
+                    _, got = base.run_with_cache(tokens)
+                assert set(got.keys()) == set(want.keys())
+                for name in want.keys():
+                    assert torch.equal(got[name], want[name]), name
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=cache)
+    worker.start()
+    try:
+        for _ in range(3):
+            got = el.linear_scores(base, diff, batch, show_progress=False)
+            for kind in alone.kinds:
+                assert torch.equal(got[kind], alone[kind]), kind
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert errors == [], errors
+
+
+def test_the_lock_is_released_when_the_block_raises(pair):
+    base, diff, batch, alone = pair
+    with pytest.raises(RuntimeError), M.locked(base):
+        raise RuntimeError("inside")
+    done = threading.Event()
+
+    def take() -> None:
+        with M.locked(base):
+            done.set()
+
+    worker = threading.Thread(target=take)
+    worker.start()
+    assert done.wait(timeout=10)  # another thread takes it at once
+    worker.join()
