@@ -206,3 +206,55 @@ def test_loads_racing_saves_return_one_save_or_the_other(tmp_path):
     finally:
         stop.set()
         worker.join(10)
+
+
+# ------------------------------------------------------------------ the command line's paths
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    from extractive_lens.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    return done.value.code, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["score", "--base", "world", "--diff", "d.safetensors", "--data", "p.json", "--out", ""],
+        ["finetune", "--model", "world", "--data", "p.json", "--out", ""],
+        ["report", "scores", "--out", ""],
+        ["data", "first-hop", "--out", ""],
+        ["experiment", "graft", "--out", ""],
+        ["demo", "--out", ""],
+    ],
+    ids=lambda a: a[0] if a[0] != "data" else "data",
+)
+def test_an_empty_out_is_refused_not_read_as_the_current_directory(argv, tmp_path, capsys,
+                                                                   monkeypatch):  # fmt: skip
+    """``Path("")`` is ``.``: ``--out ''`` wrote a run's files into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    code, err = _cli(argv, capsys)
+    assert code == 2 and "--out is empty" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cli_loads_a_gguf_file_it_is_given(tmp_path, capsys, shared):
+    """``--base x.gguf``: the API takes the file; the command line called it "no such
+    checkpoint directory"."""
+    from tests.file_readers import make_gguf
+
+    gguf, _ = make_gguf(tmp_path, shared)
+    data = tmp_path / "pairs.json"
+    data.write_text('[{"prompt": "the capital is", "answer": " the"}, '
+                    '{"prompt": "this is", "answer": " the"}]')  # fmt: skip
+    code, err = _cli(
+        ["score", "--base", gguf, "--finetuned", gguf, "--data", data, "--out", tmp_path / "s",
+         "--method", "linear"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert any((tmp_path / "s").rglob("scores.json"))

@@ -56,10 +56,14 @@ def _llama_cpp_permute(w, n_heads: int):
     )
 
 
-def write_tiny_gguf(path, *, seed: int = 0, raw_type=None, chat_template=None):
+def write_tiny_gguf(path, *, seed: int = 0, raw_type=None, chat_template=None, arch="llama",
+                    block_count=None, rename=None, extra_tokens=0):  # fmt: skip
     """A tiny Llama as a GGUF file (llama metadata, a byte-level BPE tokenizer, quantized tensors),
     and the dequantized weights it holds, by Hugging Face name. ``raw_type``: write the first
-    layer's query weight as raw bytes of this type (for the refusal test)."""
+    layer's query weight as raw bytes of this type (for the refusal test). Metadata that
+    disagrees with the tensors, for the refusals: ``arch`` (the ``general.architecture``),
+    ``block_count``, ``rename`` (``(old, new)`` tensor names), ``extra_tokens`` (a vocabulary
+    longer than the embedding)."""
     import numpy as np
 
     tokens = _tokens()
@@ -79,11 +83,11 @@ def write_tiny_gguf(path, *, seed: int = 0, raw_type=None, chat_template=None):
     for i in range(config.num_hidden_layers):
         names.update({f"model.layers.{i}.{k}": (f"blk.{i}.{n}", t) for k, (n, t) in LAYER.items()})
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny llama")
     w.add_context_length(CFG["max_position_embeddings"])
     w.add_embedding_length(CFG["hidden_size"])
-    w.add_block_count(CFG["num_hidden_layers"])
+    w.add_block_count(block_count or CFG["num_hidden_layers"])
     w.add_feed_forward_length(CFG["intermediate_size"])
     w.add_rope_dimension_count(CFG["head_dim"])
     w.add_head_count(CFG["num_attention_heads"])
@@ -93,8 +97,9 @@ def write_tiny_gguf(path, *, seed: int = 0, raw_type=None, chat_template=None):
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    listed = tokens + [f"extra{i}" for i in range(extra_tokens)]
+    w.add_token_list(listed)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(listed) - len(SPECIALS)))
     w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -113,6 +118,8 @@ def write_tiny_gguf(path, *, seed: int = 0, raw_type=None, chat_template=None):
             raw = np.zeros((x.shape[0], x.shape[1] // size * nbytes), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=raw_type)
             continue
+        if rename is not None and name == rename[0]:
+            name = rename[1]
         if qtype == Q.F32:
             w.add_tensor(name, x)
             back = x

@@ -83,10 +83,15 @@ def load(
     assert file is not None
     hf_model, tokenizer = read_gguf(file, dtype=dtype, tokenizer=tokenizer)
     if backend == "bridge":
-        return boot_bridge(file.stem, tokenizer=tokenizer, dtype=dtype, device=device,
+        model = boot_bridge(file.stem, tokenizer=tokenizer, dtype=dtype, device=device,
                             hf_model=hf_model, find_tokenizer=False)  # fmt: skip
-    return hooked_from_hf(hf_model.config, lambda: hf_model, name=file.stem, tokenizer=tokenizer,
-                          dtype=dtype, device=device)  # fmt: skip
+    else:
+        model = hooked_from_hf(hf_model.config, lambda: hf_model, name=file.stem,
+                               tokenizer=tokenizer, dtype=dtype, device=device)  # fmt: skip
+    folder = getattr(tokenizer, _EL_FOLDER, None)
+    if folder is not None:  # TransformerLens reloads the tokenizer from it: kept with the model
+        object.__setattr__(model, _EL_FOLDER, folder)
+    return model
 
 
 def installed_gguf(name: str) -> Path | None:
@@ -310,22 +315,34 @@ def _unread(reader: Any, hf_model: Any) -> list[str]:
     return [t.name for t in reader.tensors if t.name not in mapping and t.name not in renamed]
 
 
+class _Folder:
+    """A temporary folder removed when the last object holding this goes (or at exit)."""
+
+    def __init__(self, path: Path) -> None:
+        import shutil
+        import weakref
+
+        self.path = path
+        weakref.finalize(self, shutil.rmtree, path, ignore_errors=True)
+
+
 def _saved(tokenizer: Any) -> Any:
     """``tokenizer`` saved as Hugging Face files in a temporary folder and reloaded from there:
     TransformerLens reloads a tokenizer from its ``name_or_path``, which for a GGUF tokenizer is
-    a folder without tokenizer files."""
-    import shutil
+    a folder without tokenizer files. The folder lives as long as the tokenizer (and the model
+    ``load`` builds around it: ``_EL_FOLDER``), then is removed."""
     import tempfile
-    import weakref
 
     import transformers
 
-    folder = Path(tempfile.mkdtemp(prefix="el-gguf-tok-"))
-    tokenizer.save_pretrained(folder)
-    reloaded = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    # removed with the tokenizer (or at exit): TransformerLens reloads from it while it is used
-    weakref.finalize(reloaded, shutil.rmtree, folder, ignore_errors=True)
+    folder = _Folder(Path(tempfile.mkdtemp(prefix="el-gguf-tok-")))
+    tokenizer.save_pretrained(folder.path)
+    reloaded = transformers.AutoTokenizer.from_pretrained(folder.path, local_files_only=True)
+    setattr(reloaded, _EL_FOLDER, folder)
     return reloaded
+
+
+_EL_FOLDER = "_extractive_lens_tokenizer_folder"
 
 
 def _gguf() -> Any:

@@ -81,7 +81,7 @@ def load_model(
             f"unknown bundled world {name_or_dir!r}: use world (the default, v3), world-v2 or world-v3."
         )
     path = Path(name_or_dir).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.suffix == ".gguf" and os.path.lexists(path)):
         try:
             return load_checkpoint(path, dtype=dt, device=device, backend=backend)
         except json.JSONDecodeError as e:  # a bare decoder message names no file: find it
@@ -125,6 +125,17 @@ def _damaged_json(folder: Path, error: json.JSONDecodeError) -> str:
                 "restore the file or save the checkpoint again."
             )
     return f"{folder}: a JSON file of the checkpoint is not valid JSON ({error})."
+
+
+def out_path(text: str) -> Path:
+    """``--out``'s value as a path (a typer ``parser``: it sees the text as typed); an empty
+    one, which ``Path`` would read as the current directory, is refused."""
+    if not text.strip():
+        raise typer.BadParameter(
+            "--out is empty, which would write into the current directory: name the folder or "
+            "file to write (e.g. --out scores), or --out . for the current directory."
+        )
+    return Path(text)
 
 
 def check_out_dir(out: Path) -> None:

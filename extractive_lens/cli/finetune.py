@@ -15,6 +15,7 @@ from extractive_lens.cli.arguments import (
     int_list,
     load_batch,
     load_model,
+    out_path,
     refuse_overwriting,
 )
 
@@ -28,7 +29,10 @@ def finetune(
         ..., help="Facts to finetune on (.json, .jsonl, .csv).", metavar="FILE"
     ),
     out: Path = typer.Option(
-        Path("diff.safetensors"), help="Where to save the weight change.", metavar="PATH"
+        Path("diff.safetensors"),
+        help="Where to save the weight change.",
+        metavar="PATH",
+        parser=out_path,
     ),
     lr: float | None = typer.Option(
         None,

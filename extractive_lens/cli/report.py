@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
 
 from extractive_lens.cli.app import app, echo
-from extractive_lens.cli.arguments import check_out_file, refuse_overwriting
+from extractive_lens.cli.arguments import check_out_file, out_path, refuse_overwriting
 from extractive_lens.cli.score import SAVED, comparisons
 
 
@@ -19,7 +20,10 @@ def report(
         metavar="SCORES_DIR",
     ),
     out: Path = typer.Option(
-        None, help="The HTML file to write (default: SCORES_DIR/report.html).", metavar="PATH"
+        None,
+        help="The HTML file to write (default: SCORES_DIR/report.html).",
+        metavar="PATH",
+        parser=out_path,
     ),
     title: str = typer.Option("extractive_lens report", help="The report's title.", metavar="TEXT"),
 ) -> None:
@@ -27,7 +31,7 @@ def report(
     from extractive_lens import ComponentScores
     from extractive_lens.plotting import report as write_report
 
-    if (scores_dir / "scores.json").is_file():
+    if os.path.lexists(scores_dir / "scores.json"):  # a FIFO there: ComponentScores.load says
         saved = [scores_dir]
     else:
         saved = [scores_dir / m for m in ("linear", "integrated", "causal")]

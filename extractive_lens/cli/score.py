@@ -15,6 +15,7 @@ from extractive_lens.cli.arguments import (
     checkpoint_dir,
     int_list,
     load_model,
+    out_path,
     refuse_overwriting,
 )
 
@@ -63,7 +64,10 @@ def score(
         metavar="REWARD",
     ),
     out: Path = typer.Option(
-        Path("scores"), help="Output directory (scores, comparison, report.html).", metavar="PATH"
+        Path("scores"),
+        help="Output directory (scores, comparison, report.html).",
+        metavar="PATH",
+        parser=out_path,
     ),
     dtype: str = typer.Option(
         "float32", help="Model dtype (float32, bfloat16, float64).", metavar="DTYPE"

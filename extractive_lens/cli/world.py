@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from extractive_lens.cli.app import app, echo
-from extractive_lens.cli.arguments import check_out_dir, check_out_file, check_seed
+from extractive_lens.cli.arguments import check_out_dir, check_out_file, check_seed, out_path
 
 DEMO_MODELS = ("world", "smollm2")
 
@@ -21,6 +21,7 @@ def demo(
         help="The HTML report (world; default report.html) or the folder of results.json and "
         "figures (smollm2; default real_model).",
         metavar="PATH",
+        parser=out_path,
     ),
     seed: int = typer.Option(0, help="Seed for finetuning (world).", metavar="N"),
     random_model: bool = typer.Option(
@@ -73,7 +74,10 @@ def data(
         ..., help="first-hop or second-hop: the bundled world's 20 test facts.", metavar="DATASET"
     ),
     out: Path = typer.Option(
-        Path("."), help="Directory for facts.jsonl and implications.jsonl.", metavar="DIR"
+        Path("."),
+        help="Directory for facts.jsonl and implications.jsonl.",
+        metavar="DIR",
+        parser=out_path,
     ),
     world: str = typer.Option(
         "default", help="The world: v2, v3 or default (the bundled default world).", metavar="NAME"
@@ -151,6 +155,7 @@ def experiment(
         Path("experiments"),
         help="Output directory: NAME/seed*.json|html, NAME/summary.*",
         metavar="PATH",
+        parser=out_path,
     ),
     quick: bool = typer.Option(
         False, help="Short finetunes (a smoke run; not the experiment's numbers)."
