@@ -127,9 +127,12 @@ def _damaged_json(folder: Path, error: json.JSONDecodeError) -> str:
     return f"{folder}: a JSON file of the checkpoint is not valid JSON ({error})."
 
 
-def out_path(text: str) -> Path:
-    """``--out``'s value as a path (a typer ``parser``: it sees the text as typed); an empty
-    one, which ``Path`` would read as the current directory, is refused."""
+def out_path(text: str | Path) -> Path:
+    """``--out``'s value as a path (a typer ``parser``: it sees the text as typed, and the
+    default as it is); an empty one, which ``Path`` would read as the current directory, is
+    refused."""
+    if isinstance(text, Path):
+        return text
     if not text.strip():
         raise typer.BadParameter(
             "--out is empty, which would write into the current directory: name the folder or "
