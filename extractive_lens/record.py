@@ -70,14 +70,15 @@ def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], ref: str,
     out = []
     for what in sorted(set(mine) | set(theirs) if keys is None else keys):
         a, b = mine.get(what), theirs.get(what)
+        if what == "reward" and (a is None or b is None):  # no identity: never "the same"
+            out.append("a reward whose code cannot be read (pass a function or a named reward)")
+            continue
         if a == b:
             continue
         if what == "config" and a is not None and b is not None:
             ca, cb = json.loads(a), json.loads(b)
             out += [f"{k}={cb.get(k)!r} where {ref} has {k}={ca.get(k)!r}"
                     for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)]  # fmt: skip
-        elif what == "reward" and (a is None or b is None):
-            out.append("a reward whose code cannot be read (pass a function or a named reward)")
         else:
             out.append(_PHRASES.get(what, f"another {what.removeprefix('option ')}"))
     return out

@@ -107,6 +107,14 @@ def test_linear_scores_of_another_function_are_refused_for_top_k(pair):
     first = el.linear_scores(base, diff, batch, reward=_first, show_progress=False)
     with pytest.raises(ValueError, match="another reward"):
         el.causal_scores(base, diff, batch, reward=_second, top_k=2, linear=first)
+
+    class Reward:  # a callable object: its code cannot be read, so it is never "the same"
+        def __call__(self, logits, batch):
+            return _first(logits, batch)
+
+    opaque = el.linear_scores(base, diff, batch, reward=Reward(), show_progress=False)
+    with pytest.raises(ValueError, match="a reward whose code cannot be read"):
+        el.causal_scores(base, diff, batch, reward=Reward(), top_k=2, linear=opaque)
     eps = make_pair("ln_gelu", torch.float64, delta_scale=0.2, eps=1e-6)[0]
     with pytest.raises(ValueError, match="eps=1e-05 where this call has eps=1e-06"):
         el.causal_scores(eps, diff, batch, reward="logit_margin", top_k=2, linear=margin)
