@@ -27,7 +27,7 @@ exact score combines the patch's effects are in ``scoring/kinds/``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -448,22 +448,9 @@ class CausalChunk:
         for k, kind, layer in progress(
             steps, len(steps), "causal scores", self.options.show_progress
         ):
-            skip = set(skipped.get(kind, ()))
-            labels = [f"L{layer}H{h}" for h in range(self.H)] + (
-                [f"L{layer}MLP"] if self.has_mlp else []
-            )
-            if all(lab in skip for lab in labels):
-                continue
-            dh, dm = KINDS[kind].patch_values(self, layer)
-            groups = [("heads", dh, 0)]
-            if dm is not None:
-                groups.append(("mlp", dm[:, :, None], self.H))
-            for group, delta, offset in groups:
-                keep = [i for i in range(delta.shape[2]) if labels[offset + i] not in skip]
-                if not keep:
-                    continue
-                whole, tok = self._effects(KINDS[kind], layer, group, delta[:, :, keep], per)
-                idx = torch.tensor(keep, device=dev) + offset
+            for _, group, delta, idx in patch_groups(self, kind, skipped.get(kind, []), [layer]):
+                whole, tok = self._effects(KINDS[kind], layer, group, delta, per)
+                idx = idx.to(dev)
                 tots[k, :, layer, idx] = whole.to(dtype)
                 if tok is not None:
                     vals[k, :, layer, idx] = tok.to(dtype)
@@ -483,3 +470,25 @@ class CausalChunk:
             if per == "token":
                 tok[name] = self.patched_rewards(ctx, delta, "token") - ctx.reward[:, None, None]
         return kind.exact(whole), (kind.exact(tok) if per == "token" else None)
+
+
+def patch_groups(
+    cc: CausalChunk, kind: str, skip: list[str], layers: Iterable[int] | None = None
+) -> Iterator[tuple[int, str, Tensor, Tensor]]:
+    """Per layer (of ``layers``, default all) and component group with a component not in
+    ``skip``: ``(layer, group, the kept components' patches [batch, pos, comp, d_model], their
+    component indices)``, the kind's patch values formed one layer at a time."""
+    H = cc.model.cfg.n_heads
+    skip_set = set(skip)
+    for layer in range(cc.model.cfg.n_layers) if layers is None else layers:
+        labels = [f"L{layer}H{h}" for h in range(H)] + ([f"L{layer}MLP"] if cc.has_mlp else [])
+        if all(lab in skip_set for lab in labels):
+            continue
+        dh, dm = KINDS[kind].patch_values(cc, layer)
+        groups = [("heads", dh, 0)]
+        if dm is not None:
+            groups.append(("mlp", dm[:, :, None], H))
+        for group, delta, offset in groups:
+            keep = [j for j in range(delta.shape[2]) if labels[offset + j] not in skip_set]
+            if keep:
+                yield layer, group, delta[:, :, keep], torch.tensor(keep) + offset

@@ -47,9 +47,15 @@ from extractive_lens.rewards import Reward
 from extractive_lens.scoring import passes
 from extractive_lens.scoring.ablation import table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
-from extractive_lens.scoring.causal import CausalChunk, _Context, _skipped, mark_uncomputed
+from extractive_lens.scoring.causal import (
+    CausalChunk,
+    _Context,
+    _skipped,
+    mark_uncomputed,
+    patch_groups,
+)
 from extractive_lens.scoring.kinds import KINDS
-from extractive_lens.scoring.late_paths import LatePath, patch_groups, run_layer_major
+from extractive_lens.scoring.late_paths import LatePath, run_layer_major
 from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
 from extractive_lens.scoring.runs import (
     Run,

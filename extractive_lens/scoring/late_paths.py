@@ -9,7 +9,6 @@ integral in the finetuned-late context as rows of that pass, and ``result()`` gi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -17,34 +16,10 @@ import torch
 from torch import Tensor
 
 from extractive_lens.scoring import passes
-from extractive_lens.scoring.causal import CausalChunk
-from extractive_lens.scoring.kinds import KINDS
+from extractive_lens.scoring.causal import CausalChunk, patch_groups
 from extractive_lens.scoring.nodes import Entry, layer_major
 from extractive_lens.scoring.options import CausalOptions
 from extractive_lens.scoring.runs import wide
-
-
-def patch_groups(
-    cc: CausalChunk, kind: str, skip: list[str]
-) -> Iterator[tuple[int, str, Tensor, Tensor]]:
-    """Per layer and component group with a component to score: ``(layer, group, the kept
-    components' patches [batch, pos, comp, d_model], their component indices)``."""
-    model = cc.model
-    L, H = model.cfg.n_layers, model.cfg.n_heads
-    skip_set = set(skip)
-    spec = KINDS[kind]
-    for layer in range(L):
-        labels = [f"L{layer}H{h}" for h in range(H)] + ([f"L{layer}MLP"] if cc.has_mlp else [])
-        if all(lab in skip_set for lab in labels):
-            continue
-        dh, dm = spec.patch_values(cc, layer)
-        groups = [("heads", dh, 0)]
-        if dm is not None:
-            groups.append(("mlp", dm[:, :, None], H))
-        for group, delta, offset in groups:
-            keep = [j for j in range(delta.shape[2]) if labels[offset + j] not in skip_set]
-            if keep:
-                yield layer, group, delta[:, :, keep], torch.tensor(keep) + offset
 
 
 @dataclass
