@@ -95,7 +95,7 @@ def test_score_errors_say_what_to_fix(checkpoints, tmp_path):
     res = runner.invoke(
         app, ["score", "--base", "b", "--finetuned", "f", "--data", str(bad), "--method", "exact"]
     )
-    assert res.exit_code != 0 and "linear, integrated, causal, both or all" in res.output
+    assert res.exit_code != 0 and "linear, integrated, causal, verified, both or all" in res.output
 
 
 def test_demo_runs(tmp_path):
