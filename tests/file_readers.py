@@ -45,7 +45,11 @@ class Reader:
 @functools.cache
 def _pair() -> tuple[Any, Any]:
     base = el.tiny_model(CFG, seed=0)
-    ft = el.tiny_model(CFG, seed=1)
+    ft = el.tiny_model(CFG, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the stored weights moved (a bridge's unstored zeros stay zero)
+        for p in ft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     return base, ft
 
 
@@ -97,7 +101,7 @@ def make_finetuned(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
 
 
 def read_from_checkpoints(path: Path, shared: Path) -> el.WeightDiff:
-    return el.WeightDiff.from_checkpoints(_checkpoints(shared)[0], path)
+    return el.WeightDiff.from_checkpoints(_hf_base(shared), path)
 
 
 def make_gguf(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
