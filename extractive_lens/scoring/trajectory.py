@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
+from extractive_lens.backend import shift
 from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
@@ -310,11 +311,14 @@ def _segment(
 
     lin_options = LinearOptions(kinds=("informative",), reward=options.reward_fn,
                                 ablation=options.ablation, rows=None)  # fmt: skip
-    step = trajectory.step(k)  # one object for every node: its Δ is loaded once (reusing)
+    step = trajectory.step(k)  # one object for every node: its Δ is read once (reusing)
     total = other = None
     with B.reusing():
         for x, w in zip(xs, ws):
-            with B.shifted(model, trajectory.point(k, x), keep=False):
+            # the node's point in a store of its own, not the segment's (``reusing`` would keep
+            # every node's point until the segment ends): one point and one step held at a time
+            point = shift.Shift(model, trajectory.point(k, x), 1.0)
+            with shift.within(point):
                 run = forward_run(model, chunk, options.reward_fn, grad=True)
                 g_z = [head_grad(wide(g), W) for g, W in zip(run.g_attn, run.W_O)]
                 c = LinearChunk(model, step, step.deltas, chunk, run, [], lin_options, None, g_z)
@@ -322,6 +326,7 @@ def _segment(
             o = cast(Tensor, c.other)
             total = w * inf if total is None else total + w * inf
             other = w * o if other is None else other + w * o
+            del point, run, c
     with torch.no_grad(), B.shifted(model, trajectory.diff(k)):
         end = wide(cast(Tensor, forward_run(model, chunk, options.reward_fn).reward))
     mask = chunk.position_mask.to(cast(Tensor, total).device)
