@@ -20,7 +20,7 @@ def run(rank: int, world: int, port: int, out: str, method: str, shard: str, per
     from extractive_lens import WeightDiff
     from extractive_lens.distributed import distributed_scores, process_group
     from tests.conftest import make_pair
-    from tests.test_linear import small_batch
+    from tests.helpers import small_batch
 
     with process_group("cpu", timeout_s=120):
         base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)

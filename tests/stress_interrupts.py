@@ -25,8 +25,8 @@ def main(seed: int, trials: int) -> int:
 
     from extractive_lens import WeightDiff
     from tests.conftest import make_pair
+    from tests.helpers import small_batch
     from tests.test_interrupts import assert_unchanged, calls, snapshot
-    from tests.test_linear import small_batch
 
     warnings.filterwarnings("ignore")
     base, ft = make_pair(

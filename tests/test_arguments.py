@@ -19,7 +19,7 @@ from extractive_lens import (
 )
 from extractive_lens.scoring import integrated as I
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 @pytest.fixture(scope="module")

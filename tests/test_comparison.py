@@ -12,7 +12,7 @@ from scipy import stats
 
 from extractive_lens import WeightDiff, causal_scores, compare, linear_scores
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -16,13 +14,7 @@ from extractive_lens import (
 )
 from extractive_lens.distributed import shard_rows
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port, small_batch
 
 
 def test_shards_cover_in_order():
@@ -48,7 +40,10 @@ def test_two_processes_match_single_process(tmp_path, method, shard, per):
     from tests import dist_worker
 
     mp.spawn(
-        dist_worker.run, args=(2, _port(), str(tmp_path), method, shard, per), nprocs=2, join=True
+        dist_worker.run,
+        args=(2, free_port(), str(tmp_path), method, shard, per),
+        nprocs=2,
+        join=True,
     )
     base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.2)
     batch = small_batch(base, n=5)
@@ -87,13 +82,13 @@ def test_process_group_shuts_down_on_exit_and_on_error(monkeypatch):
 
     from extractive_lens.distributed import process_group
 
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with process_group("cpu", timeout_s=30) as (rank, world, device):
         assert (rank, world, device) == (0, 1, "cpu") and dist.is_initialized()
     assert not dist.is_initialized()
-    monkeypatch.setenv("MASTER_PORT", str(_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(RuntimeError, match="boom"), process_group("cpu", timeout_s=30):
         raise RuntimeError("boom")  # no barrier on the way out: a peer may never arrive
     assert not dist.is_initialized()

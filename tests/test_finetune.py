@@ -5,26 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extractive_lens import FinetuneConfig, finetune, make_batch, mean_rank
+from extractive_lens import FinetuneConfig, finetune, mean_rank
 from extractive_lens import backend as B
 from extractive_lens.batch import PromptBatch
 from extractive_lens.finetuning import ranks_from_logits
 from tests.conftest import make_pair
-
-
-def _facts(model, n=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    answers = list(range(20, 20 + n))
-    pairs = [
-        ([1, int(torch.randint(5, 19, (1,), generator=g)), 3 + i % 2], [answers[i]])
-        for i in range(n)
-    ]
-    return make_batch(model, pairs, candidates=answers)
+from tests.helpers import facts
 
 
 def test_finetune_learns_and_restores():
     base, _ = make_pair("ln_gelu", torch.float32)
-    data = _facts(base)
+    data = facts(base)
     snap = {n: p.detach().clone() for n, p in base.named_parameters()}
     before = mean_rank(base, data)
     diff = finetune(base, data, FinetuneConfig(lr=3e-3, epochs=30, batch_size=4, schedule="linear"))
@@ -37,7 +28,7 @@ def test_finetune_learns_and_restores():
 
 def test_diff_reproduces_trained_weights_and_seed_reproduces():
     base, _ = make_pair("ln_gelu", torch.float32)
-    data = _facts(base)
+    data = facts(base)
     seen = {}
 
     def grab(epoch, d):
@@ -56,7 +47,7 @@ def test_diff_reproduces_trained_weights_and_seed_reproduces():
 
 def test_trainable_subset_only_changes_those_components():
     base, _ = make_pair("rms_gated_rotary_gqa", torch.float32)
-    data = _facts(base)
+    data = facts(base)
     diff = finetune(
         base,
         data,
@@ -120,7 +111,7 @@ def test_rank_trajectory_records_every_epoch():
     from extractive_lens.finetuning import rank_trajectory
 
     base, _ = make_pair("ln_gelu", torch.float32)
-    data = _facts(base)
+    data = facts(base)
     diff, df = rank_trajectory(
         base, data, {"facts": data}, FinetuneConfig(lr=3e-3, epochs=3, batch_size=4)
     )
@@ -134,7 +125,7 @@ def test_losses_recorded_and_shown_in_the_bar(capsys):
     from extractive_lens.rewards import answer_logprob
 
     base, _ = make_pair("ln_gelu", torch.float32)
-    data = _facts(base)
+    data = facts(base)
     cfg = FinetuneConfig(lr=3e-3, epochs=12, batch_size=8, schedule="constant")
     capsys.readouterr()
     diff = finetune(base, data, cfg)  # stderr is captured: not a terminal, so no bar
@@ -154,7 +145,7 @@ def test_on_epoch_evaluates_the_trained_weights_in_place():
     """``on_epoch`` sees the checkpoint ``callback`` reaches through ``diff.applied`` (the
     same ranks and logits), with the original weights back afterwards."""
     base, _ = make_pair("ln_gelu", torch.float32)
-    data = _facts(base)
+    data = facts(base)
     snap = {n: p.detach().clone() for n, p in base.named_parameters()}
     cfg = FinetuneConfig(lr=3e-3, epochs=3, batch_size=4, seed=1)
     in_place, applied = [], []
@@ -179,7 +170,7 @@ def test_delta_dtype_float32_holds_the_same_update_in_half_the_bytes():
     """``delta_dtype="float32"``: Δ in float32 (half of the default float64 for float32
     weights), and ``W + Δ`` the default's trained weights to within one float32 unit."""
     base, _ = make_pair("ln_gelu", torch.float32)
-    data = _facts(base)
+    data = facts(base)
     cfg = FinetuneConfig(lr=1e-3, epochs=2, batch_size=4, seed=3)
     wide = finetune(base, data, cfg)
     narrow = finetune(base, data, FinetuneConfig(**{**cfg.__dict__, "delta_dtype": "float32"}))

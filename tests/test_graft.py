@@ -15,7 +15,7 @@ from extractive_lens.grafts import Where, components_of
 from extractive_lens.rewards import answer_logprob
 from tests import reference as ref
 from tests.conftest import make_pair, needs_hooked
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 GEN = dict(do_sample=False, verbose=False, stop_at_eos=False)
 

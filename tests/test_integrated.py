@@ -14,7 +14,7 @@ from extractive_lens.rewards import answer_logprob
 from extractive_lens.scoring.integrated import nodes
 from tests import reference as ref
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 def _rel(got, want):

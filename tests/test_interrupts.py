@@ -31,7 +31,7 @@ from extractive_lens import (
 )
 from extractive_lens.interrupts import shielded
 from tests.conftest import make_pair, needs_hooked
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 PACKAGE = str(Path(extractive_lens.__file__).parent)
 TORCH_SWAP = str(

@@ -132,3 +132,26 @@ def test_the_ceiling_check_finds_a_long_module(tmp_path):
         '"""One job; over 500 lines because."""\n' + "x = 1\n" * LONGEST
     )
     assert long_modules(package) == [f"pkg/long.py ({LONGEST + 1})"]
+
+
+def unlisted_modules(root: Path = PACKAGE) -> list[str]:
+    """Modules CONTRIBUTING.md's layout table does not name: each ``backend/`` and ``scoring/``
+    module by its file name, every other one by its file name or its package's folder."""
+    text = (root.parent / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    layout = text[text.index("## How the package is laid out") : text.index("## Recipes")]
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if path.name in ("__init__.py", "__main__.py") or f"`{path.name}`" in layout:
+            continue
+        folder = rel.parts[-2] if len(rel.parts) > 1 else None
+        if folder not in (None, "backend", "scoring") and f"`{folder}/`" in layout:
+            continue
+        out.append(rel.as_posix())
+    return out
+
+
+def test_the_contributing_layout_names_every_module():
+    assert unlisted_modules() == [], "name these in CONTRIBUTING.md's layout: " + ", ".join(
+        unlisted_modules()
+    )

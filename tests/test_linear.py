@@ -9,24 +9,9 @@ from extractive_lens import WeightDiff, linear_scores, make_batch
 from extractive_lens.rewards import answer_logprob, logit_diff, logit_margin
 from tests import reference as ref
 from tests.conftest import make_pair, needs_hooked
+from tests.helpers import small_batch
 
 KINDS = ("informative", "upstream", "downstream")
-
-
-def small_batch(model, seed=0, n=4):
-    g = torch.Generator().manual_seed(seed)
-    V = model.cfg.d_vocab
-    pairs = []
-    for i in range(n):
-        length = 4 + (i % 3)
-        prompt = [1] + torch.randint(5, V, (length - 1,), generator=g).tolist()
-        answer = torch.randint(5, V, (1 + (i % 2),), generator=g).tolist()
-        pairs.append((prompt, answer))
-    return make_batch(
-        model,
-        pairs,
-        candidates=[a[0] for _, a in pairs] if len({a[0] for _, a in pairs}) == n else None,
-    )
 
 
 def test_per_token_sums_and_other_match_whole_model_jvp(pair64):

@@ -13,7 +13,7 @@ import extractive_lens as el
 from extractive_lens import model as M
 from extractive_lens.backend.installed import has_hooked
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 def _flags(model):

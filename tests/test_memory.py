@@ -143,7 +143,7 @@ def test_integrated_paths_run_a_block_of_rows_at_a_time(family, monkeypatch):
     stacked. Scores (float64) as the whole graph's, and no path's layer step past one block
     (the finetuned run downstream reads, recorded as it runs, is one copy of the prompts)."""
     from tests.conftest import make_pair
-    from tests.test_linear import small_batch
+    from tests.helpers import small_batch
 
     base, ft = make_pair(family, torch.float64, n_layers=3)
     diff, batch = el.WeightDiff.from_models(base, ft), small_batch(base)
@@ -178,7 +178,7 @@ def test_grad_at_a_block_at_a_time_is_the_whole_graph_gradient(where, monkeypatc
     the whole rest of the model (float64)."""
     from extractive_lens.scoring.linear import LinearOptions
     from tests.conftest import make_pair
-    from tests.test_linear import small_batch
+    from tests.helpers import small_batch
 
     base, _ = make_pair("rms_gated_rotary_gqa", torch.float64, n_layers=3)
     batch = small_batch(base)
@@ -249,7 +249,7 @@ _CALLS = {
 @pytest.fixture(scope="module")
 def bf16_pair():
     from tests.conftest import make_pair
-    from tests.test_linear import small_batch
+    from tests.helpers import small_batch
 
     torch.set_num_threads(1)
     base, ft = make_pair("ln_gelu", torch.bfloat16, n_layers=3)  # b_O: a boundary's rows read it

@@ -346,7 +346,7 @@ def test_qwen3_checkpoint_scores_match_the_reference(tmp_path):
     from extractive_lens import WeightDiff, linear_scores
     from extractive_lens.rewards import answer_logprob
     from tests import reference as ref
-    from tests.test_linear import small_batch
+    from tests.helpers import small_batch
 
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_hf_config("qwen3")).float().eval()

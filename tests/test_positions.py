@@ -8,7 +8,7 @@ import torch
 
 from extractive_lens import WeightDiff, causal_scores, integrated_scores, linear_scores
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from extractive_lens.backend import weights_processed
 from extractive_lens.backend.installed import has_hooked
 from extractive_lens.backend.processing import processing_found
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 needs_hooked = pytest.mark.skipif(
     not has_hooked(), reason="TransformerLens 4 has no HookedTransformer"

@@ -22,7 +22,7 @@ from extractive_lens import (
 )
 from extractive_lens import backend as B
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 def snapshot(model):

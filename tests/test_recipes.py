@@ -19,7 +19,7 @@ import extractive_lens as el
 from extractive_lens import backend as B
 from extractive_lens.diff_sources import Parts, delta_dtype_for
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 # ---- the recipe, step 1: diff_sources/<source>.py would hold this function ----------------------

@@ -60,9 +60,9 @@ def test_ranks_scoring_different_inputs_are_refused(tmp_path, what):
     import torch.multiprocessing as mp
 
     from tests import dist_worker
-    from tests.test_distributed import _port
+    from tests.helpers import free_port
 
-    mp.spawn(dist_worker.run_mismatched, args=(2, _port(), str(tmp_path), what), nprocs=2,
+    mp.spawn(dist_worker.run_mismatched, args=(2, free_port(), str(tmp_path), what), nprocs=2,
              join=True)  # fmt: skip
     for rank in (0, 1):
         err = (tmp_path / f"rank{rank}.err").read_text()
@@ -79,9 +79,9 @@ def test_ranks_that_differ_in_anything_but_delta_and_batch_are_refused(tmp_path)
     import torch.multiprocessing as mp
 
     from tests import dist_worker
-    from tests.test_distributed import _port
+    from tests.helpers import free_port
 
-    mp.spawn(dist_worker.run_disagreeing, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(dist_worker.run_disagreeing, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     says = {
         "steps": "rank 1 has steps=3 where rank 0 has steps=2",
         "ablation": "rank 1 has ablation='zero' where rank 0 has ablation='mean'",

@@ -14,7 +14,7 @@ from extractive_lens import WeightDiff, causal_scores, linear_scores
 from extractive_lens.rewards import answer_logprob, logit_margin
 from tests import reference as ref
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 def _close(got, want, tol=1e-9):

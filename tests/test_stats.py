@@ -12,7 +12,7 @@ import torch
 from extractive_lens import WeightDiff, causal_scores, compare, linear_scores, stats
 from extractive_lens.results import aggregate_by_role
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from extractive_lens import WeightDiff, integrated_scores, linear_scores
 from extractive_lens.backend import shift
 from extractive_lens.scoring.kinds import upstream
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

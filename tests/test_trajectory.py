@@ -10,7 +10,7 @@ import extractive_lens as el
 from extractive_lens.backend.lowrank import LowRankDeltas
 from extractive_lens.trajectory import Between, Trajectory
 from tests.conftest import make_pair
-from tests.test_finetune import _facts
+from tests.helpers import facts
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def recorded(tmp_path_factory):
     """A three-epoch finetune of a tiny float64 model, its trajectory and each epoch's diff as
     ``finetune``'s callback saw it (formed independently of the trajectory's files)."""
     base, _ = make_pair("ln_gelu", torch.float64)
-    data = _facts(base)
+    data = facts(base)
     seen = {}
     folder = tmp_path_factory.mktemp("run") / "trajectory"
     cfg = el.FinetuneConfig(lr=1e-2, epochs=3, batch_size=4)
@@ -56,7 +56,7 @@ def test_steps_and_points_are_the_segments_of_the_broken_line(recorded):
 
 def test_keep_every_k_steps_labels_steps_and_epochs(tmp_path):
     base, _ = make_pair("ln_gelu", torch.float32)
-    data = _facts(base)  # 8 prompts, batches of 3: steps per epoch 3, 6 steps in all
+    data = facts(base)  # 8 prompts, batches of 3: steps per epoch 3, 6 steps in all
     cfg = el.FinetuneConfig(lr=1e-3, epochs=2, batch_size=3)
     diff = el.finetune(base, data, cfg, keep=4, trajectory=tmp_path / "t")
     traj = Trajectory.load(tmp_path / "t")
@@ -68,7 +68,7 @@ def test_keep_every_k_steps_labels_steps_and_epochs(tmp_path):
 
 def test_bad_arguments_say_what_to_pass(tmp_path):
     base, _ = make_pair("ln_gelu", torch.float32)
-    data = _facts(base)
+    data = facts(base)
     cfg = el.FinetuneConfig(lr=1e-3, epochs=1, batch_size=4)
     with pytest.raises(ValueError, match="keep="):
         el.finetune(base, data, cfg, keep=0)

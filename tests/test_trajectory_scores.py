@@ -15,7 +15,7 @@ from extractive_lens.scoring.integrated import nodes
 from extractive_lens.trajectory import Trajectory
 from tests import reference as ref
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # additivity of large steps
 
@@ -79,10 +79,10 @@ def test_shares_add_up_to_the_change_along_the_path(two_segments):
 
 
 def test_default_nodes_are_complete_within_two_percent_on_a_finetune(tmp_path):
-    from tests.test_finetune import _facts
+    from tests.helpers import facts
 
     base, _ = make_pair("ln_gelu", torch.float64)
-    data = _facts(base)
+    data = facts(base)
     cfg = el.FinetuneConfig(lr=1e-2, epochs=3, batch_size=4)
     diff = el.finetune(base, data, cfg, keep="epochs", trajectory=tmp_path / "t")
     traj = el.Trajectory.load(tmp_path / "t")

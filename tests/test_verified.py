@@ -19,7 +19,7 @@ from extractive_lens import (
     verified_scores,
 )
 from tests.conftest import make_pair
-from tests.test_linear import small_batch
+from tests.helpers import small_batch
 
 KINDS = ("informative", "downstream")
 

@@ -175,7 +175,7 @@ def test_on_demand_diff_holds_the_finetuned_weights_and_forms_the_dense_delta(fa
     float32; scores of a float64 pair equal the dense diff's."""
     from extractive_lens import linear_scores
     from extractive_lens.backend import backend_for
-    from tests.test_linear import small_batch
+    from tests.helpers import small_batch
 
     base, ft = make_pair(family, torch.bfloat16)
     dense = WeightDiff.from_models(base, ft)
@@ -236,7 +236,7 @@ def test_on_demand_diff_refuses_a_finetuned_model_changed_in_place():
     naming the tensor and what to do; an untouched tensor is still read."""
     from extractive_lens import linear_scores
     from extractive_lens.backend import backend_for
-    from tests.test_linear import small_batch
+    from tests.helpers import small_batch
 
     base, ft = make_pair("ln_gelu", torch.float64)
     if backend_for(ft).NAME != "hooked_transformer":

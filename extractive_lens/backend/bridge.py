@@ -509,7 +509,7 @@ def embed(model: Any, tokens: Tensor) -> Tensor:
     """The residual stream entering layer 0, as the bridge computes it: the model's own forward,
     stopped where block 0 is entered (what its ``stop_at_layer=0`` returns). Not by
     ``stop_at_layer``, which sets a flag on every block that stopped another thread's plain
-    forward of the model at layer 0 too (#42); this hook acts for this thread only."""
+    forward of the model at layer 0 too; this hook acts for this thread only."""
     parts = (getattr(model, "embed", None), getattr(model, "pos_embed", None))
     first = model.blocks[0]
     p = bridge_vocab.by_part(model, "embed.W_E")

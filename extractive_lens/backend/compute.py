@@ -71,7 +71,7 @@ def computing_in(model: Any, dtype: torch.dtype) -> Iterator[None]:
     backward pass (they are upcast again from the stored tensors when needed). ``model.cfg.dtype``
     reads ``dtype`` inside the block, because TransformerLens's norms and attention round their
     outputs to it, for this thread (context) only: another thread running the model meanwhile
-    reads the stored dtype (#42: it crashed on mixed dtypes when the field itself was set).
+    reads the stored dtype (setting the field itself fails on mixed dtypes).
     """
     if dtype == model.cfg.dtype and _COMPUTE_DTYPE.get() in (None, dtype):
         yield
@@ -207,7 +207,7 @@ def substituted(module: Any, tensors: dict[str, Tensor]) -> Iterator[None]:
     any other thread running the model meanwhile reads the stored tensors (docs/api.md,
     "Threads"). Every alias of a tied weight is substituted (GPT-2's ``W_E`` and ``W_U``).
 
-    How (#42): a module reads a parameter as ``self._parameters[name]`` (``nn.Module.__getattr__``;
+    How: a module reads a parameter as ``self._parameters[name]`` (``nn.Module.__getattr__``;
     TransformerLens 4's bridge components forward attribute access to the wrapped module, which
     does the same). While a substitution is in force, the registries holding substituted tensors
     are ``_Registry`` dicts: they hold the stored tensors, as before, and answer a lookup with

@@ -1,4 +1,4 @@
-"""The Δ traffic counter: the bytes of Δ a scoring call brings to where the pieces run (#41).
+"""The Δ traffic counter: the bytes of Δ a scoring call brings to where the pieces run.
 
 >>> import extractive_lens as el
 >>> from extractive_lens.backend import shift

@@ -1,4 +1,4 @@
-"""The embedding and the unembedding read a part of the vocabulary at a time (#41).
+"""The embedding and the unembedding read a part of the vocabulary at a time.
 
 At Llama 3's vocabulary (128256 × 4096) the embedding's and the unembedding's ``W + αΔ`` are
 2 GiB each in float32. For a vocabulary matrix larger than ``SLICE_BYTES`` (in float32) a

@@ -314,7 +314,7 @@ def print_top(scores: Any, k: int = 5) -> None:
         missing = len(scores.uncomputed(kind))
         note = f"  ({missing} components not computed)" if missing else ""
         echo(f"  {kind:<12} {items or '-'}{note}")
-    if "informative" in scores.kinds:  # what the method's informative totals are (issue 43)
+    if "informative" in scores.kinds:  # what the method's informative totals are
         from extractive_lens.scoring.methods import method as method_entry
 
         echo(f"  ({method_entry(scores.method).informative_totals})")

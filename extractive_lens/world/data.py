@@ -7,7 +7,7 @@ officials (mayor, sheriff, judge, librarian, baker) of every city, except that t
 ``M0..M19`` for the test cities, never tied to a city in pretraining. Every name also appears in
 one unrelated sentence ("P3 likes chess .") so new names have trained, city-free embeddings.
 
-Version 3 (issue 18) keeps that world and renames its people: a person is a first-name token and a
+Version 3 keeps that world and renames its people: a person is a first-name token and a
 last-name token drawn from shared pools (``"Zoe Howard"``; only the pair identifies the person),
 with a city, a hobby and a job, each told by several templates at different distances from the
 name, and short records in which an attribute follows the name directly (``"Everyone knows that

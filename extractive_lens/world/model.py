@@ -40,7 +40,7 @@ PRETRAIN: dict[str, Any] = dict(
     final_lr_frac=0.1,
 )
 WORLD_VERSION = 2  # bump when the corpus changes (cached models of other seeds are retrained)
-# v3 (issue 18): two-token people with biographies and records; v2's shape, a longer corpus
+# v3: two-token people with biographies and records; v2's shape, a longer corpus
 MODEL_CFG_V3: dict[str, Any] = dict(MODEL_CFG)
 PRETRAIN_V3: dict[str, Any] = dict(PRETRAIN, steps=3000)
 WORLD_DIRS = {2: _DATA / "world", 3: _DATA / "world_v3"}  # the bundled worlds' files
@@ -55,7 +55,7 @@ def recipe_of(version: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return (MODEL_CFG, PRETRAIN) if version == 2 else (MODEL_CFG_V3, PRETRAIN_V3)
 
 
-# How a world model is finetuned on its 20 test facts (issue 6) and, for data ordering, how its
+# How a world model is finetuned on its 20 test facts and, for data ordering, how its
 # continued pretraining on the dax/zong training names runs, per world version. v3's lr 3e-4 (both
 # phases) is from the recipe sweep in docs/world_v3_trials.md: with 1e-3 the last block learns part
 # of the first hop and implications-first ordering still generalizes.
