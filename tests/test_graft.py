@@ -330,3 +330,20 @@ def test_intervals_are_a_bootstrap_of_the_ratio_of_means(pair64):
     assert df.loc[0, "low"] == float(ci.low[0, 0]) and len(df) == 2
     fig = s.plot()
     assert list(fig.data[0].y) == ["a", "m"] and list(fig.data[0].x) == ["l"]
+
+
+def test_groups_and_roles_as_lists_are_named_by_themselves(pair64):
+    # groups=["attn", "mlp"] used to reach dict(["attn", "mlp"]): "dictionary update sequence
+    # element #0 has length 4; 2 is required" (and a two-letter spec like "L0" became {"L": "0"})
+    base, ft = pair64
+    diff = WeightDiff.from_models(base, ft)
+    batch = small_batch(base)
+    named = graft_scores(
+        base, diff, batch, groups={"attn": "attn", "L0": "L0"}, roles={"last": "last", "-1": -1}
+    )
+    listed = graft_scores(base, diff, batch, groups=["attn", "L0"], roles=["last", -1])
+    assert listed.group_labels == named.group_labels == ("attn", "L0")
+    assert listed.role_labels == named.role_labels == ("last", "-1")
+    assert torch.equal(listed.values, named.values)
+    with pytest.raises(TypeError, match=r"graft_scores\(groups=.*pass a dict of name -> spec"):
+        graft_scores(base, diff, batch, groups=[["L0H0", "L0MLP"]], roles=["last"])

@@ -170,8 +170,8 @@ def graft_scores(
     diff: WeightDiff,
     batch: PromptBatch,
     *,
-    groups: Mapping[str, ComponentSpec] | None = None,
-    roles: Mapping[str, PositionSpec] | None = None,
+    groups: Mapping[str, ComponentSpec] | Sequence[str] | None = None,
+    roles: Mapping[str, PositionSpec] | Sequence[str | int] | None = None,
     mode: Mode = "sufficient",
     reward: str | Reward | None = None,
     show_progress: bool | None = None,
@@ -179,10 +179,11 @@ def graft_scores(
     """Sufficiency or necessity of the weight change on each (component group × role) set.
 
     Args:
-        groups: name -> components (``grafts``: ``"attn"``, ``"mlp[0:2]"``, ``"L3H2"``...);
-            default ``default_groups(model)``: all, attention, MLPs, early and late halves.
+        groups: name -> components (``grafts``: ``"attn"``, ``"mlp[0:2]"``, ``"L3H2"``...),
+            or a list of such strings, each named by itself; default ``default_groups(model)``: all, attention, MLPs, early and late halves.
         roles: name -> positions (``grafts``: ``"entity"``, ``"last"``, ``"{name}[-1]"``,
-            ``("prompt", "-entity", "-last")``...); default ``ROLES``.
+            ``("prompt", "-entity", "-last")``...), or a list of strings and indices, each named
+            by itself; default ``ROLES``.
         mode: ``"sufficient"`` (Δ only on the set) or ``"necessary"`` (Δ everywhere but on it).
         reward: as in ``linear_scores`` (default ``answer_logprob``).
 
@@ -195,10 +196,26 @@ def graft_scores(
     return _graft_scores(model, diff, batch, groups, roles, mode, reward, show_progress)
 
 
+def _named(what: str, given: Any) -> dict[str, Any]:
+    """``groups=`` / ``roles=`` as name -> spec: a mapping as given; a spec, or a list of specs
+    that are strings or indices, named by themselves (``["attn", "mlp"]``)."""
+    if isinstance(given, Mapping):
+        return dict(given)
+    items = [given] if isinstance(given, (str, int)) else given
+    if isinstance(items, (list, tuple)) and all(isinstance(i, (str, int)) for i in items):
+        return {str(i): i for i in items}
+    raise TypeError(
+        f"graft_scores({what}={given!r}): pass a dict of name -> spec, e.g. "
+        + ("{'early attention': 'attn[:2]', 'L3MLP': 'L3MLP'}" if what == "groups"
+           else "{'entity': 'entity', 'not last': ('prompt', '-last')}")
+        + ", or a list of specs named by themselves."
+    )  # fmt: skip
+
+
 @one_call_per_model
 def _graft_scores(model: Any, diff: WeightDiff, batch: PromptBatch,
-                  groups: Mapping[str, ComponentSpec] | None,
-                  roles: Mapping[str, PositionSpec] | None, mode: Mode,
+                  groups: Mapping[str, ComponentSpec] | Sequence[str] | None,
+                  roles: Mapping[str, PositionSpec] | Sequence[str | int] | None, mode: Mode,
                   reward: str | Reward | None, show_progress: bool | None) -> GraftScores:  # fmt: skip
     from extractive_lens.finetuning import ranks_from_logits
     from extractive_lens.interrupts import refuse_attached_hooks
@@ -207,8 +224,8 @@ def _graft_scores(model: Any, diff: WeightDiff, batch: PromptBatch,
     refuse_attached_hooks(model, "graft_scores")
     diff.check_compatible(model)
     reward_fn, reward_name = resolve_reward(reward)
-    groups = dict(default_groups(model) if groups is None else groups)
-    roles = dict(ROLES if roles is None else roles)
+    groups = _named("groups", default_groups(model) if groups is None else groups)
+    roles = _named("roles", ROLES if roles is None else roles)
     sets = {
         g: {r: Where.of(model, c, p, batch) for r, p in roles.items()} for g, c in groups.items()
     }
