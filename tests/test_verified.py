@@ -154,3 +154,16 @@ def test_the_report_draws_provenance_and_intervals(world, tmp_path):
     assert bars.data[0].error_y.array[0] == pytest.approx(hi)
     page = report(v, path=tmp_path / "v.html").read_text()
     assert "agreement over the whole map" in page and "square-open" in page
+
+
+def test_the_report_command_reads_what_score_method_verified_saved(world, tmp_path):
+    # `score --method verified --out o` saves o/verified/; `report o` looked only in linear/,
+    # integrated/ and causal/ and said "o holds no saved scores"
+    from typer.testing import CliRunner
+
+    from extractive_lens.cli import app
+
+    _verified(world, audit=3, coverage=0.5, seed=1, tolerance=100.0).save(tmp_path / "verified")
+    res = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "report.html").is_file()

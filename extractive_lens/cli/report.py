@@ -30,11 +30,12 @@ def report(
     """Re-render saved scores (linear and/or exact) into one self-contained HTML report."""
     from extractive_lens import ComponentScores
     from extractive_lens.plotting import report as write_report
+    from extractive_lens.scoring.methods import METHODS
 
     if os.path.lexists(scores_dir / "scores.json"):  # a FIFO there: ComponentScores.load says
         saved = [scores_dir]
     else:
-        saved = [scores_dir / m for m in ("linear", "integrated", "causal")]
+        saved = [scores_dir / m for m in METHODS]  # `score --out` saves each in out/<method>/
         saved = [d for d in saved if d.is_dir()]
     path = out or scores_dir / "report.html"
     check_out_file(path)
@@ -43,8 +44,9 @@ def report(
     results = [ComponentScores.load(d) for d in saved]
     if not results:
         raise typer.BadParameter(
-            f"{scores_dir} holds no saved scores (scores.json, or linear/, integrated/ and "
-            "causal/ subdirectories as `extractive-lens score --out` writes them)."
+            f"{scores_dir} holds no saved scores (scores.json, or "
+            + ", ".join(f"{m}/" for m in METHODS)
+            + " subdirectories as `extractive-lens score --out` writes them)."
         )
     runs = {r.metadata.get("run_id") for r in results}
     if len(results) >= 2 and None not in runs and len(runs) >= 2:
