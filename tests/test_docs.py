@@ -118,3 +118,19 @@ def test_tests_and_notebooks_pin_one_torch_thread(monkeypatch):
         cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
         first = next(c for c in cells if c["cell_type"] == "code")
         assert "torch.set_num_threads(1)" in "".join(first["source"]), nb.name
+
+
+def test_the_trajectory_example_defines_every_name_it_uses():
+    # docs/trajectory.md's example used base, facts and ranks_df without defining them
+    import builtins
+
+    block = _blocks((ROOT / "docs" / "trajectory.md").read_text(encoding="utf-8"))[0]
+    tree = ast.parse(block)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    assert not used - bound, f"docs/trajectory.md's example uses {sorted(used - bound)} undefined"
