@@ -36,7 +36,7 @@ def report(
         saved = [scores_dir]
     else:
         saved = [scores_dir / m for m in METHODS]  # `score --out` saves each in out/<method>/
-        saved = [d for d in saved if d.is_dir()]
+        saved = [d for d in saved if d.is_dir() and (d / "scores.json").exists()]
     path = out or scores_dir / "report.html"
     check_out_file(path)
     scores_files = [f for d in saved for pattern in SAVED for f in d.glob(pattern)]
