@@ -348,6 +348,7 @@ def _counted(
                 lin = linear_scores(narrow, proxy, proxy_batch, show_progress=False)
             if lin is not None:
                 options["linear"] = lin
+            B.check_scorable(narrow)  # its one-time self-check is not the call's passes
             B.attention = counting_attention  # every block forward runs one attention
             with shift.counting() as traffic:
                 entry.engine(narrow, proxy, proxy_batch, show_progress=False, **options)

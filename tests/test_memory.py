@@ -343,6 +343,7 @@ def test_estimate_of_a_deep_model_extrapolates_to_the_real_calls_counts(monkeypa
     model = el.tiny_model(dict(CFG, n_layers=7, d_model=16, n_heads=2, d_mlp=32), seed=2)
     diff = _random_diff(model, 5)
     batch = el.make_batch(model, [([1, 2, 3], [5]), ([2, 4, 6], [7])], candidates=[5, 7])
+    B.check_scorable(model)  # a bridge's one-time self-check runs its pieces: not the call's
     for method, options in (("linear", {}), ("causal", {"per": "component"})):
         e = el.estimate(model, diff, batch, method, **options)
         assert e.counted_at == budget.COUNT_DEPTHS
