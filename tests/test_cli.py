@@ -560,3 +560,13 @@ def test_demo_smollm2_runs_on_the_real_model(tmp_path, capsys):
     assert res["passes"]["prompts"] == 20 and res["passes"]["forward_gflop"] > 1
     assert set(res["times"]) == {"load", "passes"}
     assert (tmp_path / "report.html").is_file() and "GFLOP" in io.out and '": ' not in io.out
+
+
+def test_an_unknown_model_name_is_one_readable_sentence(tmp_path):
+    # was "... from the hub (wrld not found. Valid official model names (excl aliases):
+    # ['01-ai/Yi-34B', ..., ')." : TransformerLens's list cut mid-entry at 200 characters
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a b", "answer": " c"}) + "\n")
+    res = runner.invoke(app, ["rank", "--model", "wrld", "--data", str(data)])
+    said = res.output + str(res.exception)
+    assert res.exit_code != 0 and "wrld not found)" in said and "Valid official" not in said, said

@@ -96,7 +96,10 @@ def load_model(
     try:
         return load_pretrained(name_or_dir, dtype=dt, device=device, backend=backend)
     except (ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # TransformerLens appends its whole list of model names: cut there, not mid-list
+        first = first.split(". Valid official model names")[0]
+        first = first if len(first) <= 200 else first[:200] + "…"
         raise ValueError(
             f"{name_or_dir!r} is neither 'world', a local checkpoint directory nor a model "
             f"TransformerLens can load from the hub ({first})."
