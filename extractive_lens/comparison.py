@@ -407,9 +407,14 @@ def setting_differences(linear: ComponentScores, exact: ComponentScores) -> list
     out = [f"{k} ({na} {a.get(k)!r}, {nb} {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)]
     da, db = a.get("prompts_digest"), b.get("prompts_digest")
     both_per_token = linear.per == exact.per == "token"  # whole-component roles are all "all"
+    pa, pb = a.get("positions") or "all", b.get("positions") or "all"
+    if pa != pb:  # positions="prompt" leaves the answer's roles out: not other prompts
+        full = na if pa == "all" else nb
+        out.append(f"positions ({na} {pa!r}, {nb} {pb!r}: take the {full} result's "
+                   ".at_positions('prompt'))")  # fmt: skip
     if (
         linear.n_prompts != exact.n_prompts
-        or (both_per_token and linear.prompt_roles != exact.prompt_roles)
+        or (both_per_token and pa == pb and linear.prompt_roles != exact.prompt_roles)
         or (da is not None and db is not None and da != db)
     ):
         out.append("prompts (the two results scored different prompts)")

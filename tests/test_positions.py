@@ -68,3 +68,17 @@ def test_exact_totals_stay_whole_and_whole_components_are_refused(setup):
     ig = integrated_scores(base, diff, batch, kinds="downstream", steps=2, positions="prompt")
     assert "answer[0]" not in ig.position_labels
     assert torch.allclose(ig.prompt_totals, ig.prompt_values.sum(-1))
+
+
+def test_compare_names_positions_not_prompts_when_only_positions_differ(setup):
+    # compare(linear(positions="prompt"), causal) said "prompts (the two results scored
+    # different prompts)": the prompts were the same, the answer's roles left out of one
+    from extractive_lens import compare
+
+    base, diff, batch = setup[:3]
+    lin = linear_scores(base, diff, batch, kinds=("downstream",), positions="prompt")
+    ex = causal_scores(base, diff, batch, kinds=("downstream",))
+    with pytest.raises(ValueError, match=r"positions \(.*at_positions\('prompt'\)") as e:
+        compare(lin, ex)
+    assert "different prompts" not in str(e.value)
+    assert compare(lin, ex.at_positions("prompt")).summary["n"].min() > 0
