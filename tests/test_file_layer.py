@@ -258,3 +258,29 @@ def test_the_cli_loads_a_gguf_file_it_is_given(tmp_path, capsys, shared):
     )  # fmt: skip
     assert code == 0, err
     assert any((tmp_path / "s").rglob("scores.json"))
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda t: {k: (v[:, :1] if k.endswith("lora_B.weight") else v) for k, v in t.items()},
+         "do not multiply"),
+        (lambda t: {k: (v[0] if k.endswith("lora_B.weight") else v) for k, v in t.items()},
+         "not a floating-point matrix"),
+        (lambda t: {k: (v[:0] if k.endswith("lora_A.weight") else v) for k, v in t.items()},
+         "not a floating-point matrix"),
+    ],
+    ids=["factors that do not multiply", "a factor of one axis", "rank 0"],
+)  # fmt: skip
+def test_an_adapter_whose_factors_are_damaged_is_refused_by_name(damage, match, tmp_path, shared):
+    """A raw shape error, ``IndexError`` or ``ZeroDivisionError`` before: one sentence now."""
+    from extractive_lens.files import SafetensorsFile, save_safetensors
+    from tests.file_readers import make_adapter, read_adapter
+
+    path, files = make_adapter(tmp_path, shared)
+    with SafetensorsFile(files[0], fix="") as f:
+        tensors = damage(f.tensors())
+    save_safetensors(tensors, files[0])
+    with pytest.raises(ValueError, match=match) as e:
+        read_adapter(path, shared)
+    assert "adapter" in str(e.value) and "\n" not in str(e.value)
