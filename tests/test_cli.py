@@ -569,4 +569,8 @@ def test_an_unknown_model_name_is_one_readable_sentence(tmp_path):
     data.write_text(json.dumps({"prompt": "a b", "answer": " c"}) + "\n")
     res = runner.invoke(app, ["rank", "--model", "wrld", "--data", str(data)])
     said = res.output + str(res.exception)
-    assert res.exit_code != 0 and "wrld not found)" in said and "Valid official" not in said, said
+    assert res.exit_code != 0 and "'wrld'" in said and "Valid official" not in said, said
+    from extractive_lens.backend.installed import has_hooked
+
+    if has_hooked():  # TransformerLens 4 asks the hub instead, and says it could not connect
+        assert "wrld not found)" in said, said
