@@ -74,6 +74,14 @@ def train_adapter(hf: Any, lora: dict[str, Any], steps: int = 3, seed: int = 0) 
 
     torch.manual_seed(seed)
     model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**lora))
+    return train_steps(model, steps, seed=None)  # the generator is already seeded
+
+
+def train_steps(model: Any, steps: int = 3, seed: int | None = 0) -> Any:
+    """``model`` (a ``PeftModel``) trained ``steps`` Adam steps on random tokens (drawn after
+    seeding torch with ``seed``, unless it is None)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     tokens = torch.randint(4, VOCAB, (4, 10))
     model.train()

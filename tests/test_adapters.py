@@ -70,19 +70,6 @@ def test_fields_outside_the_allow_list_are_refused_naming_them(llama, field, val
         el.WeightDiff.from_peft(base, adapter)
 
 
-def _train(model, steps=3, seed=0):
-    torch.manual_seed(seed)
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    tokens = torch.randint(4, LM.VOCAB, (4, 10))
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
-
-
 @pytest.fixture(scope="module", params=["pissa", "olora"])
 def mutated(request, llama):
     """An adapter whose initialisation changed the base weights, made by ``peft``: (init,
@@ -97,7 +84,7 @@ def mutated(request, llama):
     model.peft_config["default"].init_lora_weights = True  # peft's recipe for the initial one
     model.save_pretrained(out / "initial")
     model.peft_config["default"].init_lora_weights = init
-    model = _train(model.double())
+    model = LM.train_steps(model.double())
     model.save_pretrained(out / "trained")
     model.save_pretrained(out / "converted", path_initial_model_for_weight_conversion=str(
         out / "initial"))  # fmt: skip

@@ -14,13 +14,9 @@ from tests.helpers import small_batch
 KINDS = ("informative", "upstream", "downstream")
 
 
-@pytest.mark.parametrize("per", ["token", "component"])
-def test_engine_equals_literal(family, per):
-    base, ft = make_pair(family, torch.float64, delta_scale=0.2)
-    batch = small_batch(base, n=3)
-    rs, ms = ref.literal_mean_ablation(base, batch)
-    ex = ref.literal_exact(base, ft, batch, answer_logprob, KINDS, y_star=(rs, ms), per=per)
-    got = causal_scores(base, WeightDiff.from_models(base, ft), batch, per=per, max_batch=7)
+def _assert_equals_literal(got, ex, batch, per):
+    """Every kind of ``got`` equals the literal exact scores ``ex`` (per token: on real
+    positions), and the literal scores are not all zero."""
     for k, kind in enumerate(KINDS):
         want = ex[kind]
         have = got.prompt_values[k] if per == "token" else got.prompt_totals[k]
@@ -28,6 +24,16 @@ def test_engine_equals_literal(family, per):
             want = want * batch.position_mask[:, None, None, :]
         assert (have - want).abs().max() < 1e-10, kind
         assert want.abs().max() > 1e-4, kind
+
+
+@pytest.mark.parametrize("per", ["token", "component"])
+def test_engine_equals_literal(family, per):
+    base, ft = make_pair(family, torch.float64, delta_scale=0.2)
+    batch = small_batch(base, n=3)
+    rs, ms = ref.literal_mean_ablation(base, batch)
+    ex = ref.literal_exact(base, ft, batch, answer_logprob, KINDS, y_star=(rs, ms), per=per)
+    got = causal_scores(base, WeightDiff.from_models(base, ft), batch, per=per, max_batch=7)
+    _assert_equals_literal(got, ex, batch, per)
     # Negative control: a different diff gives different exact scores.
     other = causal_scores(
         base, WeightDiff.from_models(base, ft) * 0.5, batch, per=per, kinds=("informative",)
@@ -49,13 +55,7 @@ def test_passes_a_row_at_a_time_equal_literal(family, per, monkeypatch):
     monkeypatch.setattr(runs, "LAYERWISE_BYTES", -1)
     monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
     got = causal_scores(base, WeightDiff.from_models(base, ft), batch, per=per, max_batch=7)
-    for k, kind in enumerate(KINDS):
-        want = ex[kind]
-        have = got.prompt_values[k] if per == "token" else got.prompt_totals[k]
-        if per == "token":
-            want = want * batch.position_mask[:, None, None, :]
-        assert (have - want).abs().max() < 1e-10, kind
-        assert want.abs().max() > 1e-4, kind
+    _assert_equals_literal(got, ex, batch, per)
 
 
 def test_totals_are_whole_component_patches(pair64):
