@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,13 +31,15 @@ import torch
 from torch import Tensor
 
 from extractive_lens import backend as B
+from extractive_lens import diff_applying, diff_slices
 from extractive_lens.arguments import in_range, indices
-from extractive_lens.backend import ScorableModel, lowrank, traffic
+from extractive_lens.backend import ScorableModel, lowrank
 from extractive_lens.backend.lowrank import LowRankDeltas
+from extractive_lens.diff_applying import weights_set as weights_set
 from extractive_lens.diff_sources import checkpoints, files, models
 from extractive_lens.diff_sources import delta_dtype_for as delta_dtype_for
 from extractive_lens.diff_sources.files import FORMAT_VERSION as FORMAT_VERSION
-from extractive_lens.interrupts import finish_stale, state_change
+from extractive_lens.interrupts import finish_stale
 from extractive_lens.types import Component, component_axis_labels, parse_components
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -291,63 +293,14 @@ class WeightDiff:
         self, model: ScorableModel, deltas: Mapping[str, Tensor], scale: float
     ) -> contextlib.AbstractContextManager:
         self.check_compatible(model)
-        params = B.parameters(model)
-
-        def new_values() -> dict[str, Tensor]:
-            out = {}
-            for name, d in deltas.items():
-                p = params[name].detach()
-                wide = torch.promote_types(p.dtype, d.dtype)  # W is never rounded to Δ's dtype
-                d = d.to(device=p.device, dtype=wide)
-                out[name] = (p.to(wide) + (d if scale == 1.0 else scale * d)).to(p.dtype)
-            return out
-
-        return weights_set(model, new_values)
+        return diff_applying.shifted_weights(model, deltas, scale)
 
     def check_compatible(self, model: ScorableModel) -> None:
         """Raise a clear error unless this Δ fits ``model`` (architecture, names, shapes)."""
-        params = B.parameters(model)
-        sig = B.signature(model)
-        formed, now = self.signature.get("processed"), sig.get("processed")
-        if formed is not None and now is not None and bool(formed) != bool(now):
-            state = {True: "processed (folded / centred)", False: "as trained (unprocessed)"}
-            raise ValueError(
-                f"This WeightDiff was formed on weights {state[bool(formed)]}, but the model's "
-                f"weights are {state[bool(now)]} now (TransformerLens's process_weights_ / "
-                "enable_compatibility_mode, or a model loaded another way): Δ means something "
-                "else on them. Use a model loaded the way the diff's models were "
-                "(docs/scores.md §1), or form the diff again from two models loaded alike."
-            )
-        for key, value in self.signature.items():
-            if key in ("processed",) or key not in sig:
-                continue
-            if key == "dtype":
-                continue  # a diff may be applied to a model in another dtype (e.g. bf16 copy)
-            if sig[key] != value:
-                raise ValueError(
-                    f"This WeightDiff was made for {key}={value!r} but the model has {sig[key]!r}."
-                )
-        for name in self.deltas:
-            if name not in params:
-                raise ValueError(
-                    f"The model has no parameter {name!r} (Δ was made for another architecture)."
-                )
-            shape = self._shape_of(name)
-            if tuple(params[name].shape) != shape:
-                raise ValueError(
-                    f"{name}: Δ has shape {shape} but the model's parameter has "
-                    f"{tuple(params[name].shape)}."
-                )
-        B.check_shared(model, self.deltas)
+        diff_applying.check_fits(self.deltas, self.signature, model)
 
     def _shape_of(self, name: str) -> tuple[int, ...]:
-        from extractive_lens.backend.lazy import LazyDeltas
-
-        if isinstance(self.deltas, LowRankDeltas):  # without forming it
-            return self.deltas.shape(name)
-        if isinstance(self.deltas, LazyDeltas):
-            return self.deltas.spec(name)[0]
-        return tuple(self.deltas[name].shape)
+        return diff_applying.shape_of(self.deltas, name)
 
     # ------------------------------------------------------------------ arithmetic
     def _combine(self, other: WeightDiff, sign: float) -> WeightDiff:
@@ -472,52 +425,10 @@ class WeightDiff:
             },
         }
         if isinstance(self.deltas, LowRankDeltas):
-            kept = self._restricted_low_rank(slices, comps, layer_set)
+            kept = diff_slices.restricted_low_rank(self.deltas, slices, comps, layer_set)
             return WeightDiff(kept, dict(self.signature), meta)
-        keep: dict[str, Tensor] = {}
-        for s in slices:
-            if layer_set is not None and B.layer_of(s.name) not in layer_set:
-                continue
-            if comps is not None and not set(s.owners) & set(comps):
-                continue
-            d = self.deltas[s.name]
-            if s.name not in keep:
-                keep[s.name] = torch.zeros_like(d)
-            if s.index is None:
-                keep[s.name] = d.clone()
-            else:
-                keep[s.name][s.index] = d[s.index]
+        keep = diff_slices.restricted_dense(self.deltas, slices, comps, layer_set)
         return WeightDiff(keep, dict(self.signature), meta)
-
-    def _restricted_low_rank(
-        self, slices: list[B.ParamSlice], comps: Any, layer_set: set[int] | None
-    ) -> LowRankDeltas:
-        """``restricted`` on the factors: each kept head or key/value group a masked copy of
-        one factor (still rank r); dense parts sliced as ever."""
-        assert isinstance(self.deltas, LowRankDeltas)
-        n_slices = {s.name: 0 for s in slices}
-        kept: dict[str, list[int | None]] = {}
-        for s in slices:
-            n_slices[s.name] += 1
-            if layer_set is not None and B.layer_of(s.name) not in layer_set:
-                continue
-            if comps is not None and not set(s.owners) & set(comps):
-                continue
-            kept.setdefault(s.name, []).append(s.index)
-        factors, dense = {}, {}
-        for name, idx in kept.items():
-            f, d = self.deltas.factors.get(name), self.deltas.dense.get(name)
-            whole = None in idx or len(idx) == n_slices[name]
-            if f is not None:
-                parts = [f] if whole else [lowrank.restricted_factor(f, i, n_slices[name])
-                                           for i in idx]  # fmt: skip
-                factors[name] = lowrank.combined(parts)
-            if d is not None:
-                dense[name] = d.clone() if whole else torch.zeros_like(d)
-                if not whole:
-                    for i in idx:
-                        dense[name][i] = d[i]
-        return LowRankDeltas(factors, dense)
 
     def slices(self) -> list[B.ParamSlice]:
         """The ownership partition (docs/scores.md §2) of the parameters Δ covers."""
@@ -560,25 +471,8 @@ class WeightDiff:
     def _read_once(self) -> tuple[Tensor, float, dict[str, list[float]]]:
         """The norms (per component, and "other") and the content fingerprint, from one read of
         each tensor per diff (a purely low-rank one's from its factors)."""
-        from extractive_lens import fingerprint
-
         n_layers, n_heads, mlp = self._shape()
-        sq = torch.zeros(n_layers, n_heads + int(mlp), dtype=torch.float64)
-        other = 0.0
-        by_name: dict[str, list[B.ParamSlice]] = {n: [] for n in self.deltas}
-        for s in self.slices():
-            by_name.setdefault(s.name, []).append(s)
-        prints: dict[str, list[float]] = {}
-        for name, parts in by_name.items():
-            d = None if self._factored(name) else traffic.read_where_held(self.deltas, name)
-            prints[name] = fingerprint.of_delta(self.deltas, name, d)
-            for s in parts:  # each tensor read once for all its slices
-                v = self._part_sum_of_squares(name, s.index, len(parts), d)
-                if not s.owners:
-                    other += v
-                for c in s.owners:
-                    sq[c.layer, n_heads if c.head is None else c.head] += v
-        return sq.sqrt(), other**0.5, prints
+        return diff_slices.norms_and_fingerprint(self.deltas, self.slices(), n_layers, n_heads, mlp)
 
     @property
     def component_labels(self) -> tuple[str, ...]:
@@ -588,23 +482,9 @@ class WeightDiff:
         return component_axis_labels(n_heads, mlp)
 
     def norm(self) -> float:
-        return float(sum(self._part_sum_of_squares(n) for n in self.deltas) ** 0.5)
-
-    def _factored(self, name: str) -> bool:
-        """Whether ``name``'s Δ is purely low-rank (its norms come from the factors)."""
-        d = self.deltas
-        return isinstance(d, LowRankDeltas) and name in d.factors and name not in d.dense
-
-    def _part_sum_of_squares(
-        self, name: str, index: int | None = None, n: int = 1, d: Tensor | None = None
-    ) -> float:
-        """``‖Δ[name][index]‖²`` (``d``: Δ[name] already read); from the factors of a purely
-        low-rank tensor."""
-        if self._factored(name):
-            assert isinstance(self.deltas, LowRankDeltas)
-            return lowrank.sum_of_squares(self.deltas.factors[name], index, n)
-        d = self.deltas[name] if d is None else d
-        return _sum_of_squares(d if index is None else d[index])
+        return float(
+            sum(diff_slices.part_sum_of_squares(self.deltas, n) for n in self.deltas) ** 0.5
+        )
 
     def _shape(self) -> tuple[int, int, bool]:
         sig = self.signature
@@ -635,43 +515,3 @@ class WeightDiff:
             f"WeightDiff({len(self.deltas)} tensors, {n:,} elements, ‖Δ‖={self.norm():.4g}, "
             f"model={self.signature.get('original_architecture') or self.metadata.get('base')})"
         )
-
-
-def _sum_of_squares(t: Tensor, chunk: int = 2**22) -> float:
-    """Σ t² in float64, a slice of rows at a time (an 8B model's embedding Δ in float64 would
-    be 4 GiB, twice over with its square).
-
-    >>> _sum_of_squares(torch.tensor([[3.0], [4.0]]), chunk=1)
-    25.0
-    """
-    if t.ndim == 0:
-        return float(t.detach().double() ** 2)
-    rows = max(1, chunk // max(1, t[0].numel()))
-    return float(sum(float(c.double().pow(2).sum()) for c in t.detach().split(rows)))
-
-
-@contextlib.contextmanager
-def weights_set(
-    model: ScorableModel, values: dict[str, Tensor] | Callable[[], dict[str, Tensor]]
-) -> Iterator[ScorableModel]:
-    """Inside the block the named parameters hold ``values`` (or what ``values()`` returns, computed
-    once interrupts are deferred); on exit they are restored bit for bit from saved copies,
-    whatever happened (exceptions, KeyboardInterrupt, SIGTERM: see ``interrupts``)."""
-    saved: dict[str, Tensor] = {}
-
-    def change() -> None:
-        with torch.no_grad():
-            new = values() if callable(values) else values
-            params = B.parameters(model)
-            saved.update({name: params[name].detach().clone() for name in new})
-            B.write_parameters(model, new)
-
-    def restore() -> None:
-        if saved:
-            B.write_parameters(model, saved)
-
-    finish_stale()
-    with state_change(
-        change, restore, model=model
-    ):  # interrupts wait while weights change or are restored
-        yield model
