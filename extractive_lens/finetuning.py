@@ -275,6 +275,7 @@ def _train(
             diff = _diff(model, params, snapshot, cfg, losses)
             with weights_set(model, M.tl_view(model, snapshot)):
                 callback(epoch, diff)
+    del sched, opt  # Adam's two moments (twice the trained weights) go before Δ is formed
     return _diff(model, params, snapshot, cfg, losses)
 
 
