@@ -37,8 +37,8 @@ def demo(
     ),
     steps: str = typer.Option(
         "known_hop,first_hop,scores",
-        help="smollm2: the steps, any of passes,known_hop,first_hop,second_hop,freezing,lincorr,"
-        "scores,grafting.",
+        help="smollm2: the steps, any of passes,known_hop,first_hop,scores,second_hop,freezing,"
+        "lincorr,grafting.",
         metavar="LIST",
     ),
 ) -> None:

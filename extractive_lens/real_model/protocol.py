@@ -17,15 +17,15 @@ with its figures (``<out>/*.html``; ``.png`` too where kaleido finds a Chrome):
   facts and implications per epoch (paper Fig. 2) three ways (whole answer, per token, first
   token: ``analysis.rank_table``), with bootstrap intervals over prompts, chance and a
   permutation null.
+- ``scores``: informative / upstream / downstream of the first-hop Δ on a few implications by the
+  three methods (linear on every component; exact and integrated on the linear top-k), their
+  agreement; informative mass by layer and token role on implications and on the facts, on
+  every position and on the prompt's own tokens (``analysis.mass``, ``prompt_positions``).
 - ``freezing``: ``layer_freezing`` on the ``freeze_on`` datasets (once per seed), beside the
   paper's Table 2: post-hoc reverting of the early (blocks < 2/3 of the layers, and the
   embeddings) or late part of the Δ, and the two "pre" rows (finetunes with that part frozen);
   the share of the learned improvement each loses.
 - ``lincorr``: the linear correlation of City → Country logits (Peng et al.).
-- ``scores``: informative / upstream / downstream of the first-hop Δ on a few implications by the
-  three methods (linear on every component; exact and integrated on the linear top-k), their
-  agreement; informative mass by layer and token role on implications and on the facts, on
-  every position and on the prompt's own tokens (``analysis.mass``, ``prompt_positions``).
 - ``grafting``: ``weight_grafting`` on the dax/zong data (84 training names, their
   counterfactual copy), beside the paper's Table 3: four finetunes, six weight settings.
 
@@ -79,12 +79,12 @@ STEPS = (
     "passes",
     "known_hop",
     "first_hop",
+    "scores",
     "second_hop",
     "freezing",
     "lincorr",
-    "scores",
     "grafting",
-)  # cheap first
+)  # cheap first; scores right after first_hop, so its Δ is gone before the next finetune
 FINETUNE: dict[str, Any] = dict(
     lr=1e-4, epochs=8, batch_size=8, optimizer="adam", seed=0, delta_dtype="float32"
 )  # a priori (delta_dtype: how Δ is held, 0.65 GB instead of 1.3)
@@ -185,18 +185,25 @@ def rank_summary(batch: Any, ranks: dict[str, Any], scores: Any, seed: int = 0) 
 
 
 def trajectory(
-    model: Any, ds: Any, name: str, seeds: Sequence[int], results: dict, out: Path
+    model: Any,
+    ds: Any,
+    name: str,
+    seeds: Sequence[int],
+    results: dict,
+    out: Path,
+    keep: bool = False,
 ) -> Any:
     """Finetune on the facts once per seed; ranks of facts and implications three ways, before
     training and after every epoch for the first seed (evaluated in place: ``on_epoch``), before
-    and after for the others; the first seed's Δ is returned (the scores step's)."""
+    and after for the others. With ``keep``, the first seed's Δ is returned (the scores step's):
+    that seed is trained last, so no Δ is held while another seed trains (one Δ at a time)."""
     import plotly.graph_objects as go
 
     facts, impls = ds.batches(model)
     splits = {"facts": facts, "implications": impls}
     res: dict[str, Any] = dict(n=len(ds), seeds={})
     kept = None
-    for seed in seeds:
+    for seed in [*seeds[1:], seeds[0]]:  # the kept seed last; the order changes no result
         epochs: list[dict[str, Any]] = []
         start: dict[str, Any] = {}
         last: dict[str, Any] = {}
@@ -210,17 +217,18 @@ def trajectory(
 
         record()
         every = seed == seeds[0]  # the figure's seed: every epoch; the others: before and after
-        diff = finetune(model, facts, FinetuneConfig(**{**FINETUNE, "seed": seed}),
-                        on_epoch=(lambda _: record()) if every else None)  # fmt: skip
-        if not every:
-            record(diff)
+        cfg = FinetuneConfig(**{**FINETUNE, "seed": seed})
+        diff = finetune(
+            model, facts, cfg, on_epoch=lambda e: record() if every or e == cfg.epochs - 1 else None
+        )  # in place: no Δ applied
         res["seeds"][str(seed)] = dict(
             losses=diff.metadata["losses"], ranks=epochs,
             before={s: rank_summary(b, epochs[0][s], start[s], seed) for s, b in splits.items()},
             after={s: rank_summary(b, epochs[-1][s], last[s], seed) for s, b in splits.items()},
         )  # fmt: skip
-        kept = diff if kept is None else kept
+        kept = diff if keep and every else None
         del diff
+    res["seeds"] = {str(s): res["seeds"][str(s)] for s in seeds}  # in the order asked
     res["spread"] = A.seed_spread({k: v["ranks"][-1] for k, v in res["seeds"].items()})
     first = res["seeds"][str(seeds[0])]
     res["chance"] = {s: A.chance(len(b.candidate_tokens[0])) for s, b in splits.items()}
@@ -440,9 +448,10 @@ def run(
             elif step == "known_hop":
                 known_hop(model, datasets["first_hop"], results)
             elif step in datasets:
-                diff = trajectory(model, datasets[step], step, seeds, results, out)
-                if step == "first_hop" and "scores" in steps:
-                    diffs[step] = diff  # the one Δ kept: the scores step's
+                keep = step == "first_hop" and "scores" in steps  # the scores step's Δ
+                diff = trajectory(model, datasets[step], step, seeds, results, out, keep)
+                if keep:
+                    diffs[step] = diff  # the one Δ kept
                 del diff
             elif step == "scores":
                 scored = scores_step(model, diffs.pop("first_hop"), datasets["first_hop"],
