@@ -218,17 +218,20 @@ def state_change(change: Any, restore: Any, *, model: Any) -> Iterator[None]:
 
 class locked:
     """``with locked(model):`` holds the model's lock (the one every public call and state
-    change takes) for the block: for TransformerLens's own calls, which do not take it, while
-    another thread scores the model.
+    change takes) for the block: several calls of your own as one turn while another thread
+    scores the model.
 
     >>> with locked(model):                                      # doctest: +SKIP
-    ...     logits, cache = model.run_with_cache(tokens)
+    ...     handle = model.add_hook(name, hook)
+    ...     logits = model(tokens)
+    ...     model.reset_hooks()
 
-    ``run_with_cache`` attaches hooks to the model for the length of its forward: a scoring call
-    in another thread meanwhile would see them as hooks left attached (and refuse), or its own
-    forwards would fire them and fill that cache with the scorer's activations. Inside the block,
-    scoring in other threads waits. Re-entrant in the thread that holds it. A plain object (no
-    generator), so that an interrupt cannot leave the lock held."""
+    Hooks attached in the block would be seen by a scoring call in another thread (refused as
+    hooks left attached), and its forwards would fire them; inside the block, scoring in other
+    threads waits. TransformerLens's hook contexts (``run_with_cache``, ``run_with_hooks``,
+    ``model.hooks``) take this lock by themselves (``backend/hook_locks.py``). Re-entrant in the
+    thread that holds it. A plain object (no generator), so that an interrupt cannot leave the
+    lock held."""
 
     def __init__(self, model: Any) -> None:
         self.lock = _model_lock(model)
@@ -487,6 +490,6 @@ def refuse_attached_hooks(model: Any, fn: str) -> None:
             f"{fn}: the model has hooks attached at {shown}; they would change the scores silently. "
             "Remove them first: model.reset_hooks(including_permanent=True) (or leave the `with "
             "model.hooks(...)` block) and score again. If another thread attached them for a "
-            "moment (run_with_cache, model.hooks), run that inside `with "
-            "el.model.locked(model):`, which scoring waits for."
+            "moment (model.add_hook), run that inside `with el.model.locked(model):`, which "
+            "scoring waits for."
         )

@@ -12,7 +12,8 @@ TransformerLens): ``parameter_slices`` (which component owns which parameter, do
 ``embed`` / ``attention`` / ``mlp`` / ``unembed`` and ``run_blocks`` (so the scoring engines can
 resume the residual stream at any layer boundary) and ``signature`` (what must match between a
 base and a finetuned model); and ``locked`` (``extractive_lens.interrupts``: hold the model's
-lock, the one scoring takes, around TransformerLens's own calls such as ``run_with_cache``).
+lock, the one scoring takes, around several calls of your own; TransformerLens's hook contexts,
+``run_with_cache`` among them, take it by themselves: ``backend/hook_locks.py``).
 """
 
 from __future__ import annotations

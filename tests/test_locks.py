@@ -4,6 +4,7 @@ end and then scores the model as it is, not the state the block gave it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import extractive_lens as el
 from extractive_lens import model as M
 from extractive_lens.backend.installed import has_hooked
-from tests.conftest import make_pair
+from tests.conftest import FAMILIES, make_pair
 from tests.helpers import small_batch
 
 
@@ -31,6 +32,9 @@ CONTEXTS = {
     "computing_in": lambda model, diff: M.computing_in(model, torch.float32),
     "frozen_parameters": lambda model, diff: M.frozen_parameters(model),
     "standard_flags": lambda model, diff: _flags(model),
+    "hooks": lambda model, diff: model.hooks(  # TransformerLens's own context, held open
+        fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, hook: x)]
+    ),
 }
 
 
@@ -81,22 +85,44 @@ def test_the_same_thread_scores_inside_its_own_block(pair):
     assert inside.metadata is not None
 
 
-def test_run_with_cache_in_another_thread_under_the_models_lock(pair):
+@pytest.fixture(scope="module", params=["hooked", "bridge"])
+def each_backend(request):
+    """A pair on each model class: a ``HookedTransformer`` (where TransformerLens has it) and a
+    ``TransformerBridge``."""
+    if request.param == "hooked" and not has_hooked():
+        pytest.skip("TransformerLens 4 has no HookedTransformer")
+    cfg = dict(FAMILIES["ln_gelu"], dtype=torch.float64)
+    base = el.tiny_model(cfg, seed=0, backend=request.param)
+    ft = el.tiny_model(cfg, seed=0, backend=request.param)
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in ft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    diff = el.WeightDiff.from_models(base, ft)
+    batch = small_batch(base, n=2)
+    return base, diff, batch, el.linear_scores(base, diff, batch, show_progress=False)
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["as_is", "under_locked"])
+def test_run_with_cache_in_another_thread_takes_turns_with_scoring(each_backend, by_hand):
     """TransformerLens's ``run_with_cache`` attaches hooks for its forward; in a second thread
-    while scoring runs, scoring refused them as the user's hooks or filled that cache with its
-    own activations. Inside ``el.model.locked(model)`` the two take turns: every cache equals
-    the one made alone, every score the one computed alone."""
-    base, diff, batch, alone = pair
+    while scoring ran, scoring refused them as the user's hooks or filled that cache with its
+    own activations. Its hook contexts now hold the model's lock (as ``el.model.locked(model)``,
+    still accepted, does by hand): the two take turns, every cache equals the one made alone,
+    every score the one computed alone."""
+    base, diff, batch, alone = each_backend
     tokens = batch.tokens[:1, :4]
     _, want = base.run_with_cache(tokens)
     errors: list[BaseException] = []
+    runs: list[int] = []
     stop = threading.Event()
 
     def cache() -> None:
         try:
             while not stop.is_set():
-                with M.locked(base):
+                with M.locked(base) if by_hand else contextlib.nullcontext():
                     _, got = base.run_with_cache(tokens)
+                runs.append(1)
                 assert set(got.keys()) == set(want.keys())
                 for name in want.keys():
                     assert torch.equal(got[name], want[name]), name
@@ -114,6 +140,7 @@ def test_run_with_cache_in_another_thread_under_the_models_lock(pair):
         stop.set()
         worker.join(timeout=60)
     assert errors == [], errors
+    assert runs, "the other thread never ran run_with_cache"
 
 
 def test_the_lock_is_released_when_the_block_raises(pair):

@@ -31,6 +31,7 @@ from extractive_lens.backend.compute import (
     frozen_parameters,
     resolve_compute_dtype,
 )
+from extractive_lens.backend.hook_locks import lock_hook_contexts
 from extractive_lens.backend.lowrank import LowRank
 from extractive_lens.backend.names import (
     ParamRole,
@@ -133,6 +134,7 @@ def backend_for(model: Any) -> ModuleType:
                 "HookedTransformer or TransformerBridge (load_pretrained(name), "
                 "load_checkpoint(dir), tiny_model(); backend='bridge' for a bridge)."
             )
+        lock_hook_contexts(cls)  # its run_with_cache, run_with_hooks, hooks take the model's lock
         _BY_TYPE[cls] = found
     return found
 
