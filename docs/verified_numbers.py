@@ -4,7 +4,7 @@
 
 The world model finetuned on its 20 first-hop facts (the demo's Δ), scored on the implications:
 linear and the full exact map of every component (per token, computed once and saved under
-docs/verified/world_exact), then ``verified_scores`` at a budget of 3x linear's time, its
+docs/verified/world_exact), then ``verified_scores`` at a budget of 3x linear's passes, its
 estimates against the full map's values, and a planted disagreement (the MLP with the largest
 exact downstream mass, its linear score zeroed) and whether the audit finds it.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import extractive_lens as el
+from extractive_lens.scoring.counting import counting_passes
 from extractive_lens.world import FINETUNE, first_hop, load_world_model
 
 HERE = Path(__file__).resolve().parent / "verified"
@@ -42,16 +43,27 @@ def main() -> None:
     facts, impls = first_hop().batches(model)
     diff = el.finetune(model, facts, el.FinetuneConfig(**FINETUNE, seed=0))
     lin, t_lin = timed(lambda: el.linear_scores(model, diff, impls), repeats=3)
+    with counting_passes(model, impls) as count:
+        el.linear_scores(model, diff, impls)
+    p_lin = count.passes
     full, t_exact = timed(lambda: el.causal_scores(model, diff, impls))
     full.save(HERE / "world_exact")
     cmp = el.compare(lin, full)
     rows = {r["kind"]: r for r in cmp.rows if r["part"] == "all"}
+    with counting_passes(model, impls) as count:
+        el.causal_scores(model, diff, impls)
     out = dict(model="world v3", prompts=len(impls), components=20, linear_s=t_lin,
-               full_exact_s=t_exact, runs=[])  # fmt: skip
+               full_exact_s=t_exact, linear_passes=p_lin, full_exact_passes=count.passes,
+               runs=[])  # fmt: skip
     for seed in (0, 1, 2):
         v, t_v = timed(lambda: el.verified_scores(model, diff, impls, budget=3.0, seed=seed,
-                                                  linear=lin, linear_seconds=t_lin))  # fmt: skip
-        run = dict(seed=seed, seconds=t_v, ratio_to_linear=(t_v + t_lin) / t_lin, kinds={})
+                                                  linear=lin, linear_passes=p_lin))  # fmt: skip
+        meta = v.metadata["verified"]
+        run = dict(seed=seed, seconds=t_v, ratio_to_linear=(t_v + t_lin) / t_lin,
+                   passes=meta["spent"], passes_ratio=meta["spent"] / p_lin,
+                   allowed=meta["allowed"], over_budget=meta["over_budget"],
+                   least=p_lin + sum(p["least_cost"] for p in meta["kinds"].values()),
+                   kinds={})  # fmt: skip
         for kind in v.kinds:
             plan = v.metadata["verified"]["kinds"][kind]
             e = plan["estimates"]
@@ -75,7 +87,7 @@ def main() -> None:
     values[k, layer, -1], pv[k, :, layer, -1] = 0.0, 0.0
     zeroed = dataclasses.replace(lin, values=values, prompt_values=pv)
     v = el.verified_scores(model, diff, impls, budget=3.0, seed=0, linear=zeroed,
-                           linear_seconds=t_lin)  # fmt: skip
+                           linear_passes=p_lin)  # fmt: skip
     plan = v.metadata["verified"]["kinds"]["downstream"]
     c = layer * 5 + 4
     out["planted"] = dict(component=f"L{layer}MLP", kind="downstream",
@@ -86,5 +98,119 @@ def main() -> None:
     print(json.dumps(out, indent=1))
 
 
+# --------------------------------------------------------------------------- SmolLM2-135M
+
+SMOL = Path("/tmp/smol/full")
+"""Where the SmolLM2 maps go (too large for git: Δ alone is 0.5 GB): ``diff.safetensors``,
+``<what>_<method>`` (``ComponentScores.save``), ``<what>_causal_L<a>-<b>`` (the exact map a
+slice of layers at a time, merged into ``<what>_causal``), ``times.json`` and ``READY``."""
+SETS = ("implications", "facts")
+
+
+def smol_setup(out: Path) -> tuple:
+    """SmolLM2-135M, the protocol's first-hop data and its seed-0 Δ (finetuned once, saved)."""
+    from extractive_lens.datasets.twohop import first_hop as smol_first_hop
+    from extractive_lens.real_model.protocol import FINETUNE as SMOL_FINETUNE
+    from extractive_lens.real_model.protocol import scored_sets
+
+    torch.manual_seed(0)  # as protocol.run
+    model = el.load_pretrained("smollm2-135m")
+    ds = smol_first_hop(n=20)
+    facts, impls = ds.batches(model)
+    path = out / "diff.safetensors"
+    if path.exists():
+        diff = el.WeightDiff.load(path)
+    else:
+        t, c = time.perf_counter(), time.process_time()
+        diff = el.finetune(model, facts, el.FinetuneConfig(**SMOL_FINETUNE))
+        record(out, "finetune", time.perf_counter() - t, time.process_time() - c)
+        diff.save(path)
+    return model, diff, scored_sets(facts, impls, range(4))
+
+
+def record(out: Path, name: str, wall: float, cpu: float, **more: object) -> None:
+    """One line of ``times.json``: wall and CPU seconds of a stage (and what else it says)."""
+    path = out / "times.json"
+    times = json.loads(path.read_text()) if path.exists() else {}
+    times[name] = dict(wall_s=wall, cpu_s=cpu, **more)
+    path.write_text(json.dumps(times, indent=1))
+    print(name, json.dumps(times[name]), flush=True)
+
+
+def smol_stage(stage: str, what: str, layers: str | None, nodes: int) -> None:
+    """One heavy-run job: ``diff`` (finetune, then linear on both sets), ``causal`` or
+    ``integrated`` on ``what`` (``layers`` "a-b": that slice only), ``merge`` (the slices into
+    one exact map, then ``READY``)."""
+    SMOL.mkdir(parents=True, exist_ok=True)
+    if stage == "merge":
+        return smol_merge()
+    model, diff, sets = smol_setup(SMOL)
+    todo = SETS if stage == "diff" else (what,)
+    for name in todo:
+        sub, ref = sets[name]
+        t, c = time.perf_counter(), time.process_time()
+        if stage == "diff":
+            s = el.linear_scores(model, diff, sub, reference=ref)
+            tag = "linear"
+        else:
+            first, last = (int(x) for x in layers.split("-")) if layers else (0, -1)
+            sl = list(range(first, last + 1)) if layers else None
+            fn = el.causal_scores if stage == "causal" else el.integrated_scores
+            kw = {} if stage == "causal" else {"steps": nodes}
+            s = fn(model, diff, sub, reference=ref, layers=sl, **kw)
+            tag = stage + (f"_L{layers}" if layers else "")
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        s.save(SMOL / f"{name}_{tag}")
+        record(SMOL, f"{name}_{tag}", wall, cpu, prompts=len(sub))
+
+
+def smol_merge() -> None:
+    """The exact (and integrated) maps' layer slices as one map per set, then ``READY``."""
+    for name in SETS:
+        for method in ("causal", "integrated"):
+            parts = sorted(SMOL.glob(f"{name}_{method}_L*"))
+            if not parts:
+                continue
+            loaded = [el.ComponentScores.load(p) for p in parts]
+            first = loaded[0]
+            out = [t.clone() for t in (first.values, first.totals, first.prompt_values,
+                                       first.prompt_totals)]  # fmt: skip
+            covered: list[int] = []
+            for s in loaded:
+                ls = s.metadata["layers"]
+                covered += ls
+                out[0][:, ls], out[1][:, ls] = s.values[:, ls], s.totals[:, ls]
+                out[2][:, :, ls] = s.prompt_values[:, :, ls]
+                out[3][:, :, ls] = s.prompt_totals[:, :, ls]
+            n_layers = first.totals.shape[1]
+            if sorted(covered) != list(range(n_layers)):
+                raise SystemExit(f"{name} {method}: layers {sorted(covered)} of {n_layers}")
+            meta = {**first.metadata, "layers": None, "skipped": None,
+                    "merged_from": [p.name for p in parts]}  # fmt: skip
+            full = dataclasses.replace(first, values=out[0], totals=out[1], prompt_values=out[2],
+                                       prompt_totals=out[3], metadata=meta)  # fmt: skip
+            assert torch.isfinite(full.totals).all(), f"{name} {method}: cells left uncomputed"
+            full.save(SMOL / f"{name}_{method}")
+    (SMOL / "READY").write_text("diff.safetensors; <set>_linear, <set>_causal, <set>_integrated\n")
+
+
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--model", choices=("world", "smollm2"), default="world")
+    ap.add_argument(
+        "--stage",
+        choices=("diff", "causal", "integrated", "merge"),
+        default="diff",
+        help="smollm2: one heavy-run job (see smol_stage)",
+    )
+    ap.add_argument("--what", choices=SETS, default="implications")
+    ap.add_argument("--layers", default=None, help="smollm2 causal/integrated: a-b, inclusive")
+    ap.add_argument("--nodes", type=int, default=2, help="integrated: nodes (the protocol's: 2)")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    if a.model == "world":
+        main()
+    else:
+        smol_stage(a.stage, a.what, a.layers, a.nodes)

@@ -63,6 +63,7 @@ class Estimate:
     block_passes: int = 0
     n_layers: int = 0
     counted_at: tuple[int, ...] = ()
+    batch_passes: tuple[float, float] = (0.0, 0.0)  # forward, backward (scoring/counting.py)
 
     @property
     def device_bytes(self) -> int:
@@ -86,7 +87,10 @@ class Estimate:
         )  # fmt: skip
         lines.append(
             f"passes: {self.block_passes} block forwards (≈ {self.passes:.1f} forwards of the "
-            f"whole model; a batch of rows through one block counts once)"
+            f"whole model; a batch of rows through one block counts once); by the batch's "
+            f"tokens through every piece (verified_scores' budget's unit, "
+            f"scoring/counting.py): {sum(self.batch_passes):.1f} = "
+            f"{self.batch_passes[0]:.1f} forward + {self.batch_passes[1]:.1f} backward"
             + (f"; counted at depths {self.counted_at} and extrapolated to "
                f"{self.n_layers} layers" if len(self.counted_at) > 1 else "")
         )  # fmt: skip
@@ -185,7 +189,7 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
         method=method, device=str(model_dev), weights_bytes=weights, delta_bytes=delta_bytes,
         parts=parts, delta_read_bytes=read, layer_loads=moved.loads, layerwise=lw,
         gradients=entry.gradients, block_passes=moved.passes, n_layers=cfg.n_layers,
-        counted_at=moved.depths,
+        counted_at=moved.depths, batch_passes=moved.batch_passes,
     )  # fmt: skip
 
 
@@ -232,6 +236,7 @@ class Counted:
     reads: dict[str, float]
     passes: int
     depths: tuple[int, ...]
+    batch_passes: tuple[float, float] = (0.0, 0.0)
 
     def read_bytes(self, stored: dict[str, int], by_group: dict[Any, int]) -> int:
         """The real diff's bytes moved: each load by its group's bytes, each read by its
@@ -282,6 +287,10 @@ def counted(model: Any, diff: Any, batch: Any, method: str, options: dict[str, A
         reads={n: extrapolate([c.reads.get(n, 0) for c in at]) for n in names},
         passes=round(extrapolate([c.passes for c in at])),
         depths=COUNT_DEPTHS,
+        batch_passes=(  # in passes of the copy's own depth: as tokens, then per layer
+            extrapolate([c.batch_passes[0] * d for c, d in zip(at, COUNT_DEPTHS)]) / depth,
+            extrapolate([c.batch_passes[1] * d for c, d in zip(at, COUNT_DEPTHS)]) / depth,
+        ),
     )
 
 
@@ -302,6 +311,7 @@ def _counted(
     from extractive_lens.backend import shift
     from extractive_lens.model import tiny_model
     from extractive_lens.scoring import runs
+    from extractive_lens.scoring.counting import counting_passes
     from extractive_lens.scoring.linear import linear_scores
     from extractive_lens.scoring.methods import method as method_entry
 
@@ -350,7 +360,7 @@ def _counted(
                 options["linear"] = lin
             B.check_scorable(narrow)  # its one-time self-check is not the call's passes
             B.attention = counting_attention  # every block forward runs one attention
-            with shift.counting() as traffic:
+            with shift.counting() as traffic, counting_passes(narrow, proxy_batch) as count:
                 entry.engine(narrow, proxy, proxy_batch, show_progress=False, **options)
     finally:
         shift.REUSE_BYTES, B.attention = saved, attention
@@ -362,7 +372,8 @@ def _counted(
     for name, share in traffic.reads.items():
         key = _role(name) if by_role else name
         reads[key] = reads.get(key, 0) + share
-    return Counted(traffic.loads, by_group, reads, passes, (depth,))
+    return Counted(traffic.loads, by_group, reads, passes, (depth,),
+                   (count.forward, count.backward))  # fmt: skip
 
 
 _NARROW = 8

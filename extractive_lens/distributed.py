@@ -118,6 +118,8 @@ def distributed_scores(
     fn = entry.engine
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn(model, diff, batch, **kwargs)
+    if not entry.shards:
+        raise ValueError(entry.unsharded)
     rank, world = dist.get_rank(), dist.get_world_size()
     _same_inputs_everywhere(inputs_digest(method, model, diff, batch, kwargs), rank, world)
     top_k = kwargs.get("top_k") is not None  # chosen over all the layers: not per layer shard

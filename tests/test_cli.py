@@ -574,3 +574,50 @@ def test_an_unknown_model_name_is_one_readable_sentence(tmp_path):
 
     if has_hooked():  # TransformerLens 4 asks the hub instead, and says it could not connect
         assert "wrld not found)" in said, said
+
+
+def test_score_verified_takes_its_flags_through_the_methods_table(tmp_path):
+    """--budget/--seed/--coverage/--audit/--positions reach verified_scores (the entry's cli
+    names them); a bad budget and --distributed are refused before a model is loaded."""
+    import extractive_lens as el
+    from extractive_lens import ComponentScores
+    from extractive_lens.world import FINETUNE, first_hop, load_world_model
+
+    model = load_world_model()
+    ds = first_hop()
+    facts_batch, _ = ds.batches(model)
+    diff = tmp_path / "d.safetensors"
+    el.finetune(model, facts_batch.subset(range(4)),
+                el.FinetuneConfig(**{**FINETUNE, "epochs": 1})).save(diff)  # fmt: skip
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text(
+        "\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in ds.facts[:4])
+    )
+    base = ["score", "--base", "world", "--diff", str(diff), "--data", str(facts), "--method",
+            "verified", "--kinds", "downstream"]  # fmt: skip
+    out = tmp_path / "v"
+    res = runner.invoke(app, [*base, "--budget", "40", "--seed", "2", "--coverage", "0.5",
+                              "--audit", "3", "--positions", "prompt", "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    v = ComponentScores.load(out / "verified")
+    meta = v.metadata["verified"]
+    assert (meta["budget"], meta["seed"], meta["coverage"]) == (40.0, 2, 0.5)
+    plan = meta["kinds"]["downstream"]
+    assert len(plan["audited"]) == sum(max(2, len(cs)) for cs in plan["sample"].values())
+    assert not any(label.startswith("answer[") for label in v.position_labels)  # prompt only
+    res = runner.invoke(app, [*base, "--budget", "120s", "--audit", "2", "--out",
+                              str(tmp_path / "s")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert ComponentScores.load(tmp_path / "s" / "verified").metadata["verified"]["unit"] == (
+        "seconds"
+    )
+    res = runner.invoke(app, [*base, "--budget", "soon", "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "budget must be" in res.output
+    res = runner.invoke(app, [*base, "--distributed", "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "in one process" in res.output
+    assert not (tmp_path / "x").exists()
+    text = runner.invoke(app, ["score", "--help"], terminal_width=100).output
+    for flag, says in (("--budget", "linear's passes"), ("--seed", "audit"),
+                       ("--coverage", "|mass|"), ("--audit", "per kind"),
+                       ("--positions", "prompt's own")):  # fmt: skip
+        assert flag in text and says in " ".join(text.split()), flag

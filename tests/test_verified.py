@@ -18,6 +18,8 @@ from extractive_lens import (
     linear_scores,
     verified_scores,
 )
+from extractive_lens.scoring.counting import counting_passes
+from extractive_lens.scoring.verified import OverBudgetWarning
 from tests.conftest import make_pair
 from tests.helpers import small_batch
 
@@ -29,20 +31,22 @@ def world():
     base, ft = make_pair("ln_gelu", torch.float64, delta_scale=0.1, n_layers=3)
     batch = small_batch(base, n=5)
     diff = WeightDiff.from_models(base, ft)
-    lin = linear_scores(base, diff, batch, kinds=KINDS)
+    lin = linear_scores(base, diff, batch, kinds=KINDS)  # a bridge checks itself on first use
+    with counting_passes(base, batch) as count:
+        lin = linear_scores(base, diff, batch, kinds=KINDS)
     full = causal_scores(base, diff, batch, kinds=KINDS)  # the whole exact map, once
-    return base, diff, batch, lin, full
+    return base, diff, batch, lin, full, count.passes
 
 
 def _verified(world, lin=None, **kw):
-    base, diff, batch, lin0, _ = world
+    base, diff, batch, lin0, _, passes = world
     kw.setdefault("n_boot", 200)
-    return verified_scores(base, diff, batch, kinds=KINDS, linear=lin or lin0, linear_seconds=1.0,
-                           **kw)  # fmt: skip
+    return verified_scores(base, diff, batch, kinds=KINDS, linear=lin or lin0,
+                           linear_passes=passes, **kw)  # fmt: skip
 
 
 def test_every_cell_holds_what_its_provenance_says(world):
-    base, diff, batch, lin, full = world
+    base, diff, batch, lin, full, _ = world
     v = _verified(world, audit=3, coverage=0.5, seed=1, tolerance=100.0)  # nothing integrated
     assert v.method == "verified"
     for k, kind in enumerate(KINDS):
@@ -66,7 +70,7 @@ def test_every_cell_holds_what_its_provenance_says(world):
 
 def test_a_census_gives_compare_s_numbers(world):
     """Auditing every component, the estimates are the full map's statistics."""
-    *_, lin, full = world
+    *_, lin, full, _ = world
     v = _verified(world, audit=100, coverage=0.3)
     cmp = compare(lin, full)
     for kind in KINDS:
@@ -82,7 +86,7 @@ def test_a_census_gives_compare_s_numbers(world):
 
 
 def test_the_intervals_hold_the_full_map_values(world):
-    *_, lin, full = world
+    *_, lin, full, _ = world
     cmp = compare(lin, full)
     v = _verified(world, audit=4, coverage=0.5, seed=3, n_boot=400)
     for kind in KINDS:
@@ -97,7 +101,7 @@ def test_the_intervals_hold_the_full_map_values(world):
 def test_a_planted_disagreement_is_found_by_the_audit(world):
     """An MLP whose linear score is zeroed is outside linear's top set; only the audit, drawn
     from all the other components (each layer's MLP its own stratum), can find it."""
-    *_, lin, full = world
+    *_, lin, full, _ = world
     k = lin.kind_index("downstream")
     ex_mlp = full.totals[k][:, -1].abs()
     layer = int(ex_mlp.argmax())
@@ -126,6 +130,66 @@ def test_the_audit_reaches_every_component_outside_the_top(world):
     assert seen == rest  # not only the components linear ranks next
 
 
+def test_a_pass_is_the_batch_through_every_piece_once(world):
+    """Counted against tokens by hand: the whole batch through every block is 1 forward, a
+    forward resumed after layer l (or after its heads) the share of pieces left, half the rows
+    half as much, and a backward through the whole forward 1 backward."""
+    from extractive_lens import backend as B
+    from extractive_lens.backend.blocks import run_blocks
+
+    base, _, batch, *_ = world
+    L = base.cfg.n_layers
+    x = B.embed(base, batch.tokens).detach()
+    for start, want in (((0, "pre"), 1.0), ((0, "post"), (L - 1) / L),
+                        ((1, "mid"), (L - 1.5) / L), ((L - 1, "post"), 0.0)):  # fmt: skip
+        with torch.no_grad(), counting_passes(base, batch) as count:
+            run_blocks(base, x, start=start)
+        assert count.forward == pytest.approx(want) and count.backward == 0.0
+    with torch.no_grad(), counting_passes(base, batch) as count:
+        run_blocks(base, x[: len(batch) // 2 or 1])
+    assert count.forward == pytest.approx((len(batch) // 2 or 1) / len(batch))
+    with counting_passes(base, batch) as count:
+        run_blocks(base, x.requires_grad_()).sum().backward()
+    assert (count.forward, count.backward, count.passes) == pytest.approx((1.0, 1.0, 2.0))
+
+
+def test_the_budget_is_in_linear_s_passes(world):
+    base, diff, batch, lin, _, passes = world
+    # computed inside, linear's passes are counted: the same count as around linear_scores
+    v = verified_scores(base, diff, batch, kinds=KINDS, budget=200.0, n_boot=20)
+    meta = v.metadata["verified"]
+    assert meta["unit"] == "passes" and meta["linear_cost"] == pytest.approx(passes)
+    assert meta["allowed"] == pytest.approx(200 * passes) and not meta["over_budget"]
+    assert meta["spent"] == pytest.approx(meta["passes"]["total"])
+    assert meta["spent"] <= meta["allowed"]
+    # a generous budget audits every component outside the top set (15 in all)
+    for p in meta["kinds"].values():
+        assert sorted(p["top"] + p["audited"]) == list(range(15)), p
+    # too small for the top set and the smallest audit: spent anyway, recorded and warned
+    with pytest.warns(OverBudgetWarning, match=r"budget=\d") as said:
+        v = _verified(world, budget=1.5, coverage=0.5, seed=0, n_boot=20)
+    meta = v.metadata["verified"]
+    assert meta["over_budget"] and meta["spent"] > meta["allowed"]
+    assert meta["allowed"] == pytest.approx(1.5 * passes)
+    needed = float(str(said[0].message).split("budget=")[1].split(" ")[0].rstrip(","))
+    assert needed * passes >= sum(p["least_cost"] for p in meta["kinds"].values()) + passes
+    with pytest.raises(ValueError, match="linear_passes="):
+        verified_scores(base, diff, batch, kinds=KINDS, linear=lin)
+
+
+def test_estimate_counts_the_budget_s_passes_before_it_runs(world):
+    """On a narrow copy of the model (its prompts all of the batch's padded length): linear's
+    passes near the ones counted on the model, and verified's said in the same unit."""
+    from extractive_lens import estimate
+
+    base, diff, batch, *_, passes = world
+    e = estimate(base, diff, batch, "linear", kinds=KINDS)
+    assert sum(e.batch_passes) == pytest.approx(passes, rel=0.25)
+    assert e.batch_passes[1] > 0  # linear's backward
+    e = estimate(base, diff, batch, "verified", kinds=KINDS, budget=3.0)
+    assert sum(e.batch_passes) > passes and "budget's unit" in str(e)
+
+
 def test_bad_budgets_are_refused(world):
     with pytest.raises(ValueError, match="budget"):
         _verified(world, budget="soon")
@@ -137,7 +201,7 @@ def test_the_report_draws_provenance_and_intervals(world, tmp_path):
     from extractive_lens import verified_plots as vp
     from extractive_lens.plotting import report
 
-    *_, lin, full = world
+    *_, lin, full, _ = world
     v = _verified(world, audit=2, coverage=0.5, seed=1, tolerance=100.0)
     fig = vp.provenance_map(v, "downstream")
     marks = {t.name: set(zip(t.y, t.x)) for t in fig.data[1:]}
@@ -167,3 +231,16 @@ def test_the_report_command_reads_what_score_method_verified_saved(world, tmp_pa
     res = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "report.html").is_file()
+
+
+def test_distributed_verified_is_one_sentence_naming_what_to_do(world, monkeypatch):
+    """Shards of the prompts would each draw their own audit: the table's entry refuses."""
+    import torch.distributed as dist
+
+    from extractive_lens.distributed import distributed_scores
+
+    base, diff, batch, *_ = world
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"in one process .* distributed and compare them\.$"):
+        distributed_scores("verified", base, diff, batch, kinds=KINDS)

@@ -108,6 +108,39 @@ def score(
     layers: str = typer.Option(
         None, help="Exact scores only for these layers, e.g. '0,3'.", metavar="L,..."
     ),
+    positions: str = typer.Option(
+        "all",
+        help="The map's positions: all (every position the model reads, the answer's "
+        "continuation tokens too) or prompt (the prompt's own; the answer continuations left "
+        "out, and said so in the report).",
+        metavar="all|prompt",
+    ),
+    budget: str = typer.Option(
+        "3.0",
+        help="Verified scores: what the call may spend, as a multiple of linear's passes (3.0: "
+        "about three times linear's passes, linear included; a pass is the batch through every "
+        "block once) or seconds ('120s'). The top components and 2 audited per stratum are "
+        "always done; a budget too small for them is overrun, recorded and warned.",
+        metavar="X|Ns",
+    ),
+    seed: int = typer.Option(
+        0,
+        help="Verified scores: the seed of the audit's random draw and of its bootstrap.",
+        metavar="N",
+    ),
+    coverage: float = typer.Option(
+        0.8,
+        help="Verified scores: exact on the components that carry this share of the linear "
+        "|mass|, largest first (before the audit).",
+        metavar="F",
+    ),
+    audit: int = typer.Option(
+        None,
+        min=0,
+        help="Verified scores: audit this many other components per kind, drawn at random by "
+        "depth band and type (default: as many as the budget leaves); fixes the design.",
+        metavar="N",
+    ),
     distributed: bool = typer.Option(
         False, help="Data-parallel over the processes of `torchrun` (gloo/NCCL)."
     ),
@@ -159,13 +192,17 @@ def score(
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
     flags: dict[str, Any] = dict(
         convention=convention, per=per, top_k=top_k, steps=n_steps, force=force_steps,
-        layers=int_list(layers, "--layers") if layers else None,
+        layers=int_list(layers, "--layers") if layers else None, positions=positions,
+        budget=budget_value(budget), seed=seed, coverage=coverage, audit=audit,
     )  # fmt: skip
     common: dict[str, Any] = dict(
         reward=reward, batch_size=batch_size, compute_dtype=compute_dtype, kinds=kind_list,
         ablation=ablation,
     )  # fmt: skip
     check_options(methods, common, flags)
+    for m in methods if distributed else ():
+        if not entry(m).shards:  # a method whose shards would not merge (its entry says why)
+            raise typer.BadParameter(entry(m).unsharded)
     from extractive_lens import WeightDiff, make_batch
     from extractive_lens.datasets import load_pairs
     from extractive_lens.distributed import distributed_scores, process_group
@@ -237,6 +274,15 @@ def score(
         for line in what_to_trust(cmps, lin):
             echo(line)
         echo(f"\nwrote {out}/ (report: {path})")
+
+
+def budget_value(text: str) -> float | str:
+    """``--budget``: a number (a multiple of linear's passes) or seconds as written (``120s``);
+    ``verified_scores`` checks either."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def describe_adapter(metadata: Any) -> str:

@@ -22,7 +22,9 @@ listing the ones it has) instead of branching on its name. An entry (``Method``)
   ``gradients``: whether it takes gradients (exact does not), so whether they can go one
   layer at a time.
 - ``shards``: how ``distributed_scores`` may split a call: ``("prompts",)``, or
-  ``("prompts", "layers")`` for a method that takes ``layers=`` and scores each layer alone.
+  ``("prompts", "layers")`` for a method that takes ``layers=`` and scores each layer alone;
+  ``()`` for one whose shards would not merge into its result, with ``unsharded``: the one
+  sentence ``distributed_scores`` refuses it with (why, and what to run instead).
 - ``gathered``, ``merged``: what each rank sends beyond its scores (``gathered(part)``, e.g.
   a per-prompt check) and how the merged result's metadata combines them (``merged(result,
   gathered_of_every_rank, rank)``); ``None`` where the method has nothing to merge.
@@ -81,6 +83,7 @@ class Method:
     composite: bool = False
     gathered: Callable[[ComponentScores], Any] | None = None
     merged: Callable[[ComponentScores, list[Any], int], None] | None = None
+    unsharded: str = ""
 
     def __post_init__(self) -> None:
         fields = {f.name for f in dataclasses.fields(self.options)}
@@ -91,10 +94,10 @@ class Method:
                 "no field for; list the options' field names the score command passes."
             )
         bad = [s for s in self.shards if s not in ("prompts", "layers")]
-        if bad or "prompts" not in self.shards:
+        if bad or ("prompts" not in self.shards and not (self.unsharded and not self.shards)):
             raise ValueError(
                 f"method {self.name!r}: shards must be ('prompts',) or ('prompts', 'layers'), "
-                f"got {self.shards}."
+                f"or () with unsharded= saying why, got {self.shards}."
             )
 
 
@@ -142,7 +145,7 @@ def register(entry: Method) -> Method:
 
 register(Method(
     name="linear", engine=linear_scores, options=LinearOptions, memory=costs.linear_memory,
-    shards=("prompts",), cli=("convention",), reference=0, shown="linear",
+    shards=("prompts",), cli=("convention", "positions"), reference=0, shown="linear",
     informative_totals="informative: first-order estimates of exact's (one component finetuned "
     "alone)",
     totals_note="Linear informative is the first-order estimate of exact informative (one "
@@ -157,7 +160,7 @@ register(Method(
 register(Method(
     name="integrated", engine=integrated_scores, options=IntegratedOptions,
     memory=costs.integrated_memory, shards=("prompts", "layers"),
-    cli=(*_EXACT_FLAGS, "steps", "force"), reference=1, shown="integrated",
+    cli=(*_EXACT_FLAGS, "steps", "force", "positions"), reference=1, shown="integrated",
     informative_totals="informative: shares of R(W') - R(W) along the joint path W + αΔ, not "
     "exact's",
     totals_note="Integrated informative shares R(W') - R(W) out along the joint path W + αΔ "
@@ -170,7 +173,8 @@ register(Method(
 ))  # fmt: skip
 register(Method(
     name="causal", engine=causal_scores, options=CausalOptions, memory=costs.exact_memory,
-    shards=("prompts", "layers"), cli=_EXACT_FLAGS, reference=2, shown="exact", gradients=False,
+    shards=("prompts", "layers"), cli=(*_EXACT_FLAGS, "positions"), reference=2, shown="exact",
+    gradients=False,
     informative_totals="informative: each component's weights finetuned alone, the rest at W",
     remedy="{fix}",
 ))  # fmt: skip
@@ -179,7 +183,12 @@ register(Method(
     name="verified", engine=verified_scores, options=VerifiedOptions,
     memory=lambda s, o: max(costs.linear_memory(s, o), costs.exact_memory(s, o),
                             key=lambda parts: sum(parts.values())),
-    shards=("prompts",), cli=("steps",), reference=0, shown="verified",
+    shards=(), cli=("steps", "positions", "budget", "seed", "coverage", "audit"),
+    reference=0, shown="verified",
+    unsharded="verified scores draw one audit and one bootstrap over every prompt, so shards of "
+    "the prompts would not merge into one design: run verified_scores in one process (without "
+    "torchrun or --distributed), or run linear_scores and causal_scores(top_k=...) distributed "
+    "and compare them.",
     informative_totals="informative: exact where patched, integrated or linear elsewhere "
     "(provenance per cell)",
     remedy="a larger budget (verified_scores(..., budget=...)), or {fix}", composite=True,

@@ -30,18 +30,24 @@ Per kind, in order:
 
 Each cell of the result carries its provenance (``ComponentScores.provenance``): ``exact``
 where step 2 or 3 patched its component, ``integrated`` where step 4 did, else ``linear``.
-``budget``: a multiple of linear's measured seconds (``3.0``: the whole call takes about three
-times linear's time) or seconds (``"120s"``); it sizes the audit beyond its smallest design and
-the integrated step, while the top set and ``MIN_PER_STRATUM`` per stratum are always done, so
-a budget too small for them is overrun (``metadata["verified"]["over_budget"]``); ``audit=`` fixes the audited components per kind
-instead, for a reproducible design. ``el.estimate(model, diff, batch, "verified")`` says its
-memory and Δ traffic before it runs (the table's entry: the larger of linear's and exact's).
+``budget``: a multiple of linear's passes (``3.0``: the whole call, linear's passes included,
+about three times linear's; a pass is the batch through every block once, a resumed forward
+or a backward counted by what it runs: ``scoring/counting.py``), or seconds (``"120s"``). The
+passes are counted while the call runs; each kind gets an equal share of what linear leaves.
+The top set and ``MIN_PER_STRATUM`` per stratum are always done, and what they cost (counted,
+per unit of depth: a component's rows resume after it) sizes the rest of the audit and the
+integrated step; a budget too small for them is overrun, recorded
+(``metadata["verified"]["over_budget"]``) and warned (``OverBudgetWarning``, naming the budget
+that would hold them). ``audit=`` fixes the audited components per kind instead, for a
+reproducible design. ``el.estimate(model, diff, batch, "verified", budget=...)`` says its
+memory, Δ traffic and passes before it runs (counted on a narrow copy of the model).
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -53,6 +59,7 @@ from torch import Tensor
 from extractive_lens.batch import PromptBatch
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
+from extractive_lens.scoring.counting import PassCount, counting_passes
 from extractive_lens.scoring.options import LinearOptions
 from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
 
@@ -76,7 +83,8 @@ class VerifiedOptions(LinearOptions):
     steps: int = 4
     level: float = 0.95
     n_boot: int = 1000
-    linear: Any = None  # linear scores of this batch and diff, to reuse (and time as given)
+    linear: Any = None  # linear scores of this batch and diff, to reuse (with what they cost)
+    linear_passes: float | None = None
     linear_seconds: float | None = None
 
     def __post_init__(self) -> None:
@@ -85,24 +93,39 @@ class VerifiedOptions(LinearOptions):
             raise ValueError(f"coverage must be in (0, 1], got {self.coverage!r}.")
         if self.audit is not None and self.audit < 0:
             raise ValueError(f"audit must be a number of components >= 0, got {self.audit!r}.")
-        _seconds(self.budget, 1.0)  # checks its form
+        Budget.of(self.budget)  # checks its form
 
 
-def _seconds(budget: float | str, linear_seconds: float) -> float:
-    """The budget in seconds: ``"120s"`` as it says, a number as a multiple of linear's."""
-    if isinstance(budget, str):
-        if not budget.endswith("s") or not _number(budget[:-1]):
+@dataclass(frozen=True)
+class Budget:
+    """What a call may spend: ``unit`` ``"passes"`` (``counting.py``) with ``multiple`` times
+    linear's, or ``"seconds"`` with ``amount`` of them."""
+
+    unit: Literal["passes", "seconds"]
+    multiple: float | None = None
+    amount: float | None = None
+
+    @classmethod
+    def of(cls, budget: float | str) -> Budget:
+        """A number: that many times linear's passes (at least 1, linear alone); ``"120s"``:
+        seconds of the whole call."""
+        if isinstance(budget, str):
+            if not budget.endswith("s") or not _number(budget[:-1]):
+                raise ValueError(
+                    f"budget must be a multiple of linear's passes (3.0) or seconds ('120s'), "
+                    f"got {budget!r}."
+                )
+            return cls("seconds", amount=float(budget[:-1]))
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 1:
             raise ValueError(
-                f"budget must be a multiple of linear's time (3.0) or seconds ('120s'), got "
-                f"{budget!r}."
+                f"budget must be at least 1 (linear alone) as a multiple of linear's passes, "
+                f"or seconds such as '120s'; got {budget!r}."
             )
-        return float(budget[:-1])
-    if not isinstance(budget, (int, float)) or budget < 1:
-        raise ValueError(
-            f"budget must be at least 1 (linear alone) as a multiple of linear's time, or "
-            f"seconds such as '120s'; got {budget!r}."
-        )
-    return float(budget) * linear_seconds
+        return cls("passes", multiple=float(budget))
+
+    def allowed(self, linear_cost: float) -> float:
+        """The whole call's allowance in ``unit``, linear's cost (in ``unit``) given."""
+        return self.amount if self.multiple is None else self.multiple * linear_cost  # type: ignore[return-value]
 
 
 def _number(text: str) -> bool:
@@ -132,7 +155,9 @@ def verified_scores(
     n_boot: int = 1000,
     show_progress: bool | None = None,
     compute_dtype: torch.dtype | str | None = None,
+    positions: Literal["all", "prompt"] = "all",
     linear: ComponentScores | None = None,
+    linear_passes: float | None = None,
     linear_seconds: float | None = None,
 ) -> ComponentScores:
     """Linear scores of every cell, exact where they carry the mass and on a random audit of
@@ -140,7 +165,9 @@ def verified_scores(
     estimated with intervals (module docstring; ``docs/scores.md`` §13).
 
     Args:
-        budget: a multiple of linear's measured time (default 3.0) or seconds (``"120s"``).
+        budget: a multiple of linear's passes (default 3.0: the whole call, linear included,
+            about three times linear's passes; ``scoring/counting.py`` defines a pass) or
+            seconds of the whole call (``"120s"``).
         kinds: as in ``linear_scores``.
         seed: the audit's draw and the bootstrap's.
         coverage: the share of linear |mass| whose components are computed exactly.
@@ -148,22 +175,25 @@ def verified_scores(
         tolerance: relative error past which an audited component's linear cells disagree.
         steps: integrated scores' nodes where linear disagrees.
         level, n_boot: the intervals' coverage and resamples.
-        reward, ablation, reference, batch_size, show_progress, compute_dtype: as in
-            ``linear_scores`` (the paper convention; the exact scores exist only there).
+        reward, ablation, reference, batch_size, show_progress, compute_dtype, positions: as
+            in ``linear_scores`` (the paper convention; the exact scores exist only there).
         linear: ``linear_scores(model, diff, batch, kinds=kinds)`` already computed, to reuse
-            (with ``linear_seconds``, the time it took, as the budget's unit).
+            with what it cost in the budget's unit: ``linear_passes`` (counted with
+            ``counting_passes``) or ``linear_seconds``.
 
     Returns a ``ComponentScores`` (``method="verified"``) whose cells hold the exact,
     integrated or linear value (``provenance(kind)``), with ``metadata["verified"]``: per kind
     the design (components computed, strata, audit), ``estimates`` (``r``, ``slope``,
-    ``missed_mass``: each ``[estimate, low, high]``), the verdict, times and the budget.
+    ``missed_mass``: each ``[estimate, low, high]``) and the verdict; the budget (``unit``,
+    ``allowed``, ``spent``, ``over_budget``: also warned, ``OverBudgetWarning``, with the budget
+    that would hold the smallest design) and the passes counted.
     """
     options = VerifiedOptions(
         kinds=kinds, reward=reward, ablation=ablation, reference=reference,
         batch_size=batch_size, seed=seed, show_progress=show_progress,
-        compute_dtype=compute_dtype, budget=budget, coverage=coverage, audit=audit,
-        tolerance=tolerance, steps=steps, level=level, n_boot=n_boot, linear=linear,
-        linear_seconds=linear_seconds,
+        compute_dtype=compute_dtype, positions=positions, budget=budget, coverage=coverage,
+        audit=audit, tolerance=tolerance, steps=steps, level=level, n_boot=n_boot, linear=linear,
+        linear_passes=linear_passes, linear_seconds=linear_seconds,
     )  # fmt: skip
     return verified_scores_with(model, diff, batch, options)
 
@@ -172,28 +202,99 @@ def verified_scores_with(
     model: Any, diff: Any, batch: PromptBatch, options: VerifiedOptions
 ) -> ComponentScores:
     """``verified_scores`` with its options as one ``VerifiedOptions`` object."""
-    from extractive_lens.scoring.causal import causal_scores
-    from extractive_lens.scoring.integrated import integrated_scores
     from extractive_lens.scoring.linear import linear_scores
 
     common = dict(
         reward=options.reward_fn, ablation=options.ablation, reference=options.reference,
         batch_size=options.batch_size, show_progress=options.show_progress,
-        compute_dtype=options.compute_dtype,
+        compute_dtype=options.compute_dtype, positions=options.positions,
     )  # fmt: skip
+    budget = Budget.of(options.budget)
     start = time.perf_counter()
-    lin = options.linear
-    if lin is None:
-        lin = linear_scores(model, diff, batch, kinds=options.score_kinds, **common)  # type: ignore[arg-type]
-    elif lin.method != "linear" or lin.kinds != options.score_kinds:
-        raise ValueError(
-            f"verified_scores(linear=...) takes linear_scores of the kinds asked for "
-            f"({options.score_kinds}); got {lin.method} scores of {lin.kinds}."
-        )
-    t_lin = time.perf_counter() - start if options.linear is None else options.linear_seconds
-    if t_lin is None:
-        raise ValueError("verified_scores(linear=...) needs linear_seconds=, the time it took.")
-    allowed = _seconds(options.budget, t_lin)
+    with counting_passes(model, batch) as count:
+        lin = options.linear
+        if lin is None:
+            lin = linear_scores(model, diff, batch, kinds=options.score_kinds, **common)  # type: ignore[arg-type]
+        elif lin.method != "linear" or lin.kinds != options.score_kinds:
+            raise ValueError(
+                f"verified_scores(linear=...) takes linear_scores of the kinds asked for "
+                f"({options.score_kinds}); got {lin.method} scores of {lin.kinds}."
+            )
+        spend = _Spend(budget, count, start, options)
+        plan, cells = _design(model, diff, batch, lin, options, common, spend)
+    values, totals, prompt_values, prompt_totals, provenance = cells
+    meta = dict(lin.metadata)
+    meta["verified"] = dict(
+        budget=options.budget, unit=budget.unit, allowed=spend.allowed,
+        spent=spend.used(), linear_cost=spend.linear, over_budget=spend.used() > spend.allowed,
+        passes={"linear": spend.linear_passes, "forward": count.forward,
+                "backward": count.backward, "total": spend.linear_passes_given + count.passes},
+        total_seconds=time.perf_counter() - start,
+        coverage=options.coverage, tolerance=options.tolerance, seed=options.seed,
+        level=options.level, n_boot=options.n_boot, steps=options.steps,
+        provenance={kd: provenance[i].tolist() for i, kd in enumerate(lin.kinds)},
+        kinds=plan,
+    )  # fmt: skip
+    meta["verified"]["estimates"] = {kd: plan[kd]["estimates"] for kd in lin.kinds}
+    if meta["verified"]["over_budget"]:  # the top sets and the smallest audit are always done
+        least = sum(p["least_cost"] for p in plan.values()) + spend.linear
+        audited = f"audit={options.audit}" if options.audit else f"{MIN_PER_STRATUM} per stratum"
+        warnings.warn(
+            f"verified_scores spent {spend.used():.1f} {budget.unit} of a budget of "
+            f"{spend.allowed:.1f} (linear's {spend.linear:.1f}): linear, the top components and "
+            f"the audit always done ({audited}) alone took {least:.1f}; pass budget="
+            f"{_needed(budget, least, spend.linear)} to hold them, or a lower coverage=.",
+            OverBudgetWarning, stacklevel=3,
+        )  # fmt: skip
+    return replace(lin, values=values, totals=totals, prompt_values=prompt_values,
+                   prompt_totals=prompt_totals, method="verified", metadata=meta)  # fmt: skip
+
+
+class OverBudgetWarning(UserWarning):
+    """``verified_scores`` spent more than its budget (the smallest design did not fit)."""
+
+
+def _needed(budget: Budget, cost: float, linear: float) -> str:
+    """The budget argument that holds ``cost`` (in the budget's unit)."""
+    if budget.unit == "seconds":
+        return f"'{math.ceil(cost)}s'"
+    return f"{math.ceil(10 * cost / linear) / 10:.1f}"
+
+
+class _Spend:
+    """What the call has spent, in its budget's unit: counted passes (with the passes of a
+    reused linear result) or seconds since it began (with a reused result's seconds)."""
+
+    def __init__(self, budget: Budget, count: PassCount, start: float,
+                 options: VerifiedOptions) -> None:  # fmt: skip
+        self.budget, self.count, self.start, self.extra = budget, count, start, 0.0
+        reused = options.linear is not None
+        given = options.linear_passes if budget.unit == "passes" else options.linear_seconds
+        if reused and given is None:
+            name = "linear_passes" if budget.unit == "passes" else "linear_seconds"
+            raise ValueError(
+                f"verified_scores(linear=...) needs {name}=, what computing it cost (the "
+                f"budget's unit), or leave linear= out to have it computed and counted."
+            )
+        self.linear_passes_given = (options.linear_passes or 0.0) if reused else 0.0
+        self.linear_passes = self.linear_passes_given if reused else count.passes
+        self.linear = float(given) if reused else self.used()  # type: ignore[arg-type]
+        self.extra = self.linear if reused else 0.0
+        self.allowed = budget.allowed(self.linear)
+
+    def used(self) -> float:
+        if self.budget.unit == "passes":
+            return self.count.passes + self.extra
+        return time.perf_counter() - self.start + self.extra
+
+
+def _design(model: Any, diff: Any, batch: PromptBatch, lin: ComponentScores,
+            options: VerifiedOptions, common: dict[str, Any], spend: _Spend) -> tuple:  # fmt: skip
+    """Steps 2–5 of the module docstring, kind by kind, each kind given an equal share of
+    what the budget leaves after linear; returns the plan per kind and the result's cells."""
+    from extractive_lens.scoring.causal import causal_scores
+    from extractive_lens.scoring.integrated import integrated_scores
+
     n_layers, n_comp = lin.totals.shape[1:]
     total = n_layers * n_comp
     rng = np.random.default_rng(options.seed)
@@ -202,23 +303,26 @@ def verified_scores_with(
     values, prompt_values = lin.values.clone(), lin.prompt_values.clone()
     totals, prompt_totals = lin.totals.clone(), lin.prompt_totals.clone()
     provenance = np.full((len(lin.kinds), n_layers, n_comp), "linear", dtype=object)
-    times = {"linear": t_lin}
-    per_kind = max(allowed - t_lin, 0.0) / len(lin.kinds)  # seconds each kind may spend
+    per_kind = max(spend.allowed - spend.used(), 0.0) / len(lin.kinds)
+    # a component's exact cost grows with the layers after it (its rows resume there)
+    depth = {c: (n_layers - c // n_comp) / n_layers for c in range(total)}
     for k, kind in enumerate(lin.kinds):
-        spent = time.perf_counter()
+        began = spend.used()
         mass = lin.values[k].abs().nan_to_num(0.0).sum(-1).double()  # [layer, comp]
         top = _covering(mass, options.coverage, cap=max(1, total // 2))
         rest = [c for c in range(total) if c not in set(top)]
-        # the top set and the smallest audit first; their time per component sizes the rest
+        # the top set and the smallest audit first; what they cost sizes the rest
         sample = _stratified(rest, strata, options.audit or 0, rng, least=MIN_PER_STRATUM)
         first = [c for cs in sample.values() for c in cs]
-        t0 = time.perf_counter()
         exact = _exact(causal_scores, model, diff, batch, lin, kind, top + first, common)
-        per_comp = (time.perf_counter() - t0) / max(len(top + first), 1)
+        least = spend.used() - began
+        unit = least / max(sum(depth[c] for c in top + first), 1e-9)  # cost per unit of depth
         if options.audit is None:
-            left = per_kind - (time.perf_counter() - spent)
-            more = _stratified([c for c in rest if c not in set(first)], strata,
-                               max(0, int(left / per_comp)), rng, least=0)  # fmt: skip
+            left = [c for c in rest if c not in set(first)]
+            mean = sum(depth[c] for c in left) / max(len(left), 1)
+            room = per_kind - (spend.used() - began)
+            n = int(room / (unit * mean)) if unit > 0 and mean > 0 else 0
+            more = _stratified(left, strata, max(0, n), rng, least=0)
             extra = [c for cs in more.values() for c in cs]
             exact = _merge_exact(exact, _exact(causal_scores, model, diff, batch, lin, kind,
                                                extra, common), extra)  # fmt: skip
@@ -232,41 +336,34 @@ def verified_scores_with(
         off = _disagreeing(lin, exact, k, audited, n_comp, options.tolerance)
         bad_strata = {strata[c] for c in off}
         pending = [c for c in rest if c not in set(audited) and strata[c] in bad_strata]
-        left = per_kind - (time.perf_counter() - spent)
-        n_int = len(pending) if options.audit is not None else int(left / (per_comp * 2))
-        integrate = pending[: max(0, n_int)]
+        room = per_kind - (spend.used() - began)
+        if options.audit is not None:
+            integrate = pending
+        else:  # an integrated component taken to cost twice an exact one of its depth
+            integrate, cost = [], 0.0
+            for c in pending:
+                cost += 2 * unit * depth[c]
+                if cost > room:
+                    break
+                integrate.append(c)
         if integrate:
             ig = _integrated(integrated_scores, model, diff, batch, lin, kind, integrate, common,
                              options.steps)  # fmt: skip
             for c in integrate:
                 _put(values, prompt_values, totals, prompt_totals, k, c, n_comp, ig, 0)
                 provenance[k, c // n_comp, c % n_comp] = "integrated"
-        times[kind] = time.perf_counter() - spent
         plan[kind] = dict(
             top=top, strata={str(h): len([c for c in rest if strata[c] == h]) for h in
                              sorted(set(strata.values()))},
             sample={str(h): cs for h, cs in sample.items()}, audited=audited,
             disagreeing=off, integrated=integrate,
             coverage=float(mass.flatten()[top].sum() / mass.sum()) if mass.sum() > 0 else 1.0,
-            per_component_seconds=per_comp,
+            spent=spend.used() - began, least_cost=least, share=per_kind,
         )  # fmt: skip
         plan[kind]["estimates"] = _estimates(lin, exact, k, top, sample, rest, strata, n_comp,
                                              options)  # fmt: skip
         plan[kind]["verdict"] = _verdict(kind, plan[kind])
-    meta = dict(lin.metadata)
-    meta["verified"] = dict(
-        budget=options.budget, budget_seconds=allowed, seconds=times,
-        total_seconds=time.perf_counter() - start, linear_seconds=t_lin,
-        coverage=options.coverage, tolerance=options.tolerance, seed=options.seed,
-        level=options.level, n_boot=options.n_boot, steps=options.steps,
-        provenance={kd: provenance[i].tolist() for i, kd in enumerate(lin.kinds)},
-        kinds=plan,
-    )  # fmt: skip
-    meta["verified"]["estimates"] = {kd: plan[kd]["estimates"] for kd in lin.kinds}
-    # the top sets and the smallest audit are always done: a small budget can be overrun
-    meta["verified"]["over_budget"] = meta["verified"]["total_seconds"] > allowed
-    return replace(lin, values=values, totals=totals, prompt_values=prompt_values,
-                   prompt_totals=prompt_totals, method="verified", metadata=meta)  # fmt: skip
+    return plan, (values, totals, prompt_values, prompt_totals, provenance)
 
 
 def _strata(labels: Sequence[str], n_layers: int) -> dict[int, tuple[int, str]]:
