@@ -103,16 +103,33 @@ def each_backend(request):
     return base, diff, batch, el.linear_scores(base, diff, batch, show_progress=False)
 
 
-@pytest.mark.parametrize("by_hand", [False, True], ids=["as_is", "under_locked"])
-def test_run_with_cache_in_another_thread_takes_turns_with_scoring(each_backend, by_hand):
-    """TransformerLens's ``run_with_cache`` attaches hooks for its forward; in a second thread
-    while scoring ran, scoring refused them as the user's hooks or filled that cache with its
-    own activations. Its hook contexts now hold the model's lock (as ``el.model.locked(model)``,
-    still accepted, does by hand): the two take turns, every cache equals the one made alone,
-    every score the one computed alone."""
+def _activations(model, tokens, how: str) -> dict[str, torch.Tensor]:
+    """Every hook's activation on ``tokens``, by TransformerLens's ``run_with_cache`` (``how``:
+    as it is, or inside ``el.model.locked``) or by ``run_with_hooks`` with a hook on each."""
+    if how == "run_with_hooks":
+        got: dict[str, torch.Tensor] = {}
+
+        def keep(x, hook):
+            got[hook.name] = x.detach().clone()
+
+        model.run_with_hooks(tokens, fwd_hooks=[(lambda name: True, keep)])
+        return got
+    with M.locked(model) if how == "under_locked" else contextlib.nullcontext():
+        _, cache = model.run_with_cache(tokens)
+    return {name: cache[name] for name in cache.keys()}
+
+
+@pytest.mark.parametrize("how", ["run_with_cache", "run_with_hooks", "under_locked"])
+def test_hook_runs_in_another_thread_take_turns_with_scoring(each_backend, how):
+    """TransformerLens's ``run_with_cache`` and ``run_with_hooks`` attach hooks for their
+    forward; in a second thread while scoring ran, scoring refused them as the user's hooks or
+    its forwards fired them (that cache received the scorer's activations). Its hook contexts
+    now hold the model's lock (as ``el.model.locked(model)``, still accepted, does by hand):
+    the two take turns, every cache equals the one made alone, every score the one computed
+    alone."""
     base, diff, batch, alone = each_backend
     tokens = batch.tokens[:1, :4]
-    _, want = base.run_with_cache(tokens)
+    want = _activations(base, tokens, how)
     errors: list[BaseException] = []
     runs: list[int] = []
     stop = threading.Event()
@@ -120,11 +137,10 @@ def test_run_with_cache_in_another_thread_takes_turns_with_scoring(each_backend,
     def cache() -> None:
         try:
             while not stop.is_set():
-                with M.locked(base) if by_hand else contextlib.nullcontext():
-                    _, got = base.run_with_cache(tokens)
+                got = _activations(base, tokens, how)
                 runs.append(1)
-                assert set(got.keys()) == set(want.keys())
-                for name in want.keys():
+                assert got.keys() == want.keys()
+                for name in want:
                     assert torch.equal(got[name], want[name]), name
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -140,7 +156,7 @@ def test_run_with_cache_in_another_thread_takes_turns_with_scoring(each_backend,
         stop.set()
         worker.join(timeout=60)
     assert errors == [], errors
-    assert runs, "the other thread never ran run_with_cache"
+    assert runs, f"the other thread never ran {how}"
 
 
 def test_the_lock_is_released_when_the_block_raises(pair):
