@@ -13,6 +13,10 @@ Reading (checkpoints, GGUF files, adapters, saved diffs, saved results, data fil
   rewritten in place by ``cp`` changes values already loaded), checking the file's identity
   before and after, so a file rewritten while it is read is refused by name. Copying costs one
   tensor's bytes at a time: peak memory is what the caller keeps, never the whole file twice.
+- ``RegularFile(path, fix=...).private_copy()``: the whole file copied into anonymous memory,
+  for a library that memory-maps a file by its name (the ``gguf`` package): it maps the copy,
+  which no other process can truncate under the map (SIGBUS) or rewrite; the file's identity
+  is checked around the copy and again after the library's read.
 - ``refuse_special_files(folder)``: a folder a loader lists holds regular files (or links to
   them) and folders, nothing a read could block on.
 
@@ -381,11 +385,66 @@ class RegularFile:
         self.read_into(memoryview(out), offset)
         return bytes(out)
 
+    def private_copy(self) -> PrivateCopy:
+        """The whole file copied into anonymous memory (``PrivateCopy``), read by ``read_into``
+        (its identity checked before and after; a file cut short meanwhile is refused by
+        name, never a SIGBUS)."""
+        return PrivateCopy(self)
+
     def close(self) -> None:
         self._fd = None
         self._closer()
 
     def __enter__(self: _File) -> _File:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PrivateCopy:
+    """A regular file's bytes in anonymous memory of this process (a ``memfd`` on Linux, else
+    an unlinked temporary file), reachable by ``path`` for a library that memory-maps a file
+    by its name (the ``gguf`` package, and ``transformers`` through it): a map of the user's
+    file dies with SIGBUS when another process truncates the file while it is read; a map of
+    this copy cannot, as no other process holds it. Costs the file's size in memory (or
+    temporary disk) until ``close``.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "w.bin"
+    >>> _ = p.write_bytes(b"weights")
+    >>> with RegularFile(p, fix="write it again") as f, f.private_copy() as copy:
+    ...     copy.path.read_bytes()
+    b'weights'
+    """
+
+    def __init__(self, source: RegularFile) -> None:
+        import mmap
+        import weakref
+
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create(source.path.name[:200], getattr(os, "MFD_CLOEXEC", 0))
+        else:  # pragma: no cover - macOS, Windows: a temporary file no other name reaches
+            import tempfile
+
+            fd = os.dup(tempfile.TemporaryFile().fileno())
+        self._closer = weakref.finalize(self, os.close, fd)
+        try:
+            os.ftruncate(fd, source.size)
+            if source.size:
+                with mmap.mmap(fd, source.size) as m, memoryview(m) as view:
+                    source.read_into(view, 0)
+        except BaseException:
+            self._closer()
+            raise
+        self.fd = fd
+        proc = Path(f"/proc/self/fd/{fd}")
+        self.path = proc if proc.exists() else Path(f"/dev/fd/{fd}")
+
+    def close(self) -> None:
+        self._closer()
+
+    def __enter__(self) -> PrivateCopy:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -180,3 +182,50 @@ def test_a_fifo_named_like_a_gguf_file_is_refused_not_waited_on(by, tmp_path):
         unblock.wait()
     assert time.monotonic() - start < 20, "the load blocked on the FIFO"
     assert str(fifo) in said
+
+
+CUT_DURING_THE_LOAD = """
+import subprocess, sys
+import torch
+torch.set_num_threads(1)
+import gguf
+from extractive_lens import load_checkpoint
+
+path, real = sys.argv[1], gguf.dequantize
+
+def cut_then_dequantize(data, qtype):  # transformers' first tensor: the file is mapped by now
+    if not getattr(cut_then_dequantize, "done", False):
+        cut_then_dequantize.done = True
+        subprocess.run(["truncate", "-s", "64", path], check=True)  # another process cuts it
+        print("CUT", flush=True)
+    return real(data, qtype)
+
+gguf.dequantize = cut_then_dequantize
+try:
+    load_checkpoint(path)
+except ValueError as e:
+    print("REFUSED", e, flush=True)
+    sys.exit(3)
+print("LOADED", flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("truncate") is None, reason="needs coreutils' truncate")
+def test_a_gguf_file_cut_short_by_another_process_while_it_loads_is_refused(tmp_path):
+    """The gguf package memory-maps the file it reads: a file another process truncated while
+    transformers dequantized its tensors killed the loading process with SIGBUS. It reads a
+    private copy in memory now, and the file's identity, checked after the load, refuses it
+    by name."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    assert path.stat().st_size > 4 * 4096  # tensors on pages past the one the cut keeps
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-c", CUT_DURING_THE_LOAD, str(path)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=root,
+    )  # fmt: skip
+    said = run.stdout + run.stderr[-2000:]
+    assert run.returncode != -signal.SIGBUS, "the load died with SIGBUS:\n" + said
+    assert "CUT" in run.stdout, said  # the file was cut while it loaded
+    assert run.returncode == 3 and f"REFUSED {path} changed on disk" in run.stdout, said

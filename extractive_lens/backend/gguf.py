@@ -8,7 +8,10 @@ its tensors, each dequantized to ``dtype``. The model is then an ordinary dense
 ``PreTrainedModel``, converted like any Hugging Face checkpoint.
 
 The file goes through the file layer (``extractive_lens.files``: a regular file, its identity the
-same before and after the load) and is checked before anything is loaded (``checked``): a file
+same before and after the load) and is read from a private copy of it in memory
+(``RegularFile.private_copy``: the ``gguf`` package memory-maps the file it reads, and a map of
+the user's file kills the process with SIGBUS when another process truncates it meanwhile). It
+is checked before anything is loaded (``checked``): a file
 the ``gguf`` package cannot parse, tensors outside the file or sharing bytes, metadata that
 disagrees with the tensors (a block count other than the layers the tensors hold, a tensor name
 the architecture does not have), a vocabulary larger than the embedding, and quantization types
@@ -145,24 +148,26 @@ def _field(reader: Any, key: str) -> Any:
     return value
 
 
-def checked(path: Path) -> Any:
+def checked(path: Path, source: Path | None = None) -> Any:
     """The file's ``gguf.GGUFReader``, after the checks of the module docstring that need no
     model: parsed, tensors inside the file and apart, the block count and tensor names those
     of its architecture, the vocabulary no larger than the embedding, every quantization type
-    one the ``gguf`` package dequantizes."""
+    one the ``gguf`` package dequantizes. ``source``: where its bytes are read (``read_gguf``'s
+    private copy); refusals name ``path``."""
     gguf = _gguf()
+    source = path if source is None else source
 
     def damaged(why: str) -> ValueError:
         return ValueError(f"{path} is not a valid GGUF file ({why}): {FIX}")
 
     try:
-        reader = gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(source)
     except (
         Exception
     ) as e:  # the gguf package's own errors on a damaged file: numpy's, IndexError...
         raise damaged(f"the gguf package cannot parse it: {type(e).__name__}: {e}") from None
     spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in reader.tensors)
-    size = os.path.getsize(path)
+    size = os.path.getsize(source)
     for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise damaged(f"tensors {n0} and {n1} share bytes")
@@ -244,13 +249,15 @@ def read_gguf(
 
     with (
         RegularFile(path, fix=FIX) as file,
+        file.private_copy() as copy,
         tempfile.TemporaryDirectory(prefix="el-gguf-") as alone,
     ):
-        reader = checked(path)
-        # a folder holding only the file (the one opened above, where /proc/self/fd has it):
-        # transformers reads nothing beside it, neither a tokenizer.json nor a FIFO
-        opened = Path(f"/proc/self/fd/{file._fd}")
-        os.symlink(opened if opened.exists() else path.resolve(), Path(alone) / path.name)
+        # the gguf package memory-maps what it reads: it maps a copy of the file in this
+        # process's memory, which another process cannot cut short under the map (SIGBUS)
+        reader = checked(path, copy.path)
+        # a folder holding only that copy: transformers reads nothing beside the file, neither
+        # a tokenizer.json nor a FIFO
+        os.symlink(copy.path, Path(alone) / path.name)
         where = dict(gguf_file=path.name, local_files_only=True, trust_remote_code=False)
         with quiet_transformers():
             if tokenizer is None:
