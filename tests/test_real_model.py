@@ -260,3 +260,31 @@ def test_the_protocol_runs_end_to_end_on_a_tiny_model(text_model, monkeypatch, t
     text = "\n".join(printed)
     assert "known hop" in text and "whole answer" in text and '": ' not in text
     assert (tmp_path / "out" / "report.html").stat().st_size > 10_000
+
+
+def test_no_share_of_an_improvement_within_noise():
+    """Implications at chance before and after: per prompt, All - None is +5, -5, +5, -4 (mean
+    0.25 > 0, but its bootstrap interval over prompts reaches 0), so no condition gets a share
+    (the first run printed "loses 148%"); the facts' +8 on every prompt keeps its shares."""
+    from extractive_lens.stats import draws
+
+    def rows(split, none, all_, early):
+        return [dict(dataset="d", split=split, condition=c, mean_rank=sum(r) / len(r), ranks=r)
+                for c, r in (("None", none), ("Early", early), ("All", all_))]  # fmt: skip
+
+    data = rows("implications", [4, 9, 4, 9], [9, 4, 9, 5], [9, 9, 9, 9])
+    data += rows("facts", [0, 0, 0, 0], [8, 8, 8, 8], [4, 4, 4, 4])
+    shares = {(r["split"], r["condition"]): r for r in A.reverted_shares(data)}
+    diff = torch.tensor([5.0, -5.0, 5.0, -4.0], dtype=torch.float64)
+    means = torch.tensor([float(diff[d].mean()) for d in draws(4, 1000, seed=0)])
+    assert float(means.quantile(0.025)) <= 0  # the literal interval reaches 0
+    learned = shares["implications", "All"]["learned"]
+    assert learned["estimate"] == pytest.approx(0.25) and learned["low"] <= 0
+    assert all(math.isnan(shares["implications", c]["lost"]) for c in ("Early", "All"))
+    assert shares["facts", "Early"]["lost"] == pytest.approx(0.5)
+    assert shares["facts", "All"]["learned"]["low"] == pytest.approx(8.0)
+    summary = A.freezing_summary({"0": data})
+    from extractive_lens.real_model.summary import step_lines
+
+    text = "\n".join(step_lines("freezing", {"freezing": dict(split_layer=2, summary=summary)}))
+    assert "loses 50%" in text and "not above 0, no shares" in text and "nan" not in text

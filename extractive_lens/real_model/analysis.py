@@ -187,17 +187,32 @@ def interval(
 def reverted_shares(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per (dataset, split, condition): the share of the learned improvement
     (``mean_rank(All) - mean_rank(None)``: reverting every change) that the condition loses,
-    ``(rank(condition) - rank(None)) / (rank(All) - rank(None))``; NaN where nothing was learned."""
-    at = {(r["dataset"], r["split"], r["condition"]): float(r["mean_rank"]) for r in rows}
+    ``(rank(condition) - rank(None)) / (rank(All) - rank(None))``; NaN where nothing was learned:
+    no improvement, or, where the rows hold per-prompt ``ranks``, an improvement whose bootstrap
+    interval over prompts (``learned``) reaches 0 (a share of noise is no share)."""
+    at = {(r["dataset"], r["split"], r["condition"]): r for r in rows}
     out = []
-    for (ds, split, cond), rank in at.items():
+    for (ds, split, cond), row in at.items():
         none, all_ = at.get((ds, split, "None")), at.get((ds, split, "All"))
         if none is None or all_ is None:
             continue
-        gain = all_ - none
-        lost = (rank - none) / gain if gain > 0 else math.nan
-        out.append(dict(dataset=ds, split=split, condition=cond, mean_rank=rank, lost=lost))
+        gain = float(all_["mean_rank"]) - float(none["mean_rank"])
+        iv = learned(none, all_)
+        real = gain > 0 and (iv is None or iv["low"] > 0)
+        rank = float(row["mean_rank"])
+        lost = (rank - float(none["mean_rank"])) / gain if real else math.nan
+        out.append(dict(dataset=ds, split=split, condition=cond, mean_rank=rank, lost=lost,
+                        learned=iv))  # fmt: skip
     return out
+
+
+def learned(none: Mapping[str, Any], all_: Mapping[str, Any]) -> dict[str, float] | None:
+    """The learned improvement, per prompt ``rank(All) - rank(None)``, its mean with a seeded
+    bootstrap interval over prompts (``interval``); None where the rows lack per-prompt ranks."""
+    if "ranks" not in none or "ranks" not in all_:
+        return None
+    a = torch.tensor(all_["ranks"], dtype=torch.float64)
+    return interval(a - torch.tensor(none["ranks"], dtype=torch.float64))
 
 
 def _means(rows: Sequence[float]) -> dict[str, Any]:
@@ -221,9 +236,10 @@ def seed_spread(last: Mapping[str, Mapping[str, Mapping[str, Sequence[int]]]]) -
 def freezing_summary(per_seed: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """Per (dataset, split, condition) of ``layer_freezing`` rows run once per seed: the mean
     rank of each seed with their spread, the first seed's bootstrap interval over prompts, and
-    the share of the learned improvement lost (``reverted_shares``) per seed."""
+    the share of the learned improvement lost (``reverted_shares``) per seed, with the first
+    seed's learned improvement and its interval (``learned``)."""
     seeds = list(per_seed)
-    shares = {s: {(r["dataset"], r["split"], r["condition"]): r["lost"]
+    shares = {s: {(r["dataset"], r["split"], r["condition"]): r
                   for r in reverted_shares(per_seed[s])} for s in seeds}  # fmt: skip
     out = []
     for row in per_seed[seeds[0]]:
@@ -234,6 +250,8 @@ def freezing_summary(per_seed: Mapping[str, Sequence[Mapping[str, Any]]]) -> lis
             dataset=key[0], split=key[1], condition=key[2],
             mean_rank=_means([r["mean_rank"] for r in same]),
             interval=interval(torch.tensor(row["ranks"], dtype=torch.float64)),
-            lost=_means([shares[s].get(key, math.nan) for s in seeds]),
+            lost=_means([shares[s][key]["lost"] if key in shares[s] else math.nan
+                         for s in seeds]),
+            learned=shares[seeds[0]][key]["learned"] if key in shares[seeds[0]] else None,
         ))  # fmt: skip
     return out

@@ -63,10 +63,14 @@ def _freezing(res: Mapping[str, Any]) -> list[str]:
         "over seeds (range), and the share of the learned improvement lost (None -> All):"
     ]
     for row in res["summary"]:
-        lost = row["lost"]
+        lost, iv = row["lost"], row.get("learned")
         share = "" if lost["mean"] != lost["mean"] else f", loses {lost['mean']:.0%}"
         if share and len(lost["per_seed"]) > 1:
             share += f" ({lost['min']:.0%}-{lost['max']:.0%})"
+        if row["condition"] == "All" and iv:
+            share += f"; learned (All - None, first seed) {ci(iv)}" + (
+                "" if iv["low"] > 0 else ": not above 0, no shares"
+            )
         out.append(
             f"  {row['dataset']} {row['split']:<12} {row['condition']:<12} "
             f"{spread(row['mean_rank'])}{share}"
