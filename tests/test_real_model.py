@@ -256,6 +256,8 @@ def test_the_protocol_runs_end_to_end_on_a_tiny_model(text_model, monkeypatch, t
     assert len(saved["first_hop"]["seeds"]["1"]["ranks"]) == 2  # before and after
     m = saved["scores"]["mass_implications"]["linear"]
     assert len(m["last_prompt_roles"]) == 1 and not m["last_prompt_roles"][0].startswith("answer")
+    late = saved["scores"]["mass_implications_intervals"]["all"]["late_at_last_prompt_token"]
+    assert late["low"] <= late["estimate"] == m["late_at_last_prompt_token"] <= late["high"]
     assert saved["scores"]["facts_linear_vs_causal"] and "known_hop" in res
     text = "\n".join(printed)
     assert "known hop" in text and "whole answer" in text and '": ' not in text
@@ -288,3 +290,36 @@ def test_no_share_of_an_improvement_within_noise():
 
     text = "\n".join(step_lines("freezing", {"freezing": dict(split_layer=2, summary=summary)}))
     assert "loses 50%" in text and "not above 0, no shares" in text and "nan" not in text
+
+
+def test_mass_intervals_resample_prompts_literally():
+    """Each share's interval: the quantiles over resamples (``stats.draws``) of the share read
+    off that resample's role-aligned mean map, built here by loops over prompts and cells."""
+    from extractive_lens.stats import draws
+
+    s = hand_made({(0, "H0", 4, "speak"): 1.0, (1, "H1", 5, "speak"): 3.0,
+                   (1, "H0", 5, "answer[0]"): 10.0, (0, "MLP", 1, "{name}[-1]"): 2.0,
+                   (1, "MLP", 0, "{name}[-1]"): -4.0})  # fmt: skip
+    pv = s.prompt_values[0]
+    got = A.mass_intervals(s, n_boot=200, seed=5)
+    literal: dict[str, list[float]] = {k: [] for k in A.SHARES}
+    for idx in draws(2, 200, seed=5).tolist():
+        m = torch.zeros(pv.shape[1:], dtype=torch.float64)
+        for p, label in enumerate(LABELS):
+            having = [b for b in idx if label in ROLES[b]]
+            for layer in range(pv.shape[1]):
+                for c in range(len(COMPONENTS)):
+                    if having:
+                        cells = [float(pv[b, layer, c, ROLES[b].index(label)]) for b in having]
+                        m[layer, c, p] = abs(sum(cells) / len(cells))
+        total = float(m.sum())
+        literal["answer_tokens"].append(float(m[:, :, 3].sum()) / total)
+        literal["mlps"].append(float(m[:, 2].sum()) / total)
+        literal["late_at_last_prompt_token"].append(float(m[3:, :, 2].sum()) / total)
+        literal["early_mlp_at_entity"].append(float(m[:3, 2, 1].sum()) / total)
+    for key in ("answer_tokens", "mlps", "late_at_last_prompt_token", "early_mlp_at_entity"):
+        t = torch.tensor(literal[key], dtype=torch.float64)
+        assert got[key]["low"] == pytest.approx(float(t.quantile(0.025))), key
+        assert got[key]["high"] == pytest.approx(float(t.quantile(0.975))), key
+        assert got[key]["estimate"] == pytest.approx(A.mass(s)[key])
+    assert got["answer_tokens"]["low"] < got["answer_tokens"]["high"]

@@ -64,7 +64,39 @@ def mass(scores: Any, kind: str = "informative") -> dict[str, Any]:
     cells: 0): by layer (MLPs, heads), by role, on prompt tokens vs answer tokens, and the
     paper's two sites: MLPs of the early layers (``early_layers``) at the entity's last token
     (``{slot}[-1]``) and every component of the late layers at the last prompt token."""
-    v = scores[kind].abs().double().nan_to_num(0.0)  # layer component pos
+    return _mass(scores[kind], scores)
+
+
+SHARES = ("mlps", "heads", "answer_tokens", "last_prompt_token", "early_mlp_at_entity",
+          "late_at_last_prompt_token")  # fmt: skip
+"""The shares of ``mass`` that ``mass_intervals`` gives intervals for."""
+
+
+def mass_intervals(
+    scores: Any, kind: str = "informative", *, n_boot: int = N_BOOT, seed: int = 0
+) -> dict[str, dict[str, float]]:
+    """Each of ``SHARES`` with its 95% percentile interval over ``n_boot`` resamples of the
+    prompts (``stats.counts``): each resample's map is the role-aligned mean of its prompts
+    (``stats.resampled_maps``), as the map itself is, and its shares are read as ``mass``
+    reads them (a role no drawn prompt has holds no mass)."""
+    from extractive_lens.stats import counts, resampled_maps
+
+    maps = resampled_maps(scores, "token", counts(scores.n_prompts, n_boot, seed))
+    k = list(scores.kinds).index(kind)
+    rows = [_mass(m[k], scores) for m in maps]
+    est = mass(scores, kind)
+    out = {}
+    for key in SHARES:
+        t = torch.tensor([r[key] for r in rows], dtype=torch.float64)
+        out[key] = dict(estimate=est[key], low=float(t.quantile(0.025)),
+                        high=float(t.quantile(0.975)), n=scores.n_prompts, n_boot=n_boot,
+                        seed=seed)  # fmt: skip
+    return out
+
+
+def _mass(values: Tensor, scores: Any) -> dict[str, Any]:
+    """``mass`` of one ``[layer, component, pos]`` map with ``scores``' labels and roles."""
+    v = values.abs().double().nan_to_num(0.0)  # layer component pos
     total = float(v.sum()) or 1.0
     labels, comps = list(scores.position_labels), list(scores.component_labels)
     mlp = comps.index("MLP") if "MLP" in comps else None

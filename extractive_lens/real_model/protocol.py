@@ -312,6 +312,8 @@ def scores_step(
         res[f"mass_{what}"] = {m.method: A.mass(m) for m in (lin, ex, ig)}
         res[f"mass_{what}_prompt_positions"] = {
             m.method: A.mass(A.prompt_positions(m)) for m in (lin, ex, ig)}  # fmt: skip
+        res[f"mass_{what}_intervals"] = {  # bootstrap over the scored prompts
+            "all": A.mass_intervals(lin), "prompt": A.mass_intervals(A.prompt_positions(lin))}  # fmt: skip
         for s in (lin, ex, ig):
             s.save(out / f"scores_{what}_{s.method}")
         save_figure(overview(lin), out / f"scores_{what}_linear")

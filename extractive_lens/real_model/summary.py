@@ -11,12 +11,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from extractive_lens.real_model.analysis import SHARES
+
 WAYS = {"whole": "whole answer", "per_token": "per token", "first_token": "first token"}
 
 
 def ci(x: Mapping[str, Any], digits: int = 2) -> str:
     """``"8.70 [7.10, 10.20]"``: an ``analysis.interval`` as text."""
     return f"{x['estimate']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
+
+
+def pct(x: Mapping[str, Any]) -> str:
+    """``"29% [18%, 41%]"``: a share's interval as text."""
+    return f"{x['estimate']:.0%} [{x['low']:.0%}, {x['high']:.0%}]"
 
 
 def spread(x: Mapping[str, Any]) -> str:
@@ -95,14 +102,18 @@ def _scores(res: Mapping[str, Any]) -> list[str]:
         for verdict in res.get(f"{what}_linear_vs_causal_verdicts", []):
             out.append(f"  - {verdict}")
         m = res[f"mass_{what}"]["linear"]
-        p = res[f"mass_{what}_prompt_positions"]["linear"]
+        iv = res.get(f"mass_{what}_intervals")
+        if iv is None:  # a run before the intervals: the estimates alone
+            iv = {k: {s: dict(estimate=v[s], low=v[s], high=v[s]) for s in v if s in SHARES}
+                  for k, v in (("all", m), ("prompt", res[f"mass_{what}_prompt_positions"]["linear"]))}  # fmt: skip
+        a, p = iv["all"], iv["prompt"]
         out.append(
-            f"  informative mass (linear): MLPs {m['mlps']:.0%}, heads {m['heads']:.0%}, answer "
-            f"tokens {m['answer_tokens']:.0%}, last prompt token "
-            f"({'/'.join(m['last_prompt_roles'])}) {m['last_prompt_token']:.0%}; early MLPs at "
-            f"the entity {m['early_mlp_at_entity']:.1%}; on prompt tokens only: last prompt "
-            f"token {p['last_prompt_token']:.0%}, early MLPs at the entity "
-            f"{p['early_mlp_at_entity']:.1%}"
+            f"  informative mass (linear; 95% bootstrap over the {len(res['prompts'][what])} "
+            f"prompts): MLPs {pct(a['mlps'])}, answer tokens {pct(a['answer_tokens'])}, last "
+            f"prompt token ({'/'.join(m['last_prompt_roles'])}) {pct(a['last_prompt_token'])}, "
+            f"late layers there {pct(a['late_at_last_prompt_token'])}, early MLPs at the entity "
+            f"{pct(a['early_mlp_at_entity'])}; on prompt tokens only: last prompt token "
+            f"{pct(p['last_prompt_token'])}, early MLPs at the entity {pct(p['early_mlp_at_entity'])}"
         )
     return out
 
