@@ -12,7 +12,7 @@ shows once the transient that sets the peak at small depth is passed. Prints one
 the peak resident memory above the model, Δ and batch (GiB). Run it in a fresh process per
 case with ``MALLOC_MMAP_THRESHOLD_=65536``.
 
-WHAT: ``linear``; ``int_informative`` / ``int_upstream`` / ``int_downstream`` (integrated,
+WHAT: ``linear``; ``integrated`` (every kind, 4 nodes, the linear top 3); ``int_informative`` / ``int_upstream`` / ``int_downstream`` (integrated,
 4 nodes, the linear top 3, one kind); ``exact_component`` (per component, layer 0);
 ``exact_token_top_k`` (per token, the linear top 3).
 """
@@ -47,7 +47,7 @@ def main() -> None:
     what, depth = sys.argv[1], int(sys.argv[2])
     model, diff, batch = bm.build(depth, 32000 // w)
     lin = None
-    if what.startswith(("int_", "exact_token")):  # the ranking is an input, computed before
+    if what.startswith(("int", "exact_token")):  # the ranking is an input, computed before
         lin = el.linear_scores(model, diff, batch, show_progress=False)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -55,6 +55,8 @@ def main() -> None:
     with PeakMemory() as mem:
         if what == "linear":
             el.linear_scores(model, diff, batch, **kw)
+        elif what == "integrated":  # every kind, as bench_memory.py's integrated case
+            el.integrated_scores(model, diff, batch, top_k=3, linear=lin, **kw)
         elif what.startswith("int_"):
             el.integrated_scores(model, diff, batch, kinds=(what[4:],), top_k=3, linear=lin, **kw)
         elif what == "exact_component":

@@ -138,7 +138,7 @@ def test_estimate_takes_the_real_models_size_choices(monkeypatch):
 def test_integrated_paths_run_a_block_of_rows_at_a_time(family, monkeypatch):
     """The integrated method's upstream and downstream paths stack nodes x components x prompts
     as rows of layer-at-a-time passes (``runs.grad_at``; upstream's finetuned-late paths in
-    the layer-major pass, ``nodes.layer_major``); each layer runs ``BLOCK_TOKENS`` tokens of the
+    the layer-major pass, ``passes.layer_major``); each layer runs ``BLOCK_TOKENS`` tokens of the
     paths at a time, forward and backward, so its working set does not grow with the rows
     stacked. Scores (float64) as the whole graph's, and no path's layer step past one block
     (the finetuned run downstream reads, recorded as it runs, is one copy of the prompts)."""

@@ -3,8 +3,8 @@
 Where gradients go one layer at a time (``runs.layerwise``, forced here with
 ``LAYERWISE_BYTES = -1``) and Δ is held a few layers at a time (``REUSE_BYTES = 0``: the
 large-model regime), linear runs the finetuned run, every boundary's ``ŷ'`` and informative's
-forward-mode pass in one sweep over the layers (``upstream.sweep``), and the integrated method
-runs its nodes layer by layer side by side. The scores must be the whole-graph ones (float64,
+forward-mode pass in one sweep over the layers, and the integrated method runs its nodes layer
+by layer side by side (both on ``passes.layer_major``). The scores must be the whole-graph ones (float64,
 1e-12), and the counter (``shift.counting``) must see each layer's Δ read the claimed number of
 times: a boundary or a node that reads a layer again shows up as a higher count.
 """
@@ -17,6 +17,7 @@ import torch
 import extractive_lens.scoring.runs as runs
 from extractive_lens import WeightDiff, integrated_scores, linear_scores
 from extractive_lens.backend import shift
+from extractive_lens.scoring import passes
 from extractive_lens.scoring.kinds import upstream
 from tests.conftest import make_pair
 from tests.helpers import small_batch
@@ -47,7 +48,7 @@ def test_linear_sweep_equals_the_whole_graph_scores(deep64, group, monkeypatch):
     _large(monkeypatch)
     assert runs.layerwise(base, batch)
     if group == "tiny budget":  # "auto" with a budget of one boundary's rows: one per sweep
-        monkeypatch.setattr(upstream, "SWEEP_BYTES", 1)
+        monkeypatch.setattr(passes, "SWEEP_BYTES", 1)
         group = "auto"
     if group == "one copy per block":  # every layer step a block of one copy of the prompts
         monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
@@ -207,18 +208,18 @@ def test_linear_sweep_drops_the_final_streams_before_its_backward_pass(deep64, m
     _large(monkeypatch)
     finals: list = []
     alive: list[bool] = []
-    readout, layer_back = upstream.readout, upstream._layer_back
+    readout, layer_vjp = passes.readout, runs.layer_vjp
 
     def reading(model, resid, *a, **kw):
         finals.append(weakref.ref(resid))
         return readout(model, resid, *a, **kw)
 
     def back(*a, **kw):
-        alive.append(finals[-1]() is not None)
-        return layer_back(*a, **kw)
+        alive.append(any(f() is not None for f in finals))
+        return layer_vjp(*a, **kw)
 
-    monkeypatch.setattr(upstream, "readout", reading)
-    monkeypatch.setattr(upstream, "_layer_back", back)
+    monkeypatch.setattr(passes, "readout", reading)
+    monkeypatch.setattr(runs, "layer_vjp", back)
     linear_scores(base, diff, batch, show_progress=False, upstream_group=None)
     assert alive and not any(alive)
 
@@ -285,7 +286,7 @@ ALL = ("informative", "upstream", "downstream")
 def test_integrated_layer_major_pass_equals_the_whole_graph(deep64, kinds, variant, monkeypatch):
     """The informative nodes, the finetuned run (downstream's patches read it) and upstream's
     finetuned-late paths (each path's rows entering the pass at their group's boundary) run
-    layer by layer together (``nodes.layer_major``): the scores of the whole graph, node after
+    layer by layer together (``passes.layer_major``): the scores of the whole graph, node after
     node and path after path. Per component and per layer path; the paths split into a pass
     each (``SWEEP_BYTES`` of one byte); a pass that starts after layer 0 (``layers``); one row
     per layer step."""
@@ -304,7 +305,7 @@ def test_integrated_layer_major_pass_equals_the_whole_graph(deep64, kinds, varia
     want = integrated_scores(base, diff, batch, **kw)
     _large(monkeypatch)
     if variant == "a pass per path":
-        monkeypatch.setattr(upstream, "SWEEP_BYTES", 1)
+        monkeypatch.setattr(passes, "SWEEP_BYTES", 1)
     if variant == "one row per block":
         monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
     got = integrated_scores(base, diff, batch, **kw)
@@ -351,15 +352,16 @@ def test_integrated_paths_from_a_later_layer_read_no_earlier_layer(deep4, monkey
     kw = dict(steps=4, kinds=("upstream",), layers=(1, 2), show_progress=False)
     one = _reads(lambda: integrated_scores(base, diff, batch, **kw), monkeypatch)
     assert [one.by_group[layer] for layer in range(L)] == [0] + [2] * (L - 2) + [1]
-    monkeypatch.setattr(upstream, "SWEEP_BYTES", 1)
+    monkeypatch.setattr(passes, "SWEEP_BYTES", 1)
     each = _reads(lambda: integrated_scores(base, diff, batch, **kw), monkeypatch)
     assert each.by_group[2] > 2 and each.loads > 2 * one.loads
 
 
 def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):
-    """Each boundary's ``ŷ'`` is a tensor of its own rows, not a view of the whole layer's
-    gradient (which held every boundary's rows of that layer: memory growing as depth²), and
-    a sweep's layer step runs ``runs.BLOCK_TOKENS`` tokens at a time."""
+    """Each boundary's ``ŷ'`` from the layer-major pass is the whole graph's
+    (``upstream.upstream_gradients``), a tensor of its own rows, not a view of the whole
+    layer's gradient (which held every boundary's rows of that layer: memory growing as
+    depth²), and a layer step runs ``runs.BLOCK_TOKENS`` tokens at a time."""
     from extractive_lens.backend import compute
     from extractive_lens.scoring.linear import LinearOptions
     from extractive_lens.scoring.runs import forward_run
@@ -369,25 +371,38 @@ def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):
     monkeypatch.setattr(runs, "BLOCK_TOKENS", 1)
     reward = LinearOptions().reward_fn
     seen: list[int] = []
-    run_blocks = upstream.B.run_blocks
+    run_blocks = passes.B.run_blocks
 
     def counted(model, x, **kw):
         if x is not None:
             seen.append(x.shape[0])
         return run_blocks(model, x, **kw)
 
-    monkeypatch.setattr(upstream.B, "run_blocks", counted)
+    L = base.cfg.n_layers
+    got: dict = {}
+
+    def boundary(layer, part):
+        def done(g):
+            got[(layer, part)] = g
+
+        start = (layer, passes.boundary(base, part))
+        return passes.Entry(start, 1, lambda: passes.entry(base, diff, run, layer, part)[0],
+                            True, done)  # fmt: skip
+
     with compute.computing_in(base, torch.float64), shift.reusing():
         run = forward_run(base, batch, reward, grad=True)
-        with shift.shifted(base, diff):
-            ft, gp_attn, gp_mlp = upstream.sweep(base, diff, batch, run, reward, finetuned=True,
-                                                upstream=True, group=None)  # fmt: skip
-    for g in [*gp_attn, *gp_mlp]:
-        assert g.shape == run.pre[0].shape
-        assert g.untyped_storage().nbytes() == g.nbytes  # no other rows behind it
-    assert seen and max(seen) == len(batch)  # one copy of the prompts per layer step
-    assert ft is not None  # the finetuned run keeps what the kinds read: two streams a layer
-    L = base.cfg.n_layers
-    kept = [t for field in (ft.pre, ft.mid, ft.mlp_in, ft.mlp_out, ft.post, ft.z) for t in field]
-    kept += [t for c in ft.captured for t in c.values()]
-    assert sum(t.untyped_storage().nbytes() for t in kept) <= 2 * L * run.pre[0].nbytes
+        with shift.shifted(base, diff) as s:
+            want_attn, want_mlp = upstream.upstream_gradients(base, diff, batch, run, reward)
+            want_R = forward_run(base, batch, reward).reward
+            monkeypatch.setattr(passes.B, "run_blocks", counted)
+            entries = [boundary(layer, part) for layer in range(L) for part in ("attn", "mlp")]
+            lane = passes.Lane(s)
+            passes.layer_major(base, batch, reward, [lane], entries, s, group=None)
+    assert len(got) == 2 * L
+    for layer in range(L):
+        for part, want in (("attn", want_attn), ("mlp", want_mlp)):
+            g = got[(layer, part)]
+            torch.testing.assert_close(g, want[layer], rtol=0, atol=1e-12)
+            assert g.untyped_storage().nbytes() == g.nbytes  # no other rows behind it
+    assert seen and max(seen) == len(batch)  # the lane's rows; the entries' one row per step
+    torch.testing.assert_close(lane.reward, want_R, rtol=0, atol=1e-12)  # the finetuned R

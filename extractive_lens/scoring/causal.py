@@ -126,7 +126,7 @@ def causal_scores_with(
 ) -> ComponentScores:
     """``causal_scores`` with its options as one ``CausalOptions`` object."""
     cdt = prepare("causal_scores", model, diff, batch, options)
-    skipped = _skipped(model, diff, batch, options, cdt)
+    skipped = skipped_of(model, diff, batch, options, cdt)
     scored, plan = plan_chunks(batch, options.rows, options.batch_size)
     chunks = [c for c, _ in plan]
     partial = options.top_k is not None or options.layers is not None
@@ -151,7 +151,7 @@ def causal_scores_with(
     return result.at_positions(options.positions)
 
 
-def _skipped(
+def skipped_of(
     model: Any, diff: WeightDiff, batch: PromptBatch, options: CausalOptions, cdt: torch.dtype
 ) -> dict[str, list[str]]:
     """Per kind, the component labels not to patch: outside the linear top k, or outside

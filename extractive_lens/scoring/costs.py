@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from extractive_lens.scoring import passes
 from extractive_lens.scoring.integrated import AUTO_MAX_STEPS
-from extractive_lens.scoring.kinds import upstream
 from extractive_lens.scoring.options import CausalOptions, LinearOptions
 
 
@@ -59,13 +59,13 @@ def _activations(s: Shapes) -> dict[str, int]:
 
 def linear_memory(s: Shapes, options: LinearOptions) -> dict[str, int]:
     """Linear: one forward and backward's activations; one layer at a time, the layer-major
-    sweep keeps every upstream boundary's stream at every later layer (up to ``upstream.SWEEP_BYTES``
+    sweep keeps every upstream boundary's stream at every later layer (up to ``passes.SWEEP_BYTES``
     unless ``upstream_group`` fixes the group)."""
     parts = _activations(s)
     if s.layerwise and "upstream" in options.score_kinds and not options.authors:
         boundaries = (2 if s.d_mlp else 1) * s.n_layers * (s.n_layers - 1) // 2 * s.stream
         group = options.upstream_group
-        cap = boundaries if group is None or isinstance(group, int) else upstream.SWEEP_BYTES
+        cap = boundaries if group is None or isinstance(group, int) else passes.SWEEP_BYTES
         parts["boundary streams kept by the sweep (upstream)"] = min(boundaries, cap)
     return parts
 
@@ -91,6 +91,6 @@ def integrated_memory(s: Shapes, options: Any) -> dict[str, int]:
         per_layer = 1 if options.path == "layer" else s.n_heads
         paths = options.top_k or s.n_layers * (per_layer + (1 if s.d_mlp else 0))
         parts["upstream paths' rows kept by the pass"] = min(
-            steps * paths * s.n_layers * s.stream, upstream.SWEEP_BYTES
+            steps * paths * s.n_layers * s.stream, passes.SWEEP_BYTES
         )
     return parts

@@ -47,23 +47,15 @@ from extractive_lens.rewards import Reward
 from extractive_lens.scoring import passes
 from extractive_lens.scoring.ablation import table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
-from extractive_lens.scoring.causal import (
-    CausalChunk,
-    _Context,
-    _skipped,
-    mark_uncomputed,
-    patch_groups,
-)
+from extractive_lens.scoring.causal import CausalChunk, mark_uncomputed, patch_groups, skipped_of
 from extractive_lens.scoring.kinds import KINDS
-from extractive_lens.scoring.late_paths import LatePath, run_layer_major
+from extractive_lens.scoring.nodes import PathRows, run_layer_major
 from extractive_lens.scoring.options import CausalOptions, Per, check_arguments, prepare
 from extractive_lens.scoring.runs import (
     Run,
     forward_run,
-    grad_at,
     head_grad,
     layerwise,
-    readout,
     wide,
 )
 from extractive_lens.types import SCORE_KINDS, Ablation, ScoreKind
@@ -216,7 +208,7 @@ def integrated_scores_with(
 ) -> ComponentScores:
     """``integrated_scores`` with its options as one ``IntegratedOptions`` object."""
     cdt = prepare("integrated_scores", model, diff, batch, options)
-    skipped = _skipped(model, diff, batch, options, cdt)
+    skipped = skipped_of(model, diff, batch, options, cdt)
     scored, plan = plan_chunks(batch, options.rows, options.batch_size)
     chunks = [c for c, _ in plan]
     partial = options.top_k is not None or options.layers is not None
@@ -367,7 +359,7 @@ def _informative(
 ) -> tuple[Tensor, Tensor, Tensor, Run]:  # fmt: skip
     """Σ_i w_i · (linear informative at ``W + x_i Δ``), its "other" share, R(W') - R(W) and
     the finetuned run, node after node through the whole graph (where gradients go one layer
-    at a time the nodes run in the layer-major pass instead: ``late_paths.run_layer_major``)."""
+    at a time the nodes run in the layer-major pass instead: ``nodes.run_layer_major``)."""
     from extractive_lens.scoring.linear import LinearChunk, LinearOptions
 
     lin_options = LinearOptions(kinds=("informative",), reward=options.reward_fn,
@@ -390,11 +382,11 @@ def _informative(
 
 def _along_patches(
     cc: CausalChunk, kind: str, skip: list[str], options: IntegratedOptions, xs: list[float],
-    ws: list[float], sums: list[float], late: dict[tuple[int, str], LatePath] | None = None,
+    ws: list[float], sums: list[float], late: dict[tuple[int, str], PathRows] | None = None,
 ) -> Tensor:  # fmt: skip
     """``[batch, layer, comp, pos]``: the kind's score from path integrals of its patches in each
     of its contexts, combined as the exact score combines patch effects. ``late``: the
-    finetuned-late contexts' paths already run (``late_paths.run_layer_major``)."""
+    finetuned-late contexts' paths already run (``nodes.run_layer_major``)."""
     model = cc.model
     L, H = model.cfg.n_layers, model.cfg.n_heads
     b, pos = cc.batch.tokens.shape
@@ -404,11 +396,16 @@ def _along_patches(
     for layer, group, d, idx in patch_groups(cc, kind, skip):
         effects, ends = {}, {}
         for name in spec.CONTEXTS:
-            if name == "finetuned_late" and late is not None:
+            finetuned = name == "finetuned_late"
+            if finetuned and late is not None:
                 effects[name], ends[name] = late[(layer, group)].result()
                 continue
-            ctx = cc.context(layer, group, finetuned=name == "finetuned_late")
-            effects[name], ends[name] = _path_integral(cc, ctx, d, options, xs, ws)
+            x0, start = passes.entry(model, cc.diff if finetuned else None, cc.base, layer, group)
+            path = PathRows(x0, start, d, options.path, options.max_batch, xs, ws,
+                        None if finetuned else cc.base.reward)  # fmt: skip
+            with B.shifted(model, cc.diff) if finetuned else contextlib.nullcontext():
+                passes.whole(model, cc.batch, options.reward_fn, path.entries, rows=cc.by_rows)
+            effects[name], ends[name] = path.result()
         tok = spec.exact(effects)  # [b, comp, pos]
         whole_end = spec.exact(ends)  # [b, comp] (or [b] for the layer path)
         whole = tok.sum(-1) if options.path == "component" else tok.sum((-1, -2))
@@ -416,65 +413,3 @@ def _along_patches(
         sums[1] += float(whole_end.abs().sum())
         out[:, layer, idx.to(out.device)] = tok.to(out.dtype)
     return out
-
-
-def _path_integral(
-    cc: CausalChunk, ctx: _Context, delta: Tensor, options: IntegratedOptions, xs: list[float],
-    ws: list[float],
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``∫ <dR/dx(x + γδ_c), δ_c> dγ`` by position, ``[batch, comp, pos]``, for the context's
-    stream ``x`` and each component's patch ``δ_c`` (``delta [batch, pos, comp, d_model]``), and
-    the endpoint differences ``R(x + δ_c) - R(x)`` (``[batch, comp]``; for the layer path one per
-    prompt, ``[batch]``). The layer path moves all components at once along ``x + γΣδ_c``."""
-    model, batch = cc.model, cc.batch
-    b, pos, n_comp, _ = delta.shape
-    x0 = ctx.stream
-    d = delta.to(x0.dtype)
-    if options.path == "layer":
-        d = d.sum(2, keepdim=True)  # one path: [b, pos, 1, d_model]
-    paths = d.shape[2]
-    start = cast(Any, (ctx.layer, ctx.part))
-    # rows: (node, path, prompt), prompts innermost so that each pass holds whole copies
-    jobs = [(i, p) for i in range(len(xs)) for p in range(paths)]
-    per_pass = max(1, options.max_batch // b)
-    integrand = torch.zeros(b, n_comp, pos, dtype=wide(x0).dtype, device=x0.device)
-    ends = torch.zeros(b, paths, dtype=wide(x0).dtype, device=x0.device)
-    shift = B.shifted(model, cc.diff) if ctx.finetuned else contextlib.nullcontext()
-    with shift:
-        for j in range(0, len(jobs), per_pass):
-            part = jobs[j : j + per_pass]
-            x = torch.cat([x0 + xs[i] * d[:, :, p] for i, p in part])
-            g = _gradient(model, x, start, batch, options.reward_fn, len(part), pos)
-            for r, (i, p) in enumerate(part):
-                gi = wide(g[r * b : (r + 1) * b])  # [b, pos, d_model]
-                if options.path == "layer":
-                    integrand += ws[i] * torch.einsum("bpd,bpcd->bcp", gi, wide(delta))
-                else:
-                    integrand[:, p] += ws[i] * (gi * wide(d[:, :, p])).sum(-1)
-        with torch.no_grad():  # the endpoints: one forward per path
-            for j in range(0, paths, per_pass):
-                ps = list(range(j, min(j + per_pass, paths)))
-                x = torch.cat([x0 + d[:, :, p] for p in ps])
-                y = passes.resume(model, x, start, by_rows=cc.by_rows)
-                R, _, _ = readout(model, y, batch, options.reward_fn, groups=len(ps))
-                ends[:, ps] = wide(R).reshape(len(ps), b).T - wide(ctx.reward)[:, None]
-    if options.path == "layer":
-        return integrand, ends[:, 0]
-    return integrand, ends
-
-
-def _gradient(
-    model: Any, x: Tensor, start: Any, batch: PromptBatch, reward_fn: Reward,
-    groups: int, n_pos: int,
-) -> Tensor:  # fmt: skip
-    """``dR/dx`` for stacked streams ``x`` at boundary ``start`` (``groups`` copies of ``batch``):
-    one backward through the rest of the model, or one layer at a time for large models."""
-    with B.frozen_parameters(model):
-        if layerwise(model, x.shape[0], n_pos):
-            return grad_at(model, x, start, batch, reward_fn, groups=groups)
-        with torch.enable_grad():
-            xin = x.detach().requires_grad_(True)
-            y = B.run_blocks(model, xin, start=start)
-            R, _, _ = readout(model, cast(Tensor, y), batch, reward_fn, groups=groups)
-            (g,) = torch.autograd.grad(R.sum(), [xin])
-    return g

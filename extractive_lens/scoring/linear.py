@@ -13,8 +13,8 @@ and for upstream one resumed finetuned pass: the base residual stream enters at 
 boundary as extra rows of a growing batch ("staircase"), so ``ŷ'`` for all ``2·n_layers``
 boundaries comes from one forward and one backward (``upstream_group`` bounds its memory).
 Where gradients go one layer at a time (large models) the finetuned run, the staircase and
-informative's forward-mode pass are one sweep over the layers (``upstream.sweep``): each
-layer's Δ is read once forward and once backward, whatever the depth.
+every kind's per-layer work are one layer-major pass (``passes.layer_major``): each layer's Δ
+is read once forward and once backward, whatever the depth.
 Each kind's own computation is in ``scoring/kinds/``.
 """
 
@@ -33,6 +33,7 @@ from extractive_lens.batch import PromptBatch
 from extractive_lens.interrupts import guarded, one_call_per_model
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
+from extractive_lens.scoring import passes
 from extractive_lens.scoring.ablation import AblationTable, table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
 from extractive_lens.scoring.kinds import KINDS, upstream
@@ -83,10 +84,10 @@ def linear_scores(
             ``n_layers`` times one forward's). ``1``: one boundary per pass (activation memory
             at most one forward's; same FLOPs, more passes). ``"auto"`` (default): all in one
             pass when that stays under ``UPSTREAM_AUTO_BYTES``, else 1. Where gradients go one
-            layer at a time (``runs.layerwise``) it is the boundaries per layer-major sweep
-            (``upstream.sweep``, which keeps each boundary's stream at every later layer);
-            ``"auto"``: as many as keep that under ``upstream.SWEEP_BYTES`` (2 GiB). Each
-            further sweep reads Δ of the layers after its first boundary again.
+            layer at a time (``runs.layerwise``) it is the boundaries per layer-major pass
+            (``passes.layer_major``, which keeps each boundary's stream at every later layer);
+            ``"auto"``: as many as keep that under ``passes.SWEEP_BYTES`` (2 GiB). Each
+            further pass reads Δ of the layers after its first boundary again.
         positions: ``"all"`` (default) or ``"prompt"``: the map of the prompt's own positions,
             the answer's teacher-forced continuations left out (``ComponentScores.at_positions``;
             docs/scores.md §6 says when each fits).
@@ -216,7 +217,7 @@ def _finetuned_passes(c: LinearChunk, needs: set[str], kinds: Sequence[ScoreKind
     """The finetuned run and the resumed ``ŷ'`` pass, under one application of Δ.
 
     Where gradients go one layer at a time (``runs.layerwise``: large models) they are one
-    layer-major sweep (``upstream.sweep``) that also computes the kinds' scores of each layer
+    layer-major pass (``_swept``) that also computes the kinds' scores of each layer
     there, and keeps none of the layer's streams for after the sweep: informative's
     forward-mode pass and downstream's base layer on the finetuned inputs while the layer's Δ
     is loaded, upstream's scores of each boundary as the backward pass reaches it. Each
@@ -241,29 +242,40 @@ def _finetuned_passes(c: LinearChunk, needs: set[str], kinds: Sequence[ScoreKind
 
 
 def _swept(c: LinearChunk, finetuned: bool, grads: bool, kinds: Sequence[ScoreKind]) -> None:
-    """The layer-major sweep (``upstream.sweep``), each kind's scores of a layer computed
-    while that layer's streams are at hand (``KINDS[kind].layer_linear``, into
-    ``c.swept[kind]``): in the forward step, the finetuned rows' values of the layer at hand
-    and the base weights in force; in the backward pass, ``ŷ'`` at each boundary as it
-    arrives. The finetuned run keeps no layer."""
+    """The layer-major pass (``passes.layer_major``): the finetuned rows (a lane, if
+    ``finetuned``) and, for upstream, the base stream entering the finetuned model right after
+    each component (an entry per boundary, as in ``upstream.upstream_gradients``), each kind's
+    scores of a layer computed while that layer's streams are at hand
+    (``KINDS[kind].layer_linear``, into ``c.swept[kind]``): in the forward step, the finetuned
+    rows' values of the layer with the base weights in force; in the backward pass, ``ŷ'`` at
+    each boundary as it arrives, then dropped. The finetuned run keeps no layer."""
+    model = c.model
     for kind in kinds:
         c.swept[kind] = c.new_scores()
 
     def on_layer(layer: int, step: Any) -> None:
-        with B.unshifted(c.model):
+        with B.unshifted(model):
             for kind in kinds:
                 KINDS[kind].layer_linear(c, LayerStep(layer, finetuned=step), c.swept[kind])
 
-    def on_grad(layer: int, part: str, g: Tensor) -> None:
-        for kind in kinds:
-            KINDS[kind].layer_linear(c, LayerStep(layer, part=part, g=g), c.swept[kind])
+    def boundary(layer: int, part: str) -> passes.Entry:
+        def done(g: Tensor) -> None:
+            for kind in kinds:
+                KINDS[kind].layer_linear(c, LayerStep(layer, part=part, g=g), c.swept[kind])
 
-    with B.shifted(c.model, c.diff):
-        c.ft, _, _ = upstream.sweep(
-            c.model, c.diff, c.batch, c.base, c.options.reward_fn, finetuned=finetuned,
-            upstream=grads, group=c.options.upstream_group, on_layer=on_layer, record=False,
-            on_grad=on_grad if grads else None,
-        )  # fmt: skip
+        start = (layer, passes.boundary(model, part))
+        return passes.Entry(start, 1, lambda: passes.entry(model, c.diff, c.base, layer, part)[0],
+                            True, done)  # fmt: skip
+
+    parts = ("attn", "mlp") if B.has_mlp(model) else ("attn",)
+    L = model.cfg.n_layers
+    entries = [boundary(layer, part) for layer in range(L) for part in parts] if grads else []
+    with B.shifted(model, c.diff) as s:
+        lanes = [passes.Lane(s, on_layer)] if finetuned else []
+        passes.layer_major(model, c.batch, c.options.reward_fn, lanes, entries, s,
+                           c.options.upstream_group)  # fmt: skip
+    if lanes:
+        c.ft = Run(reward=lanes[0].reward, post_final=lanes[0].read)
 
 
 ADDITIVITY_TOLERANCE = 0.3

@@ -1,32 +1,28 @@
-"""The integrated method's layer-major pass (#41): every row that runs the finetuned or a
-shifted model moves through the layers together, so each layer's Δ is read once forward and
-once backward for the whole call.
+"""The integrated method's rows: its nodes and its paths, run on the pass executor.
 
 At each quadrature node ``x_i`` integrated informative needs the linear informative split at
 the model ``W + x_iΔ``: a forward and a backward pass and each layer's forward-mode pass along
-Δ. Upstream's finetuned-late context needs, per component group, rows that enter the
-finetuned model at the group's boundary: the path's rows ``x + γ_iδ`` (forward, and their
-gradient back to the boundary), the endpoints ``x + δ`` and the context ``x`` (forward, for
-their rewards). Run one after another, every node and every path reads every later layer's Δ
-again. Here, where gradients go one layer at a time (``runs.layerwise``), they advance
-together: forward, layer by layer, every node's rows, the finetuned model's (``R(W')``, and
-the finetuned run downstream reads) and every path's rows from their boundary on (``Entry``)
-through the layer while its Δ is loaded; then backward, layer by layer, every node's
-vector-Jacobian product and its forward-mode pass, and every path's. The shifts share one
-store of Δ (``shift.Store``), so each layer's Δ is read once forward and once backward.
+Δ. Upstream and downstream need, per component group and context, a path integral: rows that
+enter the model at the group's boundary, the path's rows ``x + γ_iδ`` (forward, and their
+gradient back to the boundary), the endpoints ``x + δ`` and the context's ``x`` (forward, for
+their rewards): ``PathRows``, whose rows run through the whole graph (``passes.whole``) or in a
+layer-major pass.
 
-Kept between the two sweeps: each node's stream entering each layer (one ``[batch, pos,
-d_model]`` per node and layer) and each path's gradient rows entering each layer after its
-boundary; the values the informative scores read at a layer (``z``, the MLP's input) come from
-the backward pass's re-run of that layer. Paths' rows run ``runs.BLOCK_TOKENS`` tokens at a
-time through a layer. Where the paths' kept rows would pass ``upstream.SWEEP_BYTES``, they are
-split into passes (``layer_major``), each further pass reading the layers after its first
-boundary again.
+Run one after another, every node and every finetuned-late path reads every later layer's Δ
+again. Where gradients go one layer at a time (``runs.layerwise``), ``run_layer_major`` puts
+them in one ``passes.layer_major`` pass: the nodes and the finetuned run (downstream's patches
+read it) as lanes, one per weight setting (``shift.Shift``, sharing one store of Δ), upstream's
+finetuned-late paths as entries. Each node's backward step (``_back``) re-runs its layer with a
+graph, carries the gradient back and computes the layer's informative scores by a forward-mode
+pass at that node's weights, reading the Δ the shifts have loaded: each layer's Δ is read once
+forward and once backward for the whole call. Kept between the two sweeps: each node's stream
+entering each layer and each path's gradient rows entering each layer after its boundary (up to
+``passes.SWEEP_BYTES``; past it the paths are split into passes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,212 +31,160 @@ from torch import Tensor
 
 from extractive_lens import backend as B
 from extractive_lens.backend import LayerRun, shift
-from extractive_lens.backend.blocks import Where
 from extractive_lens.scoring import passes, runs
+from extractive_lens.scoring.causal import CausalChunk, patch_groups
 from extractive_lens.scoring.kinds import KINDS
 from extractive_lens.scoring.kinds.protocols import LayerStep
-from extractive_lens.scoring.runs import LayerW_O, Run, head_grad, readout, wide
+from extractive_lens.scoring.options import CausalOptions
+from extractive_lens.scoring.runs import LayerW_O, Run, head_grad, wide
 
 if TYPE_CHECKING:  # pragma: no cover
-    from extractive_lens.batch import PromptBatch
-    from extractive_lens.rewards import Reward
-    from extractive_lens.scoring.linear import LinearOptions
-    from extractive_lens.weight_diff import WeightDiff
+    from extractive_lens.backend.blocks import Where
+
+
+class PathRows:
+    """One component group's path integral in one context as ``passes.Entry`` rows: the
+    context's stream ``x0`` at boundary ``start``, each component's patch ``δ_c`` (``delta
+    [batch, pos, comp, d_model]``; the layer path moves all components at once along
+    ``x + γΣδ_c``), nodes ``xs`` with weights ``ws``, at most ``max_batch`` rows a pass.
+    ``entries``: the path's rows (with their gradient), the endpoints ``x0 + δ`` and, unless
+    the context's reward is given, ``x0``. After they ran, ``result()``."""
+
+    def __init__(self, x0: Tensor, start: tuple[int, Where], delta: Tensor, path: str,
+                 max_batch: int, xs: list[float], ws: list[float],
+                 reward: Tensor | None = None) -> None:  # fmt: skip
+        d = delta.to(x0.dtype)
+        if path == "layer":
+            d = d.sum(2, keepdim=True)  # one path: [b, pos, 1, d_model]
+        b, paths = x0.shape[0], d.shape[2]
+        self.delta, self.d, self.ws, self.path, self.R0 = delta, d, ws, path, reward
+        per_pass = max(1, max_batch // b)
+        # rows: (node, path, prompt), prompts innermost so that each pass holds whole copies
+        jobs = [(i, p) for i in range(len(xs)) for p in range(paths)]
+
+        def rows(part: list[tuple[float, int]]) -> Any:
+            return lambda: torch.cat([x0 + a * d[:, :, p] for a, p in part])
+
+        self.jobs = [jobs[j : j + per_pass] for j in range(0, len(jobs), per_pass)]
+        self.grads = [passes.Entry(start, len(part), rows([(xs[i], p) for i, p in part]), True)
+                      for part in self.jobs]  # fmt: skip
+        ends = [list(range(j, min(j + per_pass, paths))) for j in range(0, paths, per_pass)]
+        self.ends = [(ps, passes.Entry(start, len(ps), rows([(1.0, p) for p in ps]), False))
+                     for ps in ends]  # fmt: skip
+        self.context = None if reward is not None else passes.Entry(start, 1, lambda: x0, False)
+        self.entries = [*self.grads, *(e for _, e in self.ends)]
+        self.entries += [] if self.context is None else [self.context]
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """``∫ <dR/dx(x + γδ_c), δ_c> dγ`` by position, ``[batch, comp, pos]``, and the endpoint
+        differences ``R(x + δ_c) - R(x)`` (``[batch, comp]``; for the layer path ``[batch]``)."""
+        b, pos, n_comp, _ = self.delta.shape
+        g0 = cast(Tensor, self.grads[0].g)
+        integrand = torch.zeros(b, n_comp, pos, dtype=wide(g0).dtype, device=g0.device)
+        for part, e in zip(self.jobs, self.grads):
+            g = cast(Tensor, e.g)
+            for r, (i, p) in enumerate(part):
+                gi = wide(g[r * b : (r + 1) * b])  # [b, pos, d_model]
+                if self.path == "layer":
+                    integrand += self.ws[i] * torch.einsum("bpd,bpcd->bcp", gi, wide(self.delta))
+                else:
+                    integrand[:, p] += self.ws[i] * (gi * wide(self.d[:, :, p])).sum(-1)
+        R0 = wide(cast(Tensor, self.R0 if self.context is None else self.context.reward))
+        ends = torch.zeros(b, self.d.shape[2], dtype=R0.dtype, device=R0.device)
+        for ps, e in self.ends:
+            ends[:, ps] = wide(cast(Tensor, e.reward)).reshape(len(ps), b).T - R0[:, None]
+        return integrand, (ends[:, 0] if self.path == "layer" else ends)
 
 
 @dataclass
-class Entry:
-    """Rows that enter the finetuned model at boundary ``start`` (``(layer, "mid")``: before
-    the layer's MLP; ``(layer, "post")``: after the layer) and run with the pass's finetuned
-    rows: ``copies`` stacked copies of the chunk, formed by ``make()`` when they enter. After
-    the pass: ``reward`` (``[copies · batch]``) and, with ``grad``, ``g``: ``dR/d rows`` at
-    the boundary."""
+class Done:
+    """The layer-major pass's results for one chunk: informative's ``(Σ, other, R(W') -
+    R(W))`` (``None`` without it) and upstream's finetuned-late paths by ``(layer, group)``."""
 
-    start: tuple[int, Where]
-    copies: int
-    make: Callable[[], Tensor]
-    grad: bool
-    reward: Tensor | None = None
-    g: Tensor | None = None
+    informative: Any
+    late: dict[tuple[int, str], PathRows]
 
 
-@dataclass
-class Pass:
-    """What ``layer_major`` returns: informative's ``Σ_i w_i Ī(W + x_iΔ)`` and its "other"
-    share (``None`` without nodes), the finetuned run (``None`` when not asked for)."""
+def run_layer_major(
+    cc: CausalChunk, options: CausalOptions, path: str, skipped: dict[str, list[str]],
+    xs: list[float], ws: list[float],
+) -> Done:  # fmt: skip
+    """The informative nodes, the finetuned run (downstream's patches read it) and upstream's
+    finetuned-late paths in one layer-major pass (module docstring)."""
+    from extractive_lens.scoring.linear import LinearChunk, LinearOptions
 
-    informative: Tensor | None
-    other: Tensor | None
-    finetuned: Run | None
-
-
-def layer_major(
-    model: Any, diff: WeightDiff, chunk: PromptBatch, reward_fn: Reward, *,
-    xs: Sequence[float] = (), ws: Sequence[float] = (), options: LinearOptions | None = None,
-    finetuned: bool = False, entries: Sequence[Entry] = (),
-) -> Pass:  # fmt: skip
-    """The nodes ``xs`` (weights ``ws``; informative with ``options``), the finetuned run
-    (``finetuned``, or whenever there are nodes: ``R(W')``) and the paths' ``entries`` in
-    layer-major passes (module docstring): the first pass carries the nodes, the finetuned
-    rows and the entries that fit in ``upstream.SWEEP_BYTES`` of kept rows, first boundaries
-    first; each further pass the next entries."""
-    packs = _packs(model, chunk, list(entries))
-    out = _one_pass(model, diff, chunk, reward_fn, list(xs), list(ws), options,
-                    finetuned or bool(xs), packs[0] if packs else [])  # fmt: skip
-    for pack in packs[1:]:
-        _one_pass(model, diff, chunk, reward_fn, [], [], None, False, pack)
-    return out
-
-
-def _packs(model: Any, chunk: PromptBatch, entries: list[Entry]) -> list[list[Entry]]:
-    """The entries by boundary, split so that each pass's rows (the gradient rows at every
-    layer after their boundary, the others once) stay under ``upstream.SWEEP_BYTES``."""
-    from extractive_lens.backend import compute
-    from extractive_lens.scoring.kinds import upstream
-
-    L = model.cfg.n_layers
-    dtype = compute.compute_dtype() or model.cfg.dtype
-    item = torch.empty(0, dtype=torch.promote_types(dtype, torch.float32)).element_size()
-    copy = len(chunk) * chunk.n_pos * runs.sizing(model).cfg.d_model * item
-
-    def cost(e: Entry) -> int:
-        return e.copies * copy * ((L - e.start[0]) if e.grad else 1)
-
-    return passes.packs(sorted(entries, key=lambda e: e.start[0]), cost, upstream.SWEEP_BYTES)
-
-
-def _one_pass(
-    model: Any, diff: WeightDiff, chunk: PromptBatch, reward_fn: Reward, xs: list[float],
-    ws: list[float], options: LinearOptions | None, with_ft: bool, entries: list[Entry],
-) -> Pass:  # fmt: skip
-    """One layer-major pass (``layer_major``)."""
-    from extractive_lens.scoring.linear import LinearChunk
-
-    L = model.cfg.n_layers
+    model, diff, chunk, kinds = cc.model, cc.diff, cc.batch, options.score_kinds
+    late: dict[tuple[int, str], PathRows] = {}
+    if "upstream" in kinds:
+        for layer, group, d, _ in patch_groups(cc, "upstream", skipped.get("upstream", [])):
+            x0, start = passes.entry(model, diff, cc.base, layer, group)
+            late[(layer, group)] = PathRows(x0, start, d, path, options.max_batch, xs, ws)
+    informative = "informative" in kinds
+    lin_options = LinearOptions(kinds=("informative",), reward=options.reward_fn,
+                                ablation=options.ablation, rows=None)  # fmt: skip
     store = shift.store_of(model, diff)
-    lanes = [shift.Shift(model, diff, x, store) for x in xs]
     ft_shift = shift.Shift(model, diff, 1.0, store)
-    ft = Run() if with_ft else None
-    node_runs = [_empty_run(L, model, s) for s in lanes]
-    kept = [cast(list[Any], run.pre) for run in node_runs]  # each node's stream entering each layer
-    rows = runs.block_rows(chunk.n_pos)  # the paths' rows per block: BLOCK_TOKENS tokens
-    live: dict[int, Tensor] = {}  # entry -> its rows now
-    entry_kept: dict[int, dict[tuple[int, Where], Tensor]] = {}  # entry -> its rows entering a step
-
-    def observe(step: LayerRun) -> None:  # the finetuned run: forward_run's record
-        assert ft is not None
-        ft.pre.append(step.pre)
-        ft.mid.append(step.mid)
-        if step.mlp_out is not None:
-            ft.mlp_in.append(step.mlp_in)  # type: ignore[arg-type]
-            ft.mlp_out.append(step.mlp_out)
-        ft.post.append(step.post)
-        ft.z.append(step.captured["z"])
-        ft.captured.append(dict(step.captured))
-
-    def step(i: int, x: Tensor, at: tuple[int, Where]) -> Tensor:
-        """Entry ``i``'s rows from boundary ``at`` to the end of its layer, kept for backward."""
-        if entries[i].grad:
-            entry_kept.setdefault(i, {})[at] = x
-        return runs.through(model, x, at, rows)
-
-    tokens = chunk.tokens.to(model.cfg.device)
-    whole = [*lanes, ft_shift] if ft is not None else lanes
-    if not whole and not entries:  # nothing runs a shifted model (every path skipped)
-        return Pass(None, None, None)
-    first = 0 if whole else min(e.start[0] for e in entries)
-    with B.frozen_parameters(model):
-        with torch.no_grad():
-            xs_now: list[Tensor] = []
-            for s in whole:
-                with shift.within(s):
-                    xs_now.append(B.embed(model, tokens))
-            for layer in range(first, L):
-                for k, s in enumerate(whole):
-                    if k < len(lanes):
-                        kept[k][layer] = xs_now[k]
-                    with shift.within(s):
-                        y = B.run_blocks(model, xs_now[k], start=(layer, "pre"), stop=layer + 1,
-                                         capture=("z",), observe=None if k < len(lanes) else observe)  # fmt: skip
-                    xs_now[k] = cast(Tensor, y)
-                with shift.within(ft_shift):
-                    for i, x in live.items():  # the paths already in: through this layer
-                        live[i] = step(i, x, (layer, "pre"))
-                    for i, e in enumerate(entries):  # the paths entering in this layer
-                        if e.start[0] == layer:
-                            x = e.make()
-                            live[i] = x if e.start[1] == "post" else step(i, x, e.start)
-            if ft is not None and lanes:  # R(W'): informative's change (downstream reads no R)
-                with shift.within(ft_shift):
-                    R, _, x_read = readout(model, xs_now[-1], chunk, reward_fn)
-                ft.reward, ft.post_final = R, x_read
-            if ft is not None:
-                ft.W_O = LayerW_O(model, ft_shift)
-        grads: list[Tensor] = []
-        for k, s in enumerate(lanes):
-            with shift.within(s), torch.enable_grad():
-                xf = xs_now[k].detach().requires_grad_(True)
-                R, logits, x_read = readout(model, xf, chunk, reward_fn)
-                g, g_logits = torch.autograd.grad(R.sum(), [xf, logits])
-            grads.append(g)
-            node_runs[k].reward, node_runs[k].post_final = R.detach(), x_read.detach()
-            node_runs[k].g_logits = g_logits
-        entry_grads: dict[int, Tensor] = {}
-        for i, e in enumerate(entries):
-            with shift.within(ft_shift), torch.set_grad_enabled(e.grad):
-                xf = live.pop(i).detach().requires_grad_(e.grad)
-                R, _, _ = readout(model, xf, chunk, reward_fn, groups=e.copies)
-                if e.grad:
-                    (entry_grads[i],) = torch.autograd.grad(R.sum(), [xf])
-            e.reward = R.detach()
-        chunks = []
-        for run in node_runs:
-            g_z: list[Tensor] = [None] * L  # type: ignore[list-item]  # filled layer by layer
-            c = LinearChunk(model, diff, diff.deltas, chunk, run, [], cast(Any, options), None, g_z)
-            c.swept["informative"] = c.new_scores()
-            chunks.append(c)
-        for layer in reversed(range(first, L)):
-            for k, s in enumerate(lanes):
-                with shift.within(s):
-                    grads[k] = _back(chunks[k], layer, cast(Tensor, kept[k][layer]), grads[k])
-                if layer > 0:  # layer 0's stays: the chunk reads its dtype and device
-                    kept[k][layer] = None
-            with shift.within(ft_shift):
-                for i in list(entry_grads):
-                    entry_grads[i] = _path_back(model, entries[i], layer, entry_kept.setdefault(i, {}),
-                                                entry_grads[i], rows)  # fmt: skip
-                    if entries[i].start[0] == layer:
-                        entries[i].g = entry_grads.pop(i)
-        scores = []
-        for k, s in enumerate(lanes):
-            node_runs[k].g_embed = grads[k]
-            with shift.within(s):
-                scores.append(KINDS["informative"].linear(chunks[k]))
-    total = other = None
-    for inf, c, w in zip(scores, chunks, ws):
-        o = cast(Tensor, c.other)
-        total = w * inf if total is None else total + w * inf
-        other = w * o if other is None else other + w * o
-    return Pass(total, other, ft)
+    chunks: list[Any] = []
+    lanes = []
+    for x in xs if informative else ():
+        s = shift.Shift(model, diff, x, store)
+        run = _empty_run(model, s)
+        g_z: list[Any] = [None] * model.cfg.n_layers  # filled layer by layer
+        c = LinearChunk(model, diff, diff.deltas, chunk, run, [], lin_options, None, g_z)
+        lane = passes.Lane(s, back=functools.partial(_back, c))
+        run.pre = lane.kept  # the stream entering each layer, kept by the pass
+        chunks.append(c)
+        lanes.append(lane)
+    ft = Run() if informative or "downstream" in kinds else None
+    if ft is not None:
+        lanes.append(passes.Lane(ft_shift, on_layer=lambda layer, step: _record(ft, step)))
+    entries = [e for p in late.values() for e in p.entries]
+    passes.layer_major(model, chunk, options.reward_fn, lanes, entries, ft_shift)
+    result = None
+    if ft is not None:
+        ft.reward, ft.post_final, ft.W_O = (
+            lanes[-1].reward,
+            lanes[-1].read,
+            LayerW_O(model, ft_shift),
+        )
+        cc.cached("finetuned_run", lambda: ft)
+    if informative:
+        total = other = None
+        for c, lane, w in zip(chunks, lanes, ws):
+            c.base.reward, c.base.post_final, c.base.g_logits = (
+                lane.reward,
+                lane.read,
+                lane.g_logits,
+            )
+            c.base.g_embed = lane.g
+            with shift.within(lane.shift):
+                inf = KINDS["informative"].linear(c)
+            o = cast(Tensor, c.other)
+            total = w * inf if total is None else total + w * inf
+            other = w * o if other is None else other + w * o
+        change = wide(cast(Tensor, lanes[-1].reward)) - wide(cast(Tensor, cc.base.reward))
+        result = (total, other, change)
+    return Done(result, late)
 
 
-def _path_back(
-    model: Any, e: Entry, layer: int, kept: dict[tuple[int, Where], Tensor], g: Tensor, rows: int
-) -> Tensor:
-    """A path's gradient carried back through ``layer`` (from its boundary, in the layer where
-    it entered), ``rows`` rows at a time, each step's kept rows dropped after."""
-    for at in ((layer, "pre"), e.start):
-        x = kept.pop(at, None) if at[0] == layer else None
-        if x is not None:
-            g = runs.back(model, x, at, g, rows)
-    return g
+def _record(ft: Run, step: LayerRun) -> None:
+    """The finetuned run's record of a layer, as ``runs.forward_run`` keeps it."""
+    ft.pre.append(step.pre)
+    ft.mid.append(step.mid)
+    if step.mlp_out is not None:
+        ft.mlp_in.append(step.mlp_in)  # type: ignore[arg-type]
+        ft.mlp_out.append(step.mlp_out)
+    ft.post.append(step.post)
+    ft.z.append(step.captured["z"])
+    ft.captured.append(dict(step.captured))
 
 
-def _empty_run(L: int, model: Any, s: shift.Shift) -> Run:
+def _empty_run(model: Any, s: shift.Shift) -> Run:
     """A node's run, its per-layer lists filled by the backward sweep (and emptied after)."""
-    none: list[Any] = [None] * L
-    run = Run(pre=list(none), mlp_in=list(none), z=list(none), g_attn=list(none),
-              g_mlp=list(none) if B.has_mlp(model) else [], g_captured=[{} for _ in range(L)])  # fmt: skip
+    none: list[Any] = [None] * model.cfg.n_layers
+    run = Run(mlp_in=list(none), z=list(none), g_attn=list(none),
+              g_mlp=list(none) if B.has_mlp(model) else [],
+              g_captured=[{} for _ in none])  # fmt: skip
     run.W_O = LayerW_O(model, s)
     return run
 
@@ -251,6 +195,8 @@ def _back(c: Any, layer: int, x: Tensor, g: Tensor) -> Tensor:
     this node's weights, reading the Δ the shifts have loaded) into ``c.swept``.
     The layer's values and gradients are dropped after: the run keeps no layer."""
     run: Run = c.base
+    if "informative" not in c.swept:
+        c.swept["informative"] = c.new_scores()
     live: list[LayerRun] = []
     g_in, step = runs.layer_vjp(c.model, x, (layer, "pre"), g, ("z",), live)
     assert step is not None

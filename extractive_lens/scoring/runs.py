@@ -310,7 +310,7 @@ def back(model: Any, x: Tensor, at: tuple[int, Any], g: Tensor, rows: int | None
 
 BLOCK_TOKENS = 256
 """Tokens a layer-at-a-time pass runs through a layer at once where it stacks many copies of a
-batch (``grad_at``; linear's sweep, ``upstream.sweep_rows``): the rows are split into blocks
+batch (``grad_at``, ``passes.layer_major``): the rows are split into blocks
 of about this many tokens, so that a layer's working set does not grow with the number of
 rows stacked (integrated paths, boundaries: with the depth)."""
 
