@@ -102,8 +102,10 @@ def main() -> None:
 
 SMOL = Path("/tmp/smol/full")
 """Where the SmolLM2 maps go (too large for git: Δ alone is 0.5 GB): ``diff.safetensors``,
-``<what>_<method>`` (``ComponentScores.save``), ``<what>_causal_L<a>-<b>`` (the exact map a
-slice of layers at a time, merged into ``<what>_causal``), ``times.json`` and ``READY``."""
+``<what>_<method>`` (``ComponentScores.save``), ``<what>_causal_L<layer>`` (the exact map a
+layer at a time, merged into ``<what>_causal``; integrated the same), ``times.json`` and
+``READY``. ``python docs/verified_numbers.py --model smollm2`` (in a heavy-run slot, again until
+``READY`` appears) makes them."""
 SETS = ("implications", "facts")
 
 
@@ -137,38 +139,58 @@ def record(out: Path, name: str, wall: float, cpu: float, **more: object) -> Non
     print(name, json.dumps(times[name]), flush=True)
 
 
-def smol_stage(stage: str, what: str, layers: str | None, nodes: int) -> None:
-    """One heavy-run job: ``diff`` (finetune, then linear on both sets), ``causal`` or
-    ``integrated`` on ``what`` (``layers`` "a-b": that slice only), ``merge`` (the slices into
-    one exact map, then ``READY``)."""
+def smol_work(minutes: float, nodes: int) -> None:
+    """One heavy-run job, resumable: what is not yet saved under ``SMOL``, in this order,
+    starting nothing it does not expect to end within ``minutes`` (each layer's time predicted
+    from the last one's, by the layers after it): linear on both sets, then the exact map one
+    layer at a time (the last layer first), implications then facts, then integrated the same
+    way; each piece saved as it ends, with its seconds and passes (``times.json``). When every
+    piece is there, the maps merged and ``READY`` written. Run it again until ``READY``."""
     SMOL.mkdir(parents=True, exist_ok=True)
-    if stage == "merge":
-        return smol_merge()
+    began = time.perf_counter()
     model, diff, sets = smol_setup(SMOL)
-    todo = SETS if stage == "diff" else (what,)
-    for name in todo:
+    n_layers = model.cfg.n_layers
+    last: dict[str, float] = {}  # method -> seconds per unit of depth, from the last piece
+
+    def run(name: str, tag: str, method: str, layer: int | None) -> None:
         sub, ref = sets[name]
+        depth = 1.0 if layer is None else (n_layers - layer) / n_layers
+        guess = last.get(method, 0.0) * depth
+        if time.perf_counter() - began + guess > 60 * minutes:
+            raise TimeoutError(f"{name} {tag}: {guess:.0f} s predicted, not started")
         t, c = time.perf_counter(), time.process_time()
-        if stage == "diff":
-            s = el.linear_scores(model, diff, sub, reference=ref)
-            tag = "linear"
-        else:
-            first, last = (int(x) for x in layers.split("-")) if layers else (0, -1)
-            sl = list(range(first, last + 1)) if layers else None
-            fn = el.causal_scores if stage == "causal" else el.integrated_scores
-            kw = {} if stage == "causal" else {"steps": nodes}
-            s = fn(model, diff, sub, reference=ref, layers=sl, **kw)
-            tag = stage + (f"_L{layers}" if layers else "")
+        with counting_passes(model, sub) as count:
+            if method == "linear":
+                s = el.linear_scores(model, diff, sub, reference=ref)
+            elif method == "causal":
+                s = el.causal_scores(model, diff, sub, reference=ref, layers=[layer])
+            else:
+                s = el.integrated_scores(model, diff, sub, reference=ref, layers=[layer],
+                                         steps=nodes)  # fmt: skip
         wall, cpu = time.perf_counter() - t, time.process_time() - c
+        last[method] = wall / depth
         s.save(SMOL / f"{name}_{tag}")
-        record(SMOL, f"{name}_{tag}", wall, cpu, prompts=len(sub))
+        record(SMOL, f"{name}_{tag}", wall, cpu, prompts=len(sub), passes=count.passes,
+               forward=count.forward, backward=count.backward)  # fmt: skip
+
+    pieces = [(name, "linear", "linear", None) for name in SETS]
+    pieces += [(name, f"{m}_L{layer:02d}", m, layer) for m in ("causal", "integrated")
+               for name in SETS for layer in reversed(range(n_layers))]  # fmt: skip
+    try:
+        for name, tag, method, layer in pieces:
+            if not (SMOL / f"{name}_{tag}" / "scores.json").exists():
+                run(name, tag, method, layer)
+    except TimeoutError as e:
+        print("stopped:", e, flush=True)
+        return
+    smol_merge()
 
 
 def smol_merge() -> None:
     """The exact (and integrated) maps' layer slices as one map per set, then ``READY``."""
     for name in SETS:
         for method in ("causal", "integrated"):
-            parts = sorted(SMOL.glob(f"{name}_{method}_L*"))
+            parts = sorted(SMOL.glob(f"{name}_{method}_L*"))  # one layer each
             if not parts:
                 continue
             loaded = [el.ComponentScores.load(p) for p in parts]
@@ -199,18 +221,11 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", choices=("world", "smollm2"), default="world")
-    ap.add_argument(
-        "--stage",
-        choices=("diff", "causal", "integrated", "merge"),
-        default="diff",
-        help="smollm2: one heavy-run job (see smol_stage)",
-    )
-    ap.add_argument("--what", choices=SETS, default="implications")
-    ap.add_argument("--layers", default=None, help="smollm2 causal/integrated: a-b, inclusive")
+    ap.add_argument("--minutes", type=float, default=18.0, help="smollm2: one job's length")
     ap.add_argument("--nodes", type=int, default=2, help="integrated: nodes (the protocol's: 2)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.model == "world":
         main()
     else:
-        smol_stage(a.stage, a.what, a.layers, a.nodes)
+        smol_work(a.minutes, a.nodes)

@@ -236,7 +236,14 @@ def _what_to_trust(results: Sequence[ScoresView], comparison: Any) -> str:
             f"<ul class='verdicts'>{says}</ul>"
         )
         cols = comparison.columns
-        out.append(_table([tuple(r[c] for c in cols) for r in comparison.rows], cols))
+        out.append(_table(comparison_rows(comparison), cols))
+        if comparison.linear.n_prompts > 1:
+            out.append(
+                f"<p class='caption'>{', '.join(INTERVALS)}: the value and its "
+                f"{INTERVAL_LEVEL:.0%} interval, a bootstrap of {INTERVAL_RESAMPLES} resamples "
+                f"of the {comparison.linear.n_prompts} prompts (seed 0; "
+                "<code>compare(...).ci()</code>: the same scores, no new passes).</p>"
+            )
     for s in results:
         done = (s.metadata.get("integrated") or {}).get("completeness")
         if done:
@@ -254,6 +261,30 @@ def _what_to_trust(results: Sequence[ScoresView], comparison: Any) -> str:
         out.append("<h3>additivity of the linear scores</h3>")
         out += [f"<p class='additivity'>{html.escape(n)}</p>" for n in notes]
     return "".join(out)
+
+
+INTERVALS = ("pearson", "slope", "topk_overlap")
+"""The comparison table's columns shown with their bootstrap intervals over prompts."""
+INTERVAL_LEVEL, INTERVAL_RESAMPLES = 0.95, 200
+
+
+def comparison_rows(comparison: Any) -> list[tuple[Any, ...]]:
+    """A comparison's table rows (``comparison.columns``), r, slope and top-k overlap as
+    ``value [low, high]`` (``INTERVALS``; ``ScoreComparison.ci`` over the prompts), where there
+    are two prompts or more to resample."""
+    cols = comparison.columns
+    rows = [dict(r) for r in comparison.rows]
+    if comparison.linear.n_prompts > 1:
+        ci = comparison.ci(level=INTERVAL_LEVEL, n_boot=INTERVAL_RESAMPLES, seed=0,
+                           statistics_=INTERVALS)  # fmt: skip
+        found = {(r.kind, r.part, r.statistic): (r.low, r.high) for r in ci.itertuples()}
+        for r in rows:
+            for name in INTERVALS:
+                low_high = found.get((r["kind"], r["part"], name))
+                if low_high is not None and r[name] == r[name]:
+                    lo, hi = _fmt(low_high[0]), _fmt(low_high[1])  # one line: no-break spaces
+                    r[name] = f"{_fmt(float(r[name]))}\u00a0[{lo},\u00a0{hi}]"
+    return [tuple(r[c] for c in cols) for r in rows]
 
 
 def verified_section(rows: Sequence[tuple[Any, ...]]) -> str:

@@ -337,3 +337,27 @@ def test_top_components_print_one_format_and_say_what_integrated_informative_is(
     got = [_signed(x) for x in (3.178, 0.746, 1.1, -0.0005)]
     assert got == ["+3.178", "+0.746", "+1.100", "-5.00e-04"]
     assert _informative_note([]) == ""
+
+
+def test_report_comparison_tables_show_r_slope_and_overlap_with_intervals(scored, tmp_path):
+    """Each comparison row's r, slope and top-k overlap as `value [low, high]`: compare().ci()'s
+    bootstrap over the prompts (its seed and resamples), beside the row's own value."""
+    import html as html_
+
+    from extractive_lens.report import INTERVAL_RESAMPLES, INTERVALS
+
+    lin, ex, _ = scored
+    cmp = compare(lin, ex)
+    text = report([lin, ex], cmp, path=tmp_path / "r.html").read_text()
+    ci = cmp.ci(n_boot=INTERVAL_RESAMPLES, seed=0, statistics_=INTERVALS)
+    cells = [html_.unescape(c) for c in re.findall(r"<td>([^<]*)</td>", text)]
+    shown = 0
+    for row in ci.itertuples():
+        est = next(r[row.statistic] for r in cmp.rows if (r["kind"], r["part"]) == (row.kind,
+                                                                                    row.part))  # fmt: skip
+        assert row.estimate == pytest.approx(est)
+        want = f"{est:.3f}\u00a0[{row.low:.3f},\u00a0{row.high:.3f}]".replace("-0.000", "0.000")
+        assert want in cells or want.replace("0.000", "-0.000") in cells, want
+        shown += 1
+    assert shown >= 2 * len(cmp.rows)  # r and slope on every row (overlap where it has one)
+    assert "bootstrap of 200 resamples" in text
