@@ -130,6 +130,34 @@ def smol_setup(out: Path) -> tuple:
     return model, diff, scored_sets(facts, impls, range(4))
 
 
+def times() -> dict:
+    path = SMOL / "times.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def smol_verified(model, diff, sub, ref, name: str, tag: str):
+    """``verified_scores`` at 3x linear's passes with the saved linear map (its passes as
+    counted); ``planted``: seed 0 with the linear downstream score of the MLP with the largest
+    exact downstream mass zeroed."""
+    lin = el.ComponentScores.load(SMOL / f"{name}_linear")
+    passes = times()[f"{name}_linear"]["passes"]
+    seed = 0 if tag.endswith("planted") else int(tag[-1])
+    if tag.endswith("planted"):
+        full = el.ComponentScores.load(SMOL / f"{name}_causal")
+        k = lin.kind_index("downstream")
+        layer = int(full.totals[k][:, -1].abs().argmax())
+        values, pv = lin.values.clone(), lin.prompt_values.clone()
+        values[k, layer, -1], pv[k, :, layer, -1] = 0.0, 0.0
+        lin = dataclasses.replace(lin, values=values, prompt_values=pv)
+        lin.metadata["planted"] = f"L{layer}MLP"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v = el.verified_scores(model, diff, sub, reference=ref, budget=3.0, seed=seed,
+                               linear=lin, linear_passes=passes)  # fmt: skip
+    v.metadata["planted"] = lin.metadata.get("planted")
+    return v
+
+
 def record(out: Path, name: str, wall: float, cpu: float, **more: object) -> None:
     """One line of ``times.json``: wall and CPU seconds of a stage (and what else it says)."""
     path = out / "times.json"
@@ -142,9 +170,10 @@ def record(out: Path, name: str, wall: float, cpu: float, **more: object) -> Non
 def smol_work(minutes: float, nodes: int) -> None:
     """One heavy-run job, resumable: what is not yet saved under ``SMOL``, in this order,
     starting nothing it does not expect to end within ``minutes`` (each layer's time predicted
-    from the last one's, by the layers after it): linear on both sets, then the exact map one
-    layer at a time (the last layer first), implications then facts, then integrated the same
-    way; each piece saved as it ends, with its seconds and passes (``times.json``). When every
+    from the last one's, by the layers after it): linear on both sets; per set the exact map
+    one layer at a time (the last layer first), merged, then ``verified_scores`` at 3x linear's
+    passes (seeds 0, 1, 2 and a planted disagreement); then integrated on each set in one call
+    (its layer-major pass runs every path whatever ``layers=`` keeps); each piece saved as it ends, with its seconds and passes (``times.json``). When every
     piece is there, the maps merged and ``READY`` written. Run it again until ``READY``."""
     SMOL.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
@@ -156,6 +185,8 @@ def smol_work(minutes: float, nodes: int) -> None:
         sub, ref = sets[name]
         depth = 1.0 if layer is None else (n_layers - layer) / n_layers
         guess = last.get(method, 0.0) * depth
+        if method == "verified":  # its exact cells: about half the map's time, at a guess
+            guess = 0.5 * sum(v["wall_s"] for k, v in times().items() if f"{name}_causal" in k)
         if time.perf_counter() - began + guess > 60 * minutes:
             raise TimeoutError(f"{name} {tag}: {guess:.0f} s predicted, not started")
         t, c = time.perf_counter(), time.process_time()
@@ -164,21 +195,30 @@ def smol_work(minutes: float, nodes: int) -> None:
                 s = el.linear_scores(model, diff, sub, reference=ref)
             elif method == "causal":
                 s = el.causal_scores(model, diff, sub, reference=ref, layers=[layer])
+            elif method == "integrated":
+                s = el.integrated_scores(model, diff, sub, reference=ref, steps=nodes)
             else:
-                s = el.integrated_scores(model, diff, sub, reference=ref, layers=[layer],
-                                         steps=nodes)  # fmt: skip
+                s = smol_verified(model, diff, sub, ref, name, tag)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         last[method] = wall / depth
         s.save(SMOL / f"{name}_{tag}")
         record(SMOL, f"{name}_{tag}", wall, cpu, prompts=len(sub), passes=count.passes,
                forward=count.forward, backward=count.backward)  # fmt: skip
 
+    layers = list(reversed(range(n_layers)))
     pieces = [(name, "linear", "linear", None) for name in SETS]
-    pieces += [(name, f"{m}_L{layer:02d}", m, layer) for m in ("causal", "integrated")
-               for name in SETS for layer in reversed(range(n_layers))]  # fmt: skip
+    for name in SETS:  # a set's exact map, then verified against it
+        pieces += [(name, f"causal_L{layer:02d}", "causal", layer) for layer in layers]
+        pieces += [(name, "merge", "merge", None)]
+        pieces += [(name, f"verified_{v}", "verified", None) for v in ("s0", "s1", "s2", "planted")]
+    pieces += [(name, "integrated", "integrated", None) for name in SETS]  # one call: its
+    # layer-major pass runs every path whatever layers= keeps
+    pieces += [(name, "merge", "merge", None) for name in SETS]
     try:
         for name, tag, method, layer in pieces:
-            if not (SMOL / f"{name}_{tag}" / "scores.json").exists():
+            if method == "merge":
+                smol_merge()
+            elif not (SMOL / f"{name}_{tag}" / "scores.json").exists():
                 run(name, tag, method, layer)
     except TimeoutError as e:
         print("stopped:", e, flush=True)
@@ -187,7 +227,8 @@ def smol_work(minutes: float, nodes: int) -> None:
 
 
 def smol_merge() -> None:
-    """The exact (and integrated) maps' layer slices as one map per set, then ``READY``."""
+    """The exact (and integrated) maps' layer slices as one map per set (where every layer is
+    there), then ``READY`` (when both sets' three maps are)."""
     for name in SETS:
         for method in ("causal", "integrated"):
             parts = sorted(SMOL.glob(f"{name}_{method}_L*"))  # one layer each
@@ -204,16 +245,21 @@ def smol_merge() -> None:
                 out[0][:, ls], out[1][:, ls] = s.values[:, ls], s.totals[:, ls]
                 out[2][:, :, ls] = s.prompt_values[:, :, ls]
                 out[3][:, :, ls] = s.prompt_totals[:, :, ls]
-            n_layers = first.totals.shape[1]
-            if sorted(covered) != list(range(n_layers)):
-                raise SystemExit(f"{name} {method}: layers {sorted(covered)} of {n_layers}")
+            if sorted(covered) != list(range(first.totals.shape[1])):
+                continue  # not every layer yet
             meta = {**first.metadata, "layers": None, "skipped": None,
                     "merged_from": [p.name for p in parts]}  # fmt: skip
             full = dataclasses.replace(first, values=out[0], totals=out[1], prompt_values=out[2],
                                        prompt_totals=out[3], metadata=meta)  # fmt: skip
             assert torch.isfinite(full.totals).all(), f"{name} {method}: cells left uncomputed"
             full.save(SMOL / f"{name}_{method}")
-    (SMOL / "READY").write_text("diff.safetensors; <set>_linear, <set>_causal, <set>_integrated\n")
+    maps = [
+        SMOL / f"{n}_{m}" / "scores.json" for n in SETS for m in ("linear", "causal", "integrated")
+    ]
+    if all(p.exists() for p in maps):
+        (SMOL / "READY").write_text(
+            "diff.safetensors; <set>_linear, <set>_causal, <set>_integrated\n"
+        )
 
 
 if __name__ == "__main__":
