@@ -142,7 +142,10 @@ def finetune(
             ``k`` optimiser steps (and the last), each written to disk as it is taken (one Δ in
             memory at a time); ``diff.metadata["trajectory"]`` is the folder, which
             ``Trajectory.load`` reads (``extractive_lens.trajectory``).
-        trajectory: the folder to write it into (default: a new temporary folder).
+        trajectory: the folder to write it into (new or empty), required with ``keep``: the
+            checkpoints are the size of the trainable weights each, and they outlive this
+            call and this session until the folder is deleted (no temporary folder is made
+            for them, which would fill the disk unseen or vanish under a loaded trajectory).
         on_epoch: called after every epoch with ``epoch`` while the model holds the weights
             trained so far (no Δ formed, nothing swapped: evaluate the checkpoint in place, at
             no memory beyond the evaluation's own; it must not change the weights).
@@ -184,6 +187,16 @@ def finetune(
 
     recorder = None
     if keep is not None:
+        if trajectory is None:
+            dtype = (params[train[0]].dtype if cfg.delta_dtype == "auto"
+                     else getattr(torch, cfg.delta_dtype))  # fmt: skip
+            size = sum(params[n].numel() for n in train) * dtype.itemsize
+            raise ValueError(
+                f"finetune(keep={keep!r}) writes every kept checkpoint's Δ to disk "
+                f"({size / 2**20:,.0f} MiB each for this model): pass trajectory='a folder' to "
+                "say where (e.g. trajectory='runs/finetune-1'); Trajectory.load(folder) reads "
+                "it back, in this session or a later one, and deleting the folder frees the disk."
+            )
         recorder = Recorder(trajectory, keep, M.signature(model),
                             {"base": model.cfg.model_name, "finetune": _config_meta(cfg)})  # fmt: skip
     elif trajectory is not None:

@@ -1,7 +1,8 @@
 """A finetune's trajectory: its checkpoints as weight changes from one base, held on disk.
 
->>> diff = finetune(base, batch, FinetuneConfig(epochs=4), keep="epochs")  # doctest: +SKIP
->>> traj = Trajectory.load(diff.metadata["trajectory"])                   # doctest: +SKIP
+>>> diff = finetune(base, batch, FinetuneConfig(epochs=4), keep="epochs",
+...                 trajectory="runs/ft-1")                                 # doctest: +SKIP
+>>> traj = Trajectory.load("runs/ft-1")                                   # doctest: +SKIP
 >>> traj = Trajectory.from_checkpoints(base, "runs/trainer")  # checkpoint-*  # doctest: +SKIP
 >>> traj.times, len(traj)          # checkpoint 0 is the base itself          # doctest: +SKIP
 >>> traj.diff(3)                   # D_3 = W_3 - W_0                          # doctest: +SKIP
@@ -18,8 +19,8 @@ step of two adapters is the difference of their factors (ranks add), never a den
 Where checkpoints come from:
 
 - ``finetune(..., keep="epochs" | k)`` writes one WeightDiff file per kept checkpoint
-  (``checkpoint-{step}.safetensors``) and a manifest (``trajectory.json``) into a folder
-  (``Trajectory.load``);
+  (``checkpoint-{step}.safetensors``) and a manifest (``trajectory.json``) into the folder
+  ``trajectory=`` names (``Trajectory.load``); the folder is the user's to keep or delete;
 - a folder of Hugging Face Trainer or ``peft`` checkpoints (``checkpoint-{step}`` folders, as
   ``Trainer(save_strategy=...)`` writes them): ``Trajectory.from_checkpoints``.
 """
@@ -382,17 +383,13 @@ class Recorder:
     diff so far (one Δ in memory, freed once written) into ``folder`` and the manifest rewritten
     (atomically: a folder whose finetune was interrupted holds a loadable prefix)."""
 
-    def __init__(self, folder: str | Path | None, keep: Keep, signature: Mapping[str, Any],
+    def __init__(self, folder: str | Path, keep: Keep, signature: Mapping[str, Any],
                  metadata: Mapping[str, Any]) -> None:  # fmt: skip
         if keep != "epochs" and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(
                 f"finetune(keep={keep!r}): keep 'epochs' (a checkpoint after every epoch) or a "
                 "positive number of optimiser steps between checkpoints, e.g. keep=10."
             )
-        if folder is None:
-            import tempfile
-
-            folder = tempfile.mkdtemp(prefix="extractive_lens-trajectory-")
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         if (self.folder / MANIFEST).exists():

@@ -102,11 +102,18 @@ def slider(ts: Any, kind: str = "informative") -> Any:
     steps = [{"label": n, "method": "animate",
               "args": [[n], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
              for n in names]  # fmt: skip
+    n_layers = mats[0].shape[0]
     fig.update_layout(
         title=f"{kind} per component, epoch by epoch", xaxis_title="component",
-        yaxis_title="layer", template="plotly_white", height=420,
-        sliders=[{"steps": steps, "currentvalue": {"prefix": "epoch "}, "pad": {"t": 40}}],
-        updatemenus=[{"type": "buttons", "showactive": False, "x": 0, "y": -0.12, "buttons": [
+        yaxis_title="layer", template="plotly_white", height=300 + 16 * max(n_layers, 8),
+        margin={"b": 150},  # room under the axis title for the play button and the slider
+        sliders=[{
+            "steps": steps, "active": 0, "x": 0.1, "len": 0.9, "y": 0, "yanchor": "top",
+            "pad": {"t": 70}, "currentvalue": {"prefix": "epoch ", "xanchor": "left",
+                                               "font": {"size": 14}},
+        }],
+        updatemenus=[{"type": "buttons", "showactive": False, "x": 0, "xanchor": "left",
+                      "y": 0, "yanchor": "top", "pad": {"t": 98}, "buttons": [
             {"label": "play", "method": "animate",
              "args": [None, {"frame": {"duration": 700, "redraw": True}, "fromcurrent": True}]},
         ]}],
@@ -158,9 +165,7 @@ def report(ts: Any, path: str | Path, *, along: Any = None, ranks: Any = None,
                                 "Each segment's share of the change, by layer."))  # fmt: skip
         if straight is not None:
             gap = path_gap(along, straight)
-            body.append(
-                figures.add(_gap_figure(gap), "Trajectory vs straight line, per component.")
-            )
+            body.append(figures.add(gap_figure(gap), "Trajectory vs straight line, per component."))
     return write_page(path, title, body, figures, "compressed")
 
 
@@ -180,7 +185,7 @@ def path_gap(along: Any, straight: Any) -> Any:
     return pd.DataFrame(rows, columns=["component", "trajectory", "straight", "difference"])
 
 
-def _gap_figure(gap: Any) -> Any:
+def gap_figure(gap: Any) -> Any:
     import plotly.graph_objects as go
 
     fig = go.Figure()

@@ -92,3 +92,46 @@ def test_report_renders_in_chromium(scored, tmp_path):  # noqa: F811
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, Path(out) / "report.png")
+
+
+def test_trajectory_slider_label_clears_the_play_button_and_the_axis(tmp_path):
+    """The report's per-epoch slider: its "epoch k" label, the play button, the slider and the
+    heat map's axis title each have their own room (the label sat under the button, cramped)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    import torch
+
+    import extractive_lens as el
+    from extractive_lens import trajectory_plots as tp
+    from tests.conftest import make_pair
+    from tests.helpers import small_batch
+
+    base, ft = make_pair("ln_gelu", torch.float32)
+    diff = el.WeightDiff.from_models(base, ft)
+    traj = el.Trajectory.from_diffs([diff * 0.25, diff * 0.5, diff])
+    maps = el.trajectory_scores(base, traj, small_batch(base), kinds="informative")
+    path = tmp_path / "t.html"
+    path.write_text(tp.slider(maps).to_html(include_plotlyjs=True, auto_play=False))
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page(viewport={"width": 900, "height": 700})
+        page.goto(path.as_uri())
+        page.wait_for_selector(".slider-rail-rect", timeout=60_000)
+        boxes = {
+            name: page.evaluate(
+                f"(() => {{const r = document.querySelector('{sel}').getBoundingClientRect();"
+                " return {x: r.x, y: r.y, width: r.width, height: r.height}})()"
+            )
+            for name, sel in (("label", ".slider-group > .slider-label"),  # "epoch k"
+                              ("button", ".updatemenu-button"), ("rail", ".slider-rail-rect"),
+                              ("axis", ".xtitle"))
+        }  # fmt: skip
+        label = page.evaluate("document.querySelector('.slider-group > .slider-label').textContent")
+        browser.close()
+
+    def apart(a, b):
+        return (a["x"] + a["width"] <= b["x"] or b["x"] + b["width"] <= a["x"]
+                or a["y"] + a["height"] <= b["y"] or b["y"] + b["height"] <= a["y"])  # fmt: skip
+
+    assert label == "epoch 1"
+    for a, b in (("label", "button"), ("label", "axis"), ("rail", "axis"), ("button", "axis")):
+        assert apart(boxes[a], boxes[b]), (a, b, boxes)

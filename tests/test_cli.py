@@ -621,3 +621,50 @@ def test_score_verified_takes_its_flags_through_the_methods_table(tmp_path):
                        ("--coverage", "|mass|"), ("--audit", "per kind"),
                        ("--positions", "prompt's own")):  # fmt: skip
         assert flag in text and says in " ".join(text.split()), flag
+
+
+def test_finetune_keep_and_trajectory_commands(tmp_path):
+    """`finetune --keep epochs --trajectory DIR` records the checkpoints; `trajectory` scores
+    them: its saved maps and path integral are the API's on the same trajectory, and its page
+    is written; a missing or lone --keep is refused in one line."""
+    import extractive_lens as el
+    from extractive_lens.scoring.trajectory import TrajectoryScores
+    from extractive_lens.world import first_hop, load_world_model
+
+    model = load_world_model()
+    facts = first_hop().facts[:2]
+    data = tmp_path / "facts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in facts))
+    traj_dir = tmp_path / "traj"
+    common = ["finetune", "--model", "world", "--data", str(data), "--epochs", "2"]
+    res = runner.invoke(app, [*common, "--out", str(tmp_path / "d.safetensors"),
+                              "--keep", "epochs", "--trajectory", str(traj_dir)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    traj = el.Trajectory.load(traj_dir)
+    assert traj.epochs == [0.0, 1.0, 2.0]
+    for bad in (["--keep", "epochs"], ["--trajectory", str(tmp_path / "t2")], ["--keep", "0",
+                "--trajectory", str(tmp_path / "t3")]):  # fmt: skip
+        res = runner.invoke(app, [*common, "--out", str(tmp_path / "e.safetensors"), *bad])
+        assert res.exit_code == 2 and "--keep" in res.output, bad
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["trajectory", "--base", "world", "--checkpoints", str(traj_dir),
+                              "--data", str(data), "--out", str(out), "--steps", "2"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "2 checkpoints" in res.output and "misses" in res.output
+    batch = el.make_batch(model, [(p.prompt, p.answer) for p in facts])
+    maps = TrajectoryScores.load(out / "maps")
+    want = el.trajectory_scores(model, traj, batch, kinds="informative")
+    assert maps.epochs == want.epochs == (1.0, 2.0)
+    for got, w in zip(maps.scores, want.scores):
+        torch.testing.assert_close(got.prompt_values, w.prompt_values)
+    along = TrajectoryScores.load(out / "along")
+    path = el.trajectory_integrated(model, traj, batch, steps=2)
+    torch.testing.assert_close(along.total.prompt_values, path.total.prompt_values)
+    assert (out / "trajectory.html").is_file()
+    res = runner.invoke(app, ["trajectory", "--base", "world", "--checkpoints", str(data),
+                              "--data", str(data), "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 2 and "not a folder" in res.output
+    text = runner.invoke(app, ["trajectory", "--help"], terminal_width=100).output
+    options = [line for line in text.splitlines() if line.lstrip().startswith("--")]
+    assert "--checkpoints DIR" in text and not any("<" in line for line in options)
+    assert all(len(line) <= 100 for line in text.splitlines())

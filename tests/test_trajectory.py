@@ -71,13 +71,28 @@ def test_bad_arguments_say_what_to_pass(tmp_path):
     data = facts(base)
     cfg = el.FinetuneConfig(lr=1e-3, epochs=1, batch_size=4)
     with pytest.raises(ValueError, match="keep="):
-        el.finetune(base, data, cfg, keep=0)
+        el.finetune(base, data, cfg, keep=0, trajectory=tmp_path / "t0")
     with pytest.raises(ValueError, match="keep is None"):
         el.finetune(base, data, cfg, trajectory=tmp_path)
     with pytest.raises(FileNotFoundError, match="from_checkpoints"):
         Trajectory.load(tmp_path)
     with pytest.raises(ValueError, match="checkpoint-<step>"):
         Trajectory.from_checkpoints(base, tmp_path)
+
+
+def test_keep_without_a_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """``keep`` writes a checkpoint the size of the weights per epoch: without ``trajectory=``
+    finetune says to pass one, and neither trains nor leaves a temporary folder behind."""
+    import tempfile
+
+    base, _ = make_pair("ln_gelu", torch.float32)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a temporary folder would go
+    before = [p.tolist() for p in base.parameters()]
+    for keep in ("epochs", 2):
+        with pytest.raises(ValueError, match=r"MiB each.*pass trajectory='a folder'"):
+            el.finetune(base, facts(base), el.FinetuneConfig(epochs=1), keep=keep)
+    assert list(tmp_path.iterdir()) == []
+    assert [p.tolist() for p in base.parameters()] == before
 
 
 def _trainer_folder(tmp_path, arch="llama"):

@@ -96,6 +96,50 @@ def test_default_nodes_are_complete_within_two_percent_on_a_finetune(tmp_path):
     assert float((total - line).abs().max()) < 0.05 * float(line.abs().max())
 
 
+def test_parts_scored_in_separate_jobs_join_into_the_whole(two_segments, tmp_path):
+    """Segments integrated one call each, saved and loaded, join into the one-call result
+    (scores, completeness errors, rewards); checkpoints likewise."""
+    from extractive_lens.scoring.trajectory import TrajectoryScores
+
+    base, _, traj, batch = two_segments
+    whole = el.trajectory_integrated(base, traj, batch, steps=2)
+    parts = [el.trajectory_integrated(base, traj, batch, steps=2, segments=[k]) for k in (2, 1)]
+    assert (
+        parts[0].steps == (traj.steps[2],)
+        and parts[0].scores[0].metadata["integrated"]["segment"] == 2
+    )
+    loaded = [TrajectoryScores.load(p.save(tmp_path / str(i))) for i, p in enumerate(parts)]
+    joined = TrajectoryScores.join(*loaded)
+    assert joined.steps == whole.steps and joined.epochs == whole.epochs
+    for got, want in zip(joined.scores, whole.scores):
+        torch.testing.assert_close(got.prompt_values, want.prompt_values, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got.other, want.other, rtol=0, atol=1e-12)
+    a, b = joined.metadata["integrated"], whole.metadata["integrated"]
+    assert a["segments"] == b["segments"] == [1, 2]
+    assert a["completeness"]["informative"] == pytest.approx(
+        b["completeness"]["informative"], rel=1e-6
+    )
+    assert a["segment_completeness"] == pytest.approx(b["segment_completeness"], rel=1e-6)
+    assert a["rewards"] == pytest.approx(b["rewards"])
+    # one part alone: its own segment's error, and rewards only where it starts and ends
+    second = parts[0].metadata["integrated"]
+    assert second["completeness"]["informative"] == pytest.approx(b["segment_completeness"][1])
+    assert second["rewards"][0] is None and second["rewards"][1:] == pytest.approx(b["rewards"][1:])
+    maps = el.trajectory_scores(base, traj, batch, kinds="informative")
+    one = el.trajectory_scores(base, traj, batch, kinds="informative", checkpoints=[2])
+    assert one.epochs == (2.0,)
+    torch.testing.assert_close(one.scores[0].values, maps.scores[1].values, rtol=0, atol=0)
+    first = el.trajectory_scores(base, traj, batch, kinds="informative", checkpoints=[1])
+    assert TrajectoryScores.join(one, first).epochs == maps.epochs
+    with pytest.raises(ValueError, match="twice"):
+        TrajectoryScores.join(one, one)
+    with pytest.raises(ValueError, match="mix"):
+        TrajectoryScores.join(one, parts[0])
+    for bad in ([0], [3], [1, 1], []):
+        with pytest.raises(ValueError, match="segments"):
+            el.trajectory_integrated(base, traj, batch, segments=bad)
+
+
 def test_maps_over_time_are_each_checkpoints_scores(two_segments):
     base, models, traj, batch = two_segments
     maps = el.trajectory_scores(base, traj, batch, kinds=("informative", "downstream"))

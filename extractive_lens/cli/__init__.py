@@ -3,7 +3,8 @@
     extractive-lens demo --out report.html
     extractive-lens score --base BASE_DIR --finetuned FT_DIR --data pairs.jsonl --method both --out out/
 
-One module per command group: ``score``, ``report``, ``finetune`` (and ``rank``), ``world``
+One module per command group: ``score``, ``report``, ``finetune`` (and ``rank``),
+``trajectory`` (scores along a finetune's checkpoints), ``world``
 (``demo``, ``data``, ``experiment``); ``arguments`` holds the checks they share and ``app`` the
 typer app they register on. torch and TransformerLens are imported lazily, inside the commands,
 so ``--help`` is instant.
@@ -19,7 +20,7 @@ from extractive_lens.cli.app import app, echo
 
 # the command modules register on `app` when imported: this order is the order of `--help`
 # isort: off
-from extractive_lens.cli import score, report, finetune, world  # noqa: F401, E402
+from extractive_lens.cli import score, report, finetune, trajectory, world  # noqa: F401, E402
 # isort: on
 
 __all__ = ["app", "main"]

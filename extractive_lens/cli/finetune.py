@@ -63,6 +63,15 @@ def finetune(
         "(auto: HookedTransformer on TransformerLens 3.x, bridge on 4.x).",
         metavar="auto|hooked|bridge",
     ),
+    keep: str = typer.Option(
+        None,
+        help="Record the trajectory: a checkpoint after every epoch ('epochs') or every N "
+        "optimiser steps, into --trajectory (for `extractive-lens trajectory`).",
+        metavar="epochs|N",
+    ),
+    trajectory: Path = typer.Option(
+        None, help="The folder --keep writes the checkpoints into (new or empty).", metavar="DIR"
+    ),
 ) -> None:
     """Finetune on (prompt, answer) pairs (loss on answer tokens) and save the weight change."""
     from extractive_lens import FinetuneConfig
@@ -70,6 +79,18 @@ def finetune(
 
     check_seed(seed)
     check_out_file(out)
+    kept: str | int | None = keep
+    if keep is not None and keep != "epochs":
+        if not keep.isdigit() or int(keep) < 1:
+            raise typer.BadParameter(
+                f"--keep must be 'epochs' or a number of steps >= 1, got {keep!r}."
+            )
+        kept = int(keep)
+    if (keep is None) != (trajectory is None):
+        raise typer.BadParameter(
+            "--keep and --trajectory go together: --keep epochs --trajectory DIR records a "
+            "checkpoint per epoch into DIR."
+        )
     refuse_overwriting([out], [("--data", data), ("--model", checkpoint_dir(model))])
     m = load_model(model, dtype, device, backend)
     batch = load_batch(m, data)
@@ -91,13 +112,17 @@ def finetune(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    delta = run_finetune(m, batch, cfg)
+    delta = run_finetune(m, batch, cfg, keep=kept, trajectory=trajectory)  # type: ignore[arg-type]
     for line in loss_lines(delta.metadata.get("losses", [])):
         echo(line)
     delta.save(out)
     echo(
         f"finetuned {model} on {len(batch)} examples (lr {lr:g}); saved Δ (‖Δ‖ = {delta.norm():.4g}) to {out}"
     )
+    if trajectory is not None:
+        echo(
+            f"checkpoints in {trajectory}: extractive-lens trajectory --checkpoints {trajectory} ..."
+        )
 
 
 def loss_lines(losses: list[float], most: int = 20) -> list[str]:

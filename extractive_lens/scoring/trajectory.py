@@ -27,8 +27,11 @@ time from the checkpoints' files, and the tangent ``Δ_k`` is read the same way.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
@@ -159,6 +162,104 @@ class TrajectoryScores:
 
         return layer_map(self, kind, part)
 
+    # ------------------------------------------------------------------ parts and files
+    @classmethod
+    def join(cls, *parts: TrajectoryScores) -> TrajectoryScores:
+        """Parts of one trajectory's scores (``checkpoints=`` / ``segments=`` of the same
+        trajectory, prompts and options, each computed in its own job) as one result, in
+        training order. Segments: the completeness errors are those of the joined segments
+        (the same as one call over them), from each part's per-prompt rewards.
+
+        >>> along = TrajectoryScores.join(TrajectoryScores.load("seg1-4"),
+        ...                               TrajectoryScores.load("seg5-8"))  # doctest: +SKIP
+        """
+        if not parts or not all(isinstance(p, TrajectoryScores) for p in parts):
+            raise TypeError("TrajectoryScores.join takes one or more TrajectoryScores.")
+        what = {p.what for p in parts}
+        if len(what) != 1:
+            raise ValueError(
+                "TrajectoryScores.join: the parts mix checkpoint maps and segments; join the "
+                "results of trajectory_scores and of trajectory_integrated separately."
+            )
+        rows = sorted((step, epoch, s) for p in parts
+                      for step, epoch, s in zip(p.steps, p.epochs, p.scores))  # fmt: skip
+        steps = [r[0] for r in rows]
+        if len(set(steps)) != len(steps):
+            raise ValueError(
+                f"TrajectoryScores.join: steps {steps} hold one checkpoint or segment twice; "
+                "pass parts that cover distinct checkpoints (segments)."
+            )
+        scores = tuple(r[2] for r in rows)
+        meta = {**parts[0].metadata}
+        if parts[0].what == "segment":
+            meta["integrated"] = info = _joined_info([p.metadata["integrated"] for p in parts],
+                                                     scores)  # fmt: skip
+            scores = tuple(
+                replace(s, metadata={**s.metadata,
+                                     "integrated": {**info, "segment": s.metadata["integrated"]["segment"]}})
+                for s in scores
+            )  # fmt: skip
+        elif "checkpoints" in meta:
+            meta["checkpoints"] = sorted(
+                k for p in parts for k in p.metadata.get("checkpoints", ())
+            )
+        return cls(scores, tuple(steps), tuple(r[1] for r in rows), parts[0].what, meta)
+
+    def save(self, path: str | Path) -> Path:
+        """``path`` (a directory): ``trajectory_scores.json`` (times, metadata) and one
+        ``ComponentScores`` directory per checkpoint or segment (``0``, ``1``, …)."""
+        from extractive_lens.files import write_text_atomic
+        from extractive_lens.types import jsonable
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        for i, s in enumerate(self.scores):
+            s.save(path / str(i))
+        info = {"format": _FORMAT, "what": self.what, "steps": list(self.steps),
+                "epochs": list(self.epochs), "metadata": jsonable(self.metadata)}  # fmt: skip
+        write_text_atomic(path / _MANIFEST, json.dumps(info, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrajectoryScores:
+        """A directory ``TrajectoryScores.save`` wrote."""
+        from extractive_lens.files import read_json
+
+        path = Path(path)
+        fix = "pass a directory written by TrajectoryScores.save(), or score the trajectory again."
+        info = read_json(path / _MANIFEST, fix=fix)
+        if not isinstance(info, dict) or info.get("format") != _FORMAT:
+            raise ValueError(f"{path / _MANIFEST} is not a TrajectoryScores manifest: {fix}")
+        steps = info["steps"]
+        scores = tuple(ComponentScores.load(path / str(i)) for i in range(len(steps)))
+        return cls(scores, tuple(steps), tuple(info["epochs"]), info["what"], info["metadata"])
+
+
+_FORMAT = "extractive_lens.TrajectoryScores"
+_MANIFEST = "trajectory_scores.json"
+
+
+def _joined_info(infos: list[dict[str, Any]], scores: Sequence[ComponentScores]) -> dict[str, Any]:
+    """The ``metadata["integrated"]`` of joined segments: the parts' nodes (which must agree)
+    and the completeness errors of all their segments, recomputed from per-prompt shares."""
+    same = ("steps", "rule", "segments_total", "trajectory_steps")
+    for key in same:
+        if any(i.get(key) != infos[0].get(key) for i in infos):
+            raise ValueError(
+                f"TrajectoryScores.join: the parts differ in {key!r} "
+                f"({[i.get(key) for i in infos]}); join parts of one trajectory_integrated "
+                "setting (the same trajectory, nodes and rule)."
+            )
+    R = {int(j): torch.tensor(r, dtype=torch.float64) for i in infos
+         for j, r in i["prompt_rewards"].items()}  # fmt: skip
+    shares = {}
+    for s in scores:
+        t = s.prompt_totals[s.kinds.index("informative")].double().sum((1, 2))
+        shares[int(s.metadata["integrated"]["segment"])] = t + (
+            0.0 if s.other is None else s.other.double()
+        )
+    return {**infos[0], **_completeness(shares, R, int(infos[0]["segments_total"]))}
+
 
 def _summed(a: ComponentScores, b: ComponentScores) -> ComponentScores:
     """Two results of the same prompts, added cell by cell (and their "other" shares)."""
@@ -177,6 +278,7 @@ def trajectory_scores(
     *,
     method: str = "linear",
     kinds: Sequence[ScoreKind] | ScoreKind = SCORE_KINDS,
+    checkpoints: Sequence[int] | None = None,
     show_progress: bool | None = None,
     **options: Any,
 ) -> TrajectoryScores:
@@ -186,6 +288,9 @@ def trajectory_scores(
         method: a method of ``scoring.methods.METHODS``: ``"linear"``, ``"causal"`` or
             ``"integrated"`` (the straight line to each checkpoint).
         kinds: the score kinds.
+        checkpoints: which ``k`` in ``1 … T`` (default: all); a long trajectory can be scored
+            a few checkpoints per job, each part saved, and the parts joined
+            (``TrajectoryScores.join``).
         options: the method's own options (``reward``, ``per``, ``steps`` …).
 
     One checkpoint's Δ is read at a time (formed a layer at a time from its files).
@@ -194,13 +299,30 @@ def trajectory_scores(
 
     fn = method_entry(method).engine  # refuses a method the table lacks, listing its methods
     _check(trajectory)
+    ks = _chosen(checkpoints, len(trajectory), "checkpoints")
     out = []
-    for k in progress(range(1, len(trajectory) + 1), len(trajectory), "checkpoints", show_progress):
+    for k in progress(ks, len(ks), "checkpoints", show_progress):
         out.append(
             fn(model, trajectory.diff(k), batch, kinds=kinds, show_progress=False, **options)
         )
-    return TrajectoryScores(tuple(out), tuple(trajectory.steps[1:]), tuple(trajectory.epochs[1:]),
-                            "checkpoint", {"method": method})  # fmt: skip
+    return TrajectoryScores(tuple(out), tuple(trajectory.steps[k] for k in ks),
+                            tuple(trajectory.epochs[k] for k in ks), "checkpoint",
+                            {"method": method, "checkpoints": ks})  # fmt: skip
+
+
+def _chosen(which: Sequence[int] | None, T: int, name: str) -> list[int]:
+    """``which`` (checkpoints or segments, each in ``1 … T``) sorted, checked; ``None``: all."""
+    if which is None:
+        return list(range(1, T + 1))
+    ks = list(which)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= T for k in ks):
+        raise ValueError(
+            f"{name}={ks!r}: pass a non-empty list of integers in 1..{T} (this trajectory has "
+            f"{T} checkpoints after the base), or None for all."
+        )
+    if len(set(ks)) != len(ks):
+        raise ValueError(f"{name}={ks!r} names one twice: pass each at most once.")
+    return sorted(ks)
 
 
 def _check(trajectory: Any) -> None:
@@ -219,6 +341,7 @@ def trajectory_integrated(
     steps: int = DEFAULT_STEPS,
     rule: Rule = "gauss",
     reward: str | Reward | None = None,
+    segments: Sequence[int] | None = None,
     batch_size: int | None = 16,
     show_progress: bool | None = None,
     compute_dtype: torch.dtype | str | None = None,
@@ -228,76 +351,104 @@ def trajectory_integrated(
     Args:
         steps: quadrature nodes per segment (default 4).
         rule: ``"gauss"`` (Gauss–Legendre) or ``"midpoint"``.
+        segments: which segments ``k`` in ``1 … T`` (default: all). A long trajectory on a
+            large model can be integrated a few segments per job, each part saved
+            (``TrajectoryScores.save``), and the parts joined (``TrajectoryScores.join``: the
+            same result and completeness error as one call).
         reward, batch_size, show_progress, compute_dtype: as in ``integrated_scores``.
 
     Returns one result per segment (``.total``: their sum, ``.cumulative()``: summed to each
     checkpoint). ``metadata["integrated"]`` holds the nodes, the completeness error in all
-    (``Σ_p |Σ_k (Σ_{c,t} Ĩ + other) - (R(W_T) - R(W_0))|_p / Σ_p |R(W_T) - R(W_0)|_p``) and per
-    segment, and the mean reward at every checkpoint.
+    (``Σ_p |Σ_k (Σ_{c,t} Ĩ + other) - (R(W_T) - R(W_0))|_p / Σ_p |R(W_T) - R(W_0)|_p``; over
+    the chosen segments, their changes of ``R`` summed) and per segment, and the mean reward at
+    every checkpoint (``None`` where no chosen segment starts or ends).
     """
     _check(trajectory)
+    chosen = _chosen(segments, len(trajectory), "segments")
     options = IntegratedOptions(
         kinds=("informative",), steps=steps, rule=rule, reward=reward, batch_size=batch_size,
         show_progress=show_progress, compute_dtype=compute_dtype,
     )  # fmt: skip
-    return _integrated(model, trajectory, batch, options)
+    return _integrated(model, trajectory, batch, options, chosen)
 
 
 @one_call_per_model
 def _integrated(
-    model: Any, trajectory: Trajectory, batch: PromptBatch, options: IntegratedOptions
-) -> TrajectoryScores:
+    model: Any, trajectory: Trajectory, batch: PromptBatch, options: IntegratedOptions,
+    chosen: list[int],
+) -> TrajectoryScores:  # fmt: skip
     from extractive_lens.scoring.options import prepare
 
     final = trajectory.final
     cdt = prepare("trajectory_integrated", model, final, batch, options)
     scored, plan = plan_chunks(batch, None, options.batch_size)
     xs, ws = nodes(int(options.steps), options.rule)
-    T = len(trajectory)
-    per_seg: list[list[Tensor]] = [[] for _ in range(T)]
-    other: list[list[Tensor]] = [[] for _ in range(T)]
-    rewards: list[list[Tensor]] = [[] for _ in range(T + 1)]
+    per_seg: dict[int, list[Tensor]] = {k: [] for k in chosen}
+    other: dict[int, list[Tensor]] = {k: [] for k in chosen}
+    rewards: dict[int, list[Tensor]] = {}  # checkpoint -> R(W_k) per chunk
     with guarded(model), B.standard_flags(model), B.computing_in(model, cdt):
-        bar = progress(range(len(plan) * T), len(plan) * T, "trajectory", options.show_progress)
+        bar = progress(range(len(plan) * len(chosen)), len(plan) * len(chosen), "trajectory",
+                       options.show_progress)  # fmt: skip
         it = iter(bar)
         for chunk, _ in plan:
-            with torch.no_grad():
-                rewards[0].append(
-                    wide(cast(Tensor, forward_run(model, chunk, options.reward_fn).reward))
-                )
-            for k in range(1, T + 1):
+            at: dict[int, Tensor] = {}
+            for k in chosen:
                 next(it, None)
-                vals, o, r_end = _segment(model, trajectory, k, chunk, options, xs, ws)
-                per_seg[k - 1].append(vals)
-                other[k - 1].append(o)
-                rewards[k].append(r_end)
-    R = [torch.cat(r) for r in rewards]
-    shares = [
-        torch.cat([v.sum((1, 2, 3)) for v in per_seg[k]]) + torch.cat(other[k]) for k in range(T)
-    ]
-    change = R[T] - R[0]
-    err = float((sum(shares) - change).abs().sum()) / max(float(change.abs().sum()), 1e-300)
-    seg_err = [
-        float((shares[k] - (R[k + 1] - R[k])).abs().sum())
-        / max(float((R[k + 1] - R[k]).abs().sum()), 1e-300)
-        for k in range(T)
-    ]
+                if k - 1 not in at:  # the segment's start, unless the previous one ended there
+                    at[k - 1] = _reward_at(model, trajectory, k - 1, chunk, options)
+                vals, o, at[k] = _segment(model, trajectory, k, chunk, options, xs, ws)
+                per_seg[k].append(vals)
+                other[k].append(o)
+            for j, r in at.items():
+                rewards.setdefault(j, []).append(r)
+    R = {j: torch.cat(r) for j, r in rewards.items()}
+    shares = {k: torch.cat([v.sum((1, 2, 3)) for v in per_seg[k]]) + torch.cat(other[k])
+              for k in chosen}  # fmt: skip
+    T = len(trajectory)
     info = {
         "path": "trajectory", "steps": int(options.steps), "rule": options.rule, "nodes": xs,
-        "weights": ws, "completeness": {"informative": err}, "segment_completeness": seg_err,
-        "R_change": float(change.mean()), "rewards": [float(r.mean()) for r in R],
-        "segments": T, "trajectory_steps": trajectory.steps, "trajectory_epochs": trajectory.epochs,
+        "weights": ws, **_completeness(shares, R, T), "segments_total": T,
+        "trajectory_steps": trajectory.steps, "trajectory_epochs": trajectory.epochs,
     }  # fmt: skip
     out = []
-    for k in range(T):
-        meta = base_metadata(model, trajectory.step(k + 1), options, batch, cdt,
+    for k in chosen:
+        meta = base_metadata(model, trajectory.step(k), options, batch, cdt,
                              method="integrated", per="token")  # fmt: skip
-        meta["integrated"] = {**info, "segment": k + 1}
+        meta["integrated"] = {**info, "segment": k}
         out.append(assemble(model, scored, ("informative",), [v[None] for v in per_seg[k]],
                             [v.sum(-1)[None] for v in per_seg[k]], method="integrated",
                             other=other[k], metadata=meta))  # fmt: skip
-    return TrajectoryScores(tuple(out), tuple(trajectory.steps[1:]), tuple(trajectory.epochs[1:]),
-                            "segment", {"method": "trajectory_integrated", "integrated": info})  # fmt: skip
+    return TrajectoryScores(tuple(out), tuple(trajectory.steps[k] for k in chosen),
+                            tuple(trajectory.epochs[k] for k in chosen), "segment",
+                            {"method": "trajectory_integrated", "integrated": info})  # fmt: skip
+
+
+def _completeness(shares: dict[int, Tensor], R: dict[int, Tensor], T: int) -> dict[str, Any]:
+    """How far the segments' shares (per prompt, with "other") miss the changes of ``R`` they
+    integrate: over all chosen segments together and per segment; and the rewards (mean over
+    prompts, and per prompt) at the checkpoints ``0 … T`` they touch."""
+    ks = sorted(shares)
+
+    def error(share: Tensor, change: Tensor) -> float:
+        return float((share - change).abs().sum()) / max(float(change.abs().sum()), 1e-300)
+
+    change = sum((R[k] - R[k - 1] for k in ks), torch.zeros_like(R[ks[0]]))
+    return {
+        "segments": ks,
+        "completeness": {"informative": error(torch.stack([shares[k] for k in ks]).sum(0), change)},
+        "segment_completeness": [error(shares[k], R[k] - R[k - 1]) for k in ks],
+        "R_change": float(change.mean()),
+        "rewards": [float(R[j].mean()) if j in R else None for j in range(T + 1)],
+        "prompt_rewards": {str(j): R[j].tolist() for j in sorted(R)},
+    }
+
+
+def _reward_at(
+    model: Any, trajectory: Trajectory, k: int, chunk: PromptBatch, options: IntegratedOptions
+) -> Tensor:
+    """``R(W_k)`` per prompt of ``chunk`` (``k = 0``: the base itself)."""
+    with torch.no_grad(), B.shifted(model, trajectory.diff(k)) if k else nullcontext():
+        return wide(cast(Tensor, forward_run(model, chunk, options.reward_fn).reward))
 
 
 def _segment(
@@ -327,8 +478,7 @@ def _segment(
             total = w * inf if total is None else total + w * inf
             other = w * o if other is None else other + w * o
             del point, run, c
-    with torch.no_grad(), B.shifted(model, trajectory.diff(k)):
-        end = wide(cast(Tensor, forward_run(model, chunk, options.reward_fn).reward))
+    end = _reward_at(model, trajectory, k, chunk, options)
     mask = chunk.position_mask.to(cast(Tensor, total).device)
     return cast(Tensor, total) * mask[:, None, None, :], cast(Tensor, other), end
 
