@@ -664,6 +664,9 @@ def test_finetune_keep_and_trajectory_commands(tmp_path):
     res = runner.invoke(app, ["trajectory", "--base", "world", "--checkpoints", str(data),
                               "--data", str(data), "--out", str(out)])  # fmt: skip
     assert res.exit_code == 2 and "not a folder" in res.output
+    res = runner.invoke(app, ["trajectory", "--base", "world", "--checkpoints", str(traj_dir),
+                              "--data", str(data), "--out", str(out), "--kinds", "informatve"])  # fmt: skip
+    assert res.exit_code == 2 and "choose from informative" in res.output
     text = runner.invoke(app, ["trajectory", "--help"], terminal_width=100).output
     options = [line for line in text.splitlines() if line.lstrip().startswith("--")]
     assert "--checkpoints DIR" in text and not any("<" in line for line in options)

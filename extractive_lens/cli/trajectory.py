@@ -74,7 +74,15 @@ def trajectory(
         [out / "trajectory.html", out / "maps", out / "along"],
         [("--data", data), ("--checkpoints", checkpoints), ("--base", checkpoint_dir(base))],
     )
+    from extractive_lens.types import SCORE_KINDS
+
     kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
+    unknown = [k for k in kind_list if k not in SCORE_KINDS]
+    if unknown or not kind_list:
+        raise typer.BadParameter(
+            f"--kinds {kinds!r}: choose from {', '.join(SCORE_KINDS)}, e.g. --kinds informative."
+        )
+    chosen = tuple(k for k in SCORE_KINDS if k in kind_list)
     import extractive_lens as el
     from extractive_lens import trajectory_plots as tp
 
@@ -85,7 +93,7 @@ def trajectory(
         traj = el.Trajectory.from_checkpoints(model, checkpoints)
     batch = load_batch(model, data)
     echo(f"{len(traj)} checkpoints (steps {traj.steps[1:]}), {len(batch)} prompts")
-    maps = el.trajectory_scores(model, traj, batch, method=method, kinds=kind_list)
+    maps = el.trajectory_scores(model, traj, batch, method=method, kinds=chosen)
     maps.save(out / "maps")
     path = None
     if along:
