@@ -262,16 +262,104 @@ def smol_merge() -> None:
         )
 
 
+def smol_estimate() -> dict:
+    """``docs/verified/smollm2_estimate.json``: ``el.estimate``'s passes (counted on a narrow
+    copy of SmolLM2-135M, extrapolated in depth) of linear, the full exact map, integrated (the
+    protocol's 2 nodes) and verified at 3x on each scored set, before any of them runs. Δ is
+    taken as zeros of the model's shape: passes do not depend on its values."""
+    from extractive_lens.datasets.twohop import first_hop as smol_first_hop
+    from extractive_lens.real_model.protocol import scored_sets
+
+    model = el.load_pretrained("smollm2-135m")
+    facts, impls = smol_first_hop(n=20).batches(model)
+    diff = el.WeightDiff.zeros_like(model)
+    out: dict = {}
+    for name, (sub, _) in scored_sets(facts, impls, range(4)).items():
+        for method, kw in (("linear", {}), ("causal", {}), ("integrated", {"steps": 2}),
+                           ("verified", {"budget": 3.0})):  # fmt: skip
+            e = el.estimate(model, diff, sub, method, **kw)
+            out[f"{name}_{method}"] = dict(forward=e.batch_passes[0], backward=e.batch_passes[1],
+                                           passes=sum(e.batch_passes), n_pos=sub.n_pos)  # fmt: skip
+    (HERE / "smollm2_estimate.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def smol_summary() -> dict:
+    """``docs/verified/smollm2.json``: the times and passes of every piece, and per set what
+    exists of: linear (and integrated) against the full exact map (``compare``, with intervals),
+    each verified run's estimates against the full map's values, the planted disagreement."""
+    summary: dict = {"times": times(), "sets": {}}
+    for name in SETS:
+        got: dict = {}
+        path = SMOL / f"{name}_causal"
+        full = el.ComponentScores.load(path) if (path / "scores.json").exists() else None
+        lin = el.ComponentScores.load(SMOL / f"{name}_linear")
+        if full is not None:
+            for other in ("linear", "integrated"):
+                if (SMOL / f"{name}_{other}" / "scores.json").exists():
+                    cmp = el.compare(el.ComponentScores.load(SMOL / f"{name}_{other}"), full)
+                    ci = cmp.ci(n_boot=1000, seed=0, statistics_=("pearson", "slope"))
+                    got[f"{other}_vs_exact"] = [
+                        {**{k: r[k] for k in ("kind", "part", "pearson", "slope", "n")},
+                         **{f"{s.statistic}_interval": [s.low, s.high] for s in ci.itertuples()
+                            if (s.kind, s.part) == (r["kind"], r["part"])}}
+                        for r in cmp.rows
+                    ]  # fmt: skip
+        for run in ("s0", "s1", "s2", "planted"):
+            path = SMOL / f"{name}_verified_{run}"
+            if not (path / "scores.json").exists():
+                continue
+            v = el.ComponentScores.load(path)
+            meta = v.metadata["verified"]
+            out: dict = dict(spent=meta["spent"], allowed=meta["allowed"],
+                             over_budget=meta["over_budget"], linear=meta["linear_cost"],
+                             kinds={})  # fmt: skip
+            for kind, plan in meta["kinds"].items():
+                row = dict(top=len(plan["top"]), audited=len(plan["audited"]),
+                           integrated=len(plan["integrated"]), estimates=plan["estimates"],
+                           verdict=plan["verdict"], spent=plan["spent"])  # fmt: skip
+                if full is not None:
+                    rows = {r["kind"]: r for r in el.compare(lin, full).rows if r["part"] == "all"}
+                    ex = full.values[full.kind_index(kind)].abs().double()
+                    outside = ex.flatten(0, 1).sum(-1)
+                    outside[plan["top"]] = 0
+                    truth = dict(r=rows[kind]["pearson"], slope=rows[kind]["slope"],
+                                 missed_mass=float(outside.sum() / ex.sum()))  # fmt: skip
+                    e = plan["estimates"]
+                    row["full_map"] = truth
+                    row["contains"] = {k: e[k][1] <= truth[k] <= e[k][2] for k in truth}
+                out["kinds"][kind] = row
+            if run == "planted":
+                planted = v.metadata.get("planted") or ""
+                layer = int(planted[1:-3]) if planted else -1
+                c = layer * len(v.component_labels) + len(v.component_labels) - 1
+                plan = meta["kinds"]["downstream"]
+                out["planted"] = dict(component=planted, in_top=c in plan["top"],
+                                      audited=c in plan["audited"],
+                                      found=c in plan["disagreeing"])  # fmt: skip
+            got[f"verified_{run}"] = out
+        summary["sets"][name] = got
+    (HERE / "smollm2.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", choices=("world", "smollm2"), default="world")
     ap.add_argument("--minutes", type=float, default=18.0, help="smollm2: one job's length")
+    ap.add_argument("--summary", action="store_true", help="smollm2: docs/verified/smollm2.json")
+    ap.add_argument("--estimate", action="store_true", help="smollm2: el.estimate's passes")
     ap.add_argument("--nodes", type=int, default=2, help="integrated: nodes (the protocol's: 2)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.model == "world":
         main()
     else:
-        smol_work(a.minutes, a.nodes)
+        if a.estimate:
+            smol_estimate()
+        elif a.summary:
+            smol_summary()
+        else:
+            smol_work(a.minutes, a.nodes)
