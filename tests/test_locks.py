@@ -159,17 +159,39 @@ def test_hook_runs_in_another_thread_take_turns_with_scoring(each_backend, how):
     assert runs, f"the other thread never ran {how}"
 
 
-def test_the_lock_is_released_when_the_block_raises(pair):
+def _raise(x, hook):
+    raise RuntimeError("a hook of the user's failed")
+
+
+RAISING = {
+    "locked": lambda model, tokens: M.locked(model),
+    "hooks": lambda model, tokens: model.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", _raise)]),
+    "run_with_hooks": lambda model, tokens: model.run_with_hooks(
+        tokens, fwd_hooks=[("blocks.0.hook_resid_pre", _raise)]
+    ),
+}
+
+
+@pytest.mark.parametrize("how", list(RAISING))
+def test_the_lock_is_released_when_the_block_raises(pair, how):
+    """``el.model.locked`` and TransformerLens's hook contexts, which hold the model's lock,
+    release it when the block (or a hook) raises: another thread takes it at once."""
     base, diff, batch, alone = pair
-    with pytest.raises(RuntimeError), M.locked(base):
-        raise RuntimeError("inside")
+    tokens = batch.tokens[:1, :4]
+    with pytest.raises(RuntimeError):
+        if how == "run_with_hooks":
+            RAISING[how](base, tokens)
+        else:
+            with RAISING[how](base, tokens):
+                base(tokens)
+                raise RuntimeError("inside")
     done = threading.Event()
 
     def take() -> None:
         with M.locked(base):
             done.set()
 
-    worker = threading.Thread(target=take)
+    worker = threading.Thread(target=take, daemon=True)  # a lock kept held must not hang pytest
     worker.start()
-    assert done.wait(timeout=10)  # another thread takes it at once
-    worker.join()
+    assert done.wait(timeout=10), f"{how}: the lock stayed held after the block raised"
+    worker.join(timeout=10)
