@@ -23,9 +23,12 @@ quadrature error, recorded in ``metadata["integrated"]``):
   ``x + γ·Σ_c δ_c``, split between the components by ``<g, δ_c>``: cheap (no factor of the
   number of heads), but the components' interactions are shared out, not separated.
 
-Batching is the exact engine's: rows are nodes x components x prompts resumed from the cached
-stream at the component's boundary, one backward per ``max_batch`` rows (one layer at a time
-for large models: ``runs.layerwise``).
+The rows run on the pass executor (``scoring/passes.py``): a path's rows are nodes x
+components x prompts entering at the component's boundary (``nodes.PathRows``), one backward
+per ``max_batch`` rows through the whole graph (``passes.whole``). Where gradients go one layer
+at a time (``runs.layerwise``: large models) the nodes of the weights' path, the finetuned run
+and the finetuned-late paths run layer by layer together instead (``nodes.run_layer_major``),
+each layer's Δ read once forward and once backward.
 """
 
 from __future__ import annotations
