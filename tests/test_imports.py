@@ -115,7 +115,7 @@ def test_the_checker_sees_a_deliberate_back_import(tmp_path):
 
 def test_type_only_and_function_level_imports_are_edges():
     graph = import_graph()
-    # kinds/upstream.py imports WeightDiff under TYPE_CHECKING only; types.py reads the hook
+    # scoring/passes.py imports WeightDiff under TYPE_CHECKING only; types.py reads the hook
     # names inside Component.hook_name only
-    assert "extractive_lens.weight_diff" in graph["extractive_lens.scoring.kinds.upstream"]
+    assert "extractive_lens.weight_diff" in graph["extractive_lens.scoring.passes"]
     assert "extractive_lens.backend.hook_names" in graph["extractive_lens.types"]

@@ -18,7 +18,6 @@ import extractive_lens.scoring.runs as runs
 from extractive_lens import WeightDiff, integrated_scores, linear_scores
 from extractive_lens.backend import shift
 from extractive_lens.scoring import passes
-from extractive_lens.scoring.kinds import upstream
 from tests.conftest import make_pair
 from tests.helpers import small_batch
 
@@ -192,7 +191,7 @@ def test_linear_sweep_keeps_no_stream_per_layer_beyond_the_base_run(deep64, monk
     on_base: dict[int, int] = {}
     _streams(c.base, b, pos, d, on_base)
     beyond: dict[int, int] = {}
-    for name in ("ft", "gp_attn", "gp_mlp", "g_z", "swept", "informative_blocks"):
+    for name in ("ft", "g_z", "swept", "informative_blocks"):
         _streams(getattr(c, name), b, pos, d, beyond)
     assert not set(beyond) - set(on_base), "streams kept per layer beyond the base run"
     assert len(on_base) <= 6 * L + 2  # pre (= post), mid, z, MLP out, both gradients; g_embed
@@ -358,8 +357,8 @@ def test_integrated_paths_from_a_later_layer_read_no_earlier_layer(deep4, monkey
 
 
 def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):
-    """Each boundary's ``ŷ'`` from the layer-major pass is the whole graph's
-    (``upstream.upstream_gradients``), a tensor of its own rows, not a view of the whole
+    """Each boundary's ``ŷ'`` from the layer-major pass is the whole graph's (the boundaries'
+    rows stacked in one batch, one backward: ``passes.stacked``), a tensor of its own rows, not a view of the whole
     layer's gradient (which held every boundary's rows of that layer: memory growing as
     depth²), and a layer step runs ``runs.BLOCK_TOKENS`` tokens at a time."""
     from extractive_lens.backend import compute
@@ -380,10 +379,11 @@ def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):
 
     L = base.cfg.n_layers
     got: dict = {}
+    want: dict = {}
 
-    def boundary(layer, part):
+    def boundary(layer, part, into):
         def done(g):
-            got[(layer, part)] = g
+            into[(layer, part)] = g
 
         start = (layer, passes.boundary(base, part))
         return passes.Entry(start, 1, lambda: passes.entry(base, diff, run, layer, part)[0],
@@ -392,17 +392,17 @@ def test_sweep_gradients_hold_only_their_own_rows(deep64, monkeypatch):
     with compute.computing_in(base, torch.float64), shift.reusing():
         run = forward_run(base, batch, reward, grad=True)
         with shift.shifted(base, diff) as s:
-            want_attn, want_mlp = upstream.upstream_gradients(base, diff, batch, run, reward)
+            keys = [(layer, part) for layer in range(L) for part in ("attn", "mlp")]
+            passes.stacked(base, batch, reward, {k: boundary(*k, want) for k in keys})
             want_R = forward_run(base, batch, reward).reward
             monkeypatch.setattr(passes.B, "run_blocks", counted)
-            entries = [boundary(layer, part) for layer in range(L) for part in ("attn", "mlp")]
+            entries = [boundary(*k, got) for k in keys]
             lane = passes.Lane(s)
             passes.layer_major(base, batch, reward, [lane], entries, s, group=None)
-    assert len(got) == 2 * L
-    for layer in range(L):
-        for part, want in (("attn", want_attn), ("mlp", want_mlp)):
-            g = got[(layer, part)]
-            torch.testing.assert_close(g, want[layer], rtol=0, atol=1e-12)
-            assert g.untyped_storage().nbytes() == g.nbytes  # no other rows behind it
+    assert len(got) == len(want) == 2 * L
+    for key, g in got.items():
+        torch.testing.assert_close(g, want[key], rtol=0, atol=1e-12)
+        for t in (g, want[key]):
+            assert t.untyped_storage().nbytes() == t.nbytes  # no other rows behind it
     assert seen and max(seen) == len(batch)  # the lane's rows; the entries' one row per step
     torch.testing.assert_close(lane.reward, want_R, rtol=0, atol=1e-12)  # the finetuned R

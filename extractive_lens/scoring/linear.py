@@ -36,7 +36,7 @@ from extractive_lens.rewards import Reward
 from extractive_lens.scoring import passes
 from extractive_lens.scoring.ablation import AblationTable, table_for
 from extractive_lens.scoring.assemble import assemble, base_metadata, plan_chunks, progress
-from extractive_lens.scoring.kinds import KINDS, upstream
+from extractive_lens.scoring.kinds import KINDS
 from extractive_lens.scoring.kinds.protocols import LayerStep
 from extractive_lens.scoring.options import LinearOptions, check_arguments, prepare
 from extractive_lens.scoring.runs import HeadGrads, Run, forward_run, layerwise, sizing, wide
@@ -148,8 +148,6 @@ class LinearChunk:
     table: AblationTable | None
     g_z: Sequence[Tensor]  # ŷ_h W_O[h]^T per layer: [batch pos head d_head]
     ft: Run | None = None  # the finetuned run
-    gp_attn: list[Tensor] | None = None  # ŷ' at the heads' and MLPs' boundaries
-    gp_mlp: list[Tensor] | None = None
     other: Tensor | None = None  # [batch] the "other" parameters' informative share
     scores: Tensor | None = None  # [kind batch layer component pos]
     change: Tensor | None = None  # [batch] R(W') - R(W) (informative only)
@@ -216,66 +214,63 @@ def _scores(
 def _finetuned_passes(c: LinearChunk, needs: set[str], kinds: Sequence[ScoreKind]) -> None:
     """The finetuned run and the resumed ``ŷ'`` pass, under one application of Δ.
 
-    Where gradients go one layer at a time (``runs.layerwise``: large models) they are one
-    layer-major pass (``_swept``) that also computes the kinds' scores of each layer
-    there, and keeps none of the layer's streams for after the sweep: informative's
-    forward-mode pass and downstream's base layer on the finetuned inputs while the layer's Δ
-    is loaded, upstream's scores of each boundary as the backward pass reaches it. Each
-    layer's Δ is read once forward and once backward."""
+    ``ŷ'``: the base stream entering the finetuned model right after each component (heads of
+    layer l: where they re-enter, with ``b_O'``; MLP l: after the MLP), an entry per boundary
+    whose gradient goes to the kinds as it arrives (``KINDS[kind].layer_linear``, into
+    ``c.swept[kind]``), then dropped. Small models: every boundary's rows in one growing batch
+    and one backward (``passes.stacked``, ``upstream_group`` boundaries a pass), then the
+    finetuned run. Where gradients go one layer at a time (``runs.layerwise``: large models)
+    all of it is one layer-major pass (``passes.layer_major``): the finetuned rows a lane, the
+    kinds' scores of each layer computed while its streams are at hand (informative's
+    forward-mode pass and downstream's base layer on the finetuned inputs, with the base
+    weights in force), and none of the layer's streams kept after; each layer's Δ is read
+    once forward and once backward."""
     want_run = bool(needs & {"finetuned", "finetuned_grad"})
-    if not want_run and "upstream_grads" not in needs:
+    model, grads = c.model, "upstream_grads" in needs
+    entries = _boundaries(c) if grads else {}
+    if layerwise(model, c.batch) and "finetuned_grad" not in needs:
+        for kind in kinds:
+            c.swept[kind] = c.new_scores()
+
+        def on_layer(layer: int, step: Any) -> None:
+            with B.unshifted(model):
+                for kind in kinds:
+                    KINDS[kind].layer_linear(c, LayerStep(layer, finetuned=step), c.swept[kind])
+
+        with B.shifted(model, c.diff) as s:
+            lanes = [passes.Lane(s, on_layer)] if want_run else []
+            passes.layer_major(model, c.batch, c.options.reward_fn, lanes, list(entries.values()),
+                               s, c.options.upstream_group)  # fmt: skip
+        if lanes:
+            c.ft = Run(reward=lanes[0].reward, post_final=lanes[0].read)
         return
-    if layerwise(c.model, c.batch) and "finetuned_grad" not in needs:
-        _swept(c, want_run, "upstream_grads" in needs, kinds)
-        return
-    with B.shifted(c.model, c.diff):
-        if want_run:
-            c.ft = forward_run(
-                c.model, c.batch, c.options.reward_fn, grad="finetuned_grad" in needs
-            )
-        if "upstream_grads" in needs:
+    with B.shifted(model, c.diff):
+        if grads:
+            c.swept["upstream"] = c.new_scores()
             g = c.options.upstream_group
-            group = _auto_group(c.model, c.batch) if g == "auto" else g
-            c.gp_attn, c.gp_mlp = upstream.upstream_gradients(
-                c.model, c.diff, c.batch, c.base, c.options.reward_fn, group
-            )
+            group = _auto_group(model, c.batch) if g == "auto" else g
+            passes.stacked(model, c.batch, c.options.reward_fn, entries, group)
+        if want_run:
+            c.ft = forward_run(model, c.batch, c.options.reward_fn, grad="finetuned_grad" in needs)
 
 
-def _swept(c: LinearChunk, finetuned: bool, grads: bool, kinds: Sequence[ScoreKind]) -> None:
-    """The layer-major pass (``passes.layer_major``): the finetuned rows (a lane, if
-    ``finetuned``) and, for upstream, the base stream entering the finetuned model right after
-    each component (an entry per boundary, as in ``upstream.upstream_gradients``), each kind's
-    scores of a layer computed while that layer's streams are at hand
-    (``KINDS[kind].layer_linear``, into ``c.swept[kind]``): in the forward step, the finetuned
-    rows' values of the layer with the base weights in force; in the backward pass, ``ŷ'`` at
-    each boundary as it arrives, then dropped. The finetuned run keeps no layer."""
+def _boundaries(c: LinearChunk) -> dict[tuple[int, str], passes.Entry]:
+    """Upstream's rows: per ``(layer, "attn" | "mlp")``, the base stream entering the finetuned
+    model right after that component group, its ``ŷ'`` handed as it arrives to the kinds whose
+    scores ``c.swept`` holds."""
     model = c.model
-    for kind in kinds:
-        c.swept[kind] = c.new_scores()
-
-    def on_layer(layer: int, step: Any) -> None:
-        with B.unshifted(model):
-            for kind in kinds:
-                KINDS[kind].layer_linear(c, LayerStep(layer, finetuned=step), c.swept[kind])
 
     def boundary(layer: int, part: str) -> passes.Entry:
         def done(g: Tensor) -> None:
-            for kind in kinds:
-                KINDS[kind].layer_linear(c, LayerStep(layer, part=part, g=g), c.swept[kind])
+            for kind, out in c.swept.items():
+                KINDS[kind].layer_linear(c, LayerStep(layer, part=part, g=g), out)
 
         start = (layer, passes.boundary(model, part))
         return passes.Entry(start, 1, lambda: passes.entry(model, c.diff, c.base, layer, part)[0],
                             True, done)  # fmt: skip
 
     parts = ("attn", "mlp") if B.has_mlp(model) else ("attn",)
-    L = model.cfg.n_layers
-    entries = [boundary(layer, part) for layer in range(L) for part in parts] if grads else []
-    with B.shifted(model, c.diff) as s:
-        lanes = [passes.Lane(s, on_layer)] if finetuned else []
-        passes.layer_major(model, c.batch, c.options.reward_fn, lanes, entries, s,
-                           c.options.upstream_group)  # fmt: skip
-    if lanes:
-        c.ft = Run(reward=lanes[0].reward, post_final=lanes[0].read)
+    return {(l, p): boundary(l, p) for l in range(model.cfg.n_layers) for p in parts}
 
 
 ADDITIVITY_TOLERANCE = 0.3

@@ -12,8 +12,8 @@ entering the finetuned model after a component group (upstream's ``W_late`` cont
   layer, ``runs.BLOCK_TOKENS`` tokens of rows at a time (``runs.through``), so that a layer's
   working set (an 8B MLP's hidden activations: 230 KB a token in float32) does not depend on
   how many rows a pass stacks, nor on whether a layer before the last one runs;
-- ``Entry`` rows, run one after another through the whole graph (``whole``), or together,
-  layer by layer, with ``Lane`` rows (the chunk from the embedding on, under one weight setting
+- ``Entry`` rows, run through the whole graph one after another (``whole``) or stacked in one
+  growing batch with one backward (``stacked``), or together, layer by layer, with ``Lane`` rows (the chunk from the embedding on, under one weight setting
   each) in ``layer_major``: forward, every lane and entry through a layer while its Δ is loaded;
   then the rewards; then backward, layer by layer, each lane's step and every entry's gradient,
   so that each layer's Δ is read once forward and once backward for all of them;
@@ -167,6 +167,44 @@ def whole(
             with torch.no_grad():
                 y = resume(model, x, e.start, by_rows=rows)
                 e.reward = readout(model, y, batch, reward_fn, groups=e.copies)[0]
+
+
+def stacked(
+    model: Any, batch: PromptBatch, reward_fn: Reward, entries: Mapping[tuple[int, str], Entry],
+    group: int | None = None,
+) -> None:  # fmt: skip
+    """Gradient ``entries``, keyed by ``(layer, "attn" | "mlp")``, the component group after
+    which each enters (``entry``), through the whole graph as extra rows of one growing batch
+    ("staircase": ``run_blocks``' ``inject``): one backward gives every entry's ``dR/d rows``.
+    ``group``: entries per pass (``None``: all in one; memory grows with it)."""
+    keys = list(entries)
+    group = group or len(keys)
+    for g0 in range(0, len(keys), group):
+        todo = set(keys[g0 : g0 + group])
+        rows: list[Tensor] = []
+        order: list[Entry] = []
+
+        def inject(layer: int, part: str, x: Tensor | None) -> Tensor | None:
+            if (layer, part) not in todo:
+                return x
+            e = entries[(layer, part)]
+            rows.append(e.make().detach().requires_grad_(True))
+            order.append(e)
+            return rows[-1] if x is None else torch.cat([x, rows[-1]])
+
+        with B.frozen_parameters(model), torch.enable_grad():
+            y = B.run_blocks(model, None, start=(keys[g0][0], "pre"), inject=inject)
+            R, _, _ = readout(model, cast(Tensor, y), batch, reward_fn, groups=len(rows))
+            got = torch.autograd.grad(R.sum(), rows)
+        for e, g in zip(order, got):
+            e.finish(owned(g))
+
+
+def owned(g: Tensor) -> Tensor:
+    """``g`` in storage of its own. The gradient of a row block ``torch.cat`` joined is a view
+    of the whole gradient: kept as it is, each entry's gradient would hold every row of the
+    batch (memory growing with the square of the depth)."""
+    return g if g.untyped_storage().nbytes() == g.nbytes else g.clone()
 
 
 @dataclass
