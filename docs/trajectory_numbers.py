@@ -138,6 +138,18 @@ class Run:
 
         return el.Trajectory.load(self.folder / "run")
 
+    def holds_units(self) -> bool:
+        """Whether this process may run ``rest``'s units: no other process is running them
+        (a lock on ``parts/units.lock``, held until this process ends)."""
+        import fcntl
+
+        self._lock = open(self.parts / "units.lock", "w")  # noqa: SIM115  (held to the end)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
     def note(self, name: str, record: dict[str, Any]) -> None:
         """One phase's numbers, into ``parts/<name>.json`` (and printed)."""
         record = {**record, "peak_rss_gib": peak_gib(), "prompts": len(self.batch),
@@ -186,15 +198,18 @@ def linear_at(r: Run, k: int) -> None:
 
 def exact(r: Run) -> None:
     """The exact informative map of ``D_k`` (``causal_scores``) at each checkpoint of ``--at``."""
+    for k in span(r.a.at, len(r.trajectory)):
+        exact_at(r, k)
+
+
+def exact_at(r: Run, k: int) -> None:
     import extractive_lens as el
 
-    traj = r.trajectory
-    for k in span(r.a.at, len(traj)):
-        t = time.perf_counter()
-        maps = el.trajectory_scores(r.model, traj, r.batch, method="causal",
-                                    kinds="informative", checkpoints=[k])  # fmt: skip
-        maps.scores[0].save(r.parts / f"exact-{k}.safetensors")
-        r.note(f"exact-{k}", {"seconds": time.perf_counter() - t})
+    t = time.perf_counter()
+    maps = el.trajectory_scores(r.model, r.trajectory, r.batch, method="causal",
+                                kinds="informative", checkpoints=[k])  # fmt: skip
+    maps.scores[0].save(r.parts / f"exact-{k}.safetensors")
+    r.note(f"exact-{k}", {"seconds": time.perf_counter() - t})
 
 
 def integral(r: Run) -> None:
@@ -204,32 +219,60 @@ def integral(r: Run) -> None:
         segment(r, k)
 
 
-def segment(r: Run, k: int) -> None:
+def segment(r: Run, k: int, nodes: int | None = None) -> None:
     import extractive_lens as el
 
+    n = nodes or r.a.nodes
     t = time.perf_counter()
-    along = el.trajectory_integrated(r.model, r.trajectory, r.batch, steps=r.a.nodes,
-                                     segments=[k])  # fmt: skip
+    along = el.trajectory_integrated(r.model, r.trajectory, r.batch, steps=n, segments=[k])
     seconds = time.perf_counter() - t
-    along.save(r.parts / f"integral-{r.a.nodes}-{k}")
+    along.save(r.parts / f"integral-{n}-{k}")
     info = along.metadata["integrated"]
-    r.note(f"integral-{r.a.nodes}-{k}", {"seconds": seconds,
-                                        "completeness": info["segment_completeness"][0]})  # fmt: skip
+    r.note(f"integral-{n}-{k}", {"seconds": seconds,
+                                 "completeness": info["segment_completeness"][0]})  # fmt: skip
 
 
 def rest(r: Run) -> None:
-    """What is not done yet, one unit at a time (the finetune alone; then each checkpoint's
-    linear map, each segment's integral, the straight line), stopping before a unit that would
-    pass ``--budget`` minutes: run it again until it says nothing is left."""
+    """What is not done yet, one unit at a time (the finetune alone; then the straight line,
+    and epoch by epoch each checkpoint's linear map and each segment's integral), stopping
+    before a unit that would pass ``--budget`` minutes: run it again until it says nothing is
+    left."""
     if not (r.parts / "finetune.json").exists():
         return finetune(r)
-    T = len(r.trajectory)
-    n = r.a.nodes
+    if not r.holds_units():
+        print("another process is running the units: nothing to do")
+        return
+    run_units(r, left(r))
+
+
+def more(r: Run) -> None:
+    """``rest``'s units (unless another process runs them), then, within ``--budget``: the
+    segment with the largest completeness error at ``--nodes`` integrated again with 2 and 4
+    times the nodes, and the exact informative map of the last checkpoint."""
+    units = left(r) if r.holds_units() else []
+    n, T = r.a.nodes, len(r.trajectory)
+    errors = {k: r.read(f"integral-{n}-{k}")["completeness"] for k in range(1, T + 1)
+              if (r.parts / f"integral-{n}-{k}.json").exists()}  # fmt: skip
+    worst = max(errors, key=lambda k: errors[k]) if errors else 1
+    units += [(f"integral-{m}-{worst}", functools.partial(segment, r, worst, m))
+              for m in (2 * n, 4 * n)]  # fmt: skip
+    units.append((f"exact-{T}", functools.partial(exact_at, r, T)))
+    run_units(r, [(name, f) for name, f in units if not (r.parts / f"{name}.json").exists()])
+
+
+def left(r: Run) -> list[tuple[str, Any]]:
+    """``rest``'s units not done yet, in order."""
+    T, n = len(r.trajectory), r.a.nodes
     units = [(f"straight-{n}", functools.partial(straight, r))]
     for k in range(1, T + 1):  # epoch by epoch: a run cut short leaves the first epochs whole
         units += [(f"linear-{k}", functools.partial(linear_at, r, k)),
                   (f"integral-{n}-{k}", functools.partial(segment, r, k))]  # fmt: skip
-    todo = [(name, f) for name, f in units if not (r.parts / f"{name}.json").exists()]
+    return [(name, f) for name, f in units if not (r.parts / f"{name}.json").exists()]
+
+
+def run_units(r: Run, todo: list[tuple[str, Any]]) -> None:
+    """Each unit in turn, stopping before one that would pass ``--budget`` minutes (the
+    longest unit so far taken as the next one's time)."""
     _ = r.loaded  # the model, loaded before the clock starts
     start, longest = time.perf_counter(), 0.0
     for i, (_, f) in enumerate(todo):
@@ -342,13 +385,23 @@ def figures(r: Run) -> None:
     print(json.dumps({k: R[k] for k in ("times", "peak_rss_gib", "completeness", "gap",
                                         "first_half_by_epoch", "ranks")}, indent=1, default=str))  # fmt: skip
 
+    name = {"world": "world model", "smollm2": "SmolLM2-135M"}[r.a.model]
     figs = {
         "linear_map": tp.layer_map(maps),
         "segment_map": tp.layer_map(along),
+        "uptake": uptake_figure(cum),
         "curves": tp.curves(maps, tp.top_components(maps, n=4), ranks=df),
         "segment_curves": tp.curves(along.cumulative(), tp.top_components(along, n=4), ranks=df),
         "gap": tp.gap_figure(gap),
     }
+    titles = {
+        "linear_map": "linear informative of D_k by layer, at each checkpoint",
+        "segment_map": "each segment's share of the trajectory integral, by layer",
+        "curves": "linear informative of D_k: the top components, and the mean ranks",
+        "segment_curves": "trajectory-integrated informative up to each epoch, and the mean ranks",
+    }
+    for key, title in titles.items():
+        figs[key].update_layout(title=f"{name}: {title}")
     if ex is not None:
         figs["exact_map"] = tp.layer_map(ex)
     for name, fig in figs.items():
@@ -362,9 +415,30 @@ def figures(r: Run) -> None:
     print("wrote", r.out)
 
 
+def uptake_figure(cumulative: Any) -> Any:
+    """Epoch x layer: the share of each layer's final trajectory-integrated score reached by
+    each epoch (blank where the layer's final score is under 5% of the largest layer's)."""
+    import numpy as np
+    import plotly.graph_objects as go
+
+    final = cumulative.iloc[-1].to_numpy()
+    share = cumulative.to_numpy() / np.where(final == 0, np.nan, final)
+    share[:, np.abs(final) < 0.05 * np.abs(final).max()] = np.nan
+    fig = go.Figure(go.Heatmap(
+        z=share, x=list(cumulative.columns), y=[f"{e:g}" for e in cumulative.index],
+        colorscale="Viridis", zmin=0, zmax=1, colorbar={"title": "share of final"},
+        hovertemplate="epoch %{y}<br>%{x}<br>%{z:.3f}<extra></extra>",
+    ))  # fmt: skip
+    fig.update_layout(title="share of each layer's final path-integrated score, by epoch",
+                      xaxis_title="layer",
+                      yaxis_title="epoch", template="plotly_white")  # fmt: skip
+    fig.update_yaxes(type="category")
+    return fig
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("phase", choices=[*PHASES, "all", "rest"])
+    ap.add_argument("phase", choices=[*PHASES, "all", "rest", "more"])
     ap.add_argument("--model", choices=["world", "smollm2"], default="world")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--folder", type=Path, default=None,

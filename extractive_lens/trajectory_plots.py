@@ -186,6 +186,8 @@ def path_gap(along: Any, straight: Any) -> Any:
 
 
 def gap_figure(gap: Any) -> Any:
+    """Grouped bars per component: its informative score along the trajectory and along the
+    straight line (``path_gap``'s DataFrame)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
