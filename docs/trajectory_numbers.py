@@ -11,9 +11,9 @@ checkpoints and each unit's results in ``--folder`` (8 float32 checkpoints: 5.2 
     python docs/trajectory_numbers.py $S rest      # the finetune: 8 epochs, a checkpoint after each
     python docs/trajectory_numbers.py $S rest      # linear maps, segments, the straight line ...
     python docs/trajectory_numbers.py $S rest      # ... until it prints "nothing left"
+    python docs/trajectory_numbers.py $S more      # the worst segment with 8 and 16 nodes,
+                                                   # the exact map of D_8 (optional)
     python docs/trajectory_numbers.py $S figures   # results.json, the figures
-    python docs/trajectory_numbers.py $S integral --at 1 --nodes 16   # more nodes (optional)
-    python docs/trajectory_numbers.py $S exact --at 8 --prompts 4     # exact map (optional)
 
 Finetune on the first-hop facts with the model's own recipe (the world's ``finetune_recipes``,
 SmolLM2's ``real_model.FINETUNE``, as ``real_model.protocol`` runs it: nothing tuned here),
