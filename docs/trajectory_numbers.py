@@ -49,6 +49,27 @@ def peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def status_gib(field: str) -> float | None:
+    """``VmHWM`` (the peak resident memory since the last ``reset_peak``) or ``VmRSS`` (now)
+    from ``/proc/self/status``, in GiB (``None`` off Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak() -> None:
+    """Start ``VmHWM`` again from the memory resident now (Linux: ``clear_refs`` 5), so a
+    phase's peak is read apart from the model's loading."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def span(text: str | None, last: int) -> list[int]:
     """``"1-4"`` → ``[1, 2, 3, 4]``, ``"8"`` → ``[8]``, ``None`` → ``1 … last``."""
     if text is None:
@@ -79,6 +100,7 @@ class Run:
         self.parts.mkdir(parents=True, exist_ok=True)
         self.out: Path = a.out
         self.a = a
+        self.loaded_rss: float | None = None  # resident memory once the model is loaded
 
     @functools.cached_property
     def loaded(self) -> tuple[Any, dict[str, Any], Any, Any]:
@@ -153,6 +175,8 @@ class Run:
     def note(self, name: str, record: dict[str, Any]) -> None:
         """One phase's numbers, into ``parts/<name>.json`` (and printed)."""
         record = {**record, "peak_rss_gib": peak_gib(), "prompts": len(self.batch),
+                  "peak_since_load_gib": status_gib("VmHWM"), "rss_gib": status_gib("VmRSS"),
+                  "loaded_rss_gib": self.loaded_rss,
                   "recipe": self.recipe}  # fmt: skip
         (self.parts / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
         print(name, json.dumps(record, default=str)[:2000])
@@ -274,6 +298,8 @@ def run_units(r: Run, todo: list[tuple[str, Any]]) -> None:
     """Each unit in turn, stopping before one that would pass ``--budget`` minutes (the
     longest unit so far taken as the next one's time)."""
     _ = r.loaded  # the model, loaded before the clock starts
+    r.loaded_rss = status_gib("VmRSS")
+    reset_peak()  # the units' peak, apart from the loading's
     start, longest = time.perf_counter(), 0.0
     for i, (_, f) in enumerate(todo):
         if time.perf_counter() - start + longest > 60 * r.a.budget:
