@@ -421,10 +421,10 @@ def figures(r: Run) -> None:
         "gap": tp.gap_figure(gap),
     }
     titles = {
-        "linear_map": "linear informative of D_k by layer, at each checkpoint",
-        "segment_map": "each segment's share of the trajectory integral, by layer",
-        "curves": "linear informative of D_k: the top components, and the mean ranks",
-        "segment_curves": "trajectory-integrated informative up to each epoch, and the mean ranks",
+        "linear_map": "linear informative of D_k by layer",
+        "segment_map": "each segment's share of the path integral, by layer",
+        "curves": "linear informative of D_k; mean ranks",
+        "segment_curves": "path-integrated informative up to each epoch; mean ranks",
     }
     for key, title in titles.items():
         figs[key].update_layout(title=f"{name}: {title}")
