@@ -2,11 +2,11 @@
 for the mass intervals, the scores they saved), printed as markdown: nothing is recomputed on
 the model, only read off and bootstrapped over prompts (``extractive_lens.real_model.analysis``).
 
-    python docs/real_model_numbers.py            # reads docs/real_model/r2_*/
+    python docs/real_model_numbers.py            # reads docs/real_model/round2/*/
 
 The runs (one thread each, ``OMP_NUM_THREADS=1``; see the page for the commands):
-``r2_seeds/`` (known hop, first hop and freezing, seeds 0,1,2), ``r2_demo/`` (``extractive-lens
-demo --model smollm2``: known hop, first hop and scores, seed 0), ``r2_second_hop/`` (second
+``round2/seeds/`` (known hop, first hop and freezing, seeds 0,1,2), ``round2/demo/`` (``extractive-lens
+demo --model smollm2``: known hop, first hop and scores, seed 0), ``round2/second_hop/`` (second
 hop, seeds 0,1,2).
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from extractive_lens.real_model import analysis as A
 from extractive_lens.real_model.summary import ci, pct, spread
 
-ROOT = Path(__file__).parent / "real_model"
+ROOT = Path(__file__).parent / "real_model" / "round2"
 WAYS = ("whole", "per_token", "first_token")
 
 
@@ -145,18 +145,18 @@ def scores(res: dict[str, Any], folder: Path) -> list[str]:
 
 
 def main() -> None:
-    runs = {name: load(name) for name in ("r2_seeds", "r2_demo", "r2_second_hop")}
+    runs = {name: load(name) for name in ("seeds", "demo", "second_hop")}
     lines: list[str] = []
-    if (r := runs["r2_seeds"]) is not None:
-        lines += ["## known hop (r2_seeds)", *known_hop(r), "", "## first hop (r2_seeds)"]
-        lines += [*hop(r, "first_hop"), "", "## freezing (r2_seeds)", *freezing(r)]
-    if (r := runs["r2_second_hop"]) is not None:
-        lines += ["", "## second hop (r2_second_hop)", *hop(r, "second_hop")]
-    if (r := runs["r2_demo"]) is not None:
-        lines += ["", "## demo: known hop, first hop (seed 0), scores (r2_demo)", *known_hop(r)]
+    if (r := runs["seeds"]) is not None:
+        lines += ["## known hop (round2/seeds)", *known_hop(r), "", "## first hop (round2/seeds)"]
+        lines += [*hop(r, "first_hop"), "", "## freezing (round2/seeds)", *freezing(r)]
+    if (r := runs["second_hop"]) is not None:
+        lines += ["", "## second hop (round2/second_hop)", *hop(r, "second_hop")]
+    if (r := runs["demo"]) is not None:
+        lines += ["", "## demo: known hop, first hop (seed 0), scores (round2/demo)", *known_hop(r)]
         lines += [*hop(r, "first_hop")]
         if "scores" in r:
-            lines += scores(r, ROOT / "r2_demo")
+            lines += scores(r, ROOT / "demo")
         t = r["times"]
         lines += ["", "| step | CPU s | wall s | peak resident so far (GiB) |", "|---|---|---|---|"]
         lines += [f"| {k} | {v['cpu_s']:.1f} | {v['wall_s']:.1f} | {v['peak_rss_gib_so_far']:.2f} |"
