@@ -125,7 +125,10 @@ class Run:
             model = el.load_pretrained("smollm2-135m")
             ds = real_first_hop(n=20)  # the protocol's first hop: 20 facts
             recipe = dict(FINETUNE)  # Adam, lr 1e-4, 8 epochs, batch 8, seed 0, float32 Δ
-        return (model, recipe, *ds.batches(model))
+        batches = ds.batches(model)
+        self.loaded_rss = status_gib("VmRSS")
+        reset_peak()  # what follows peaks apart from the loading
+        return (model, recipe, *batches)
 
     @property
     def model(self) -> Any:
@@ -298,8 +301,6 @@ def run_units(r: Run, todo: list[tuple[str, Any]]) -> None:
     """Each unit in turn, stopping before one that would pass ``--budget`` minutes (the
     longest unit so far taken as the next one's time)."""
     _ = r.loaded  # the model, loaded before the clock starts
-    r.loaded_rss = status_gib("VmRSS")
-    reset_peak()  # the units' peak, apart from the loading's
     start, longest = time.perf_counter(), 0.0
     for i, (_, f) in enumerate(todo):
         if time.perf_counter() - start + longest > 60 * r.a.budget:
