@@ -85,7 +85,13 @@ class Store:
 class Shift:
     """``W + alpha·Δ`` for one model: which stored tensor gets which offset, one layer at a time."""
 
-    def __init__(self, model: Any, diff: Any, alpha: float, store: Store | None = None) -> None:
+    def __init__(
+        self, model: Any, diff: Any, alpha: float, store: Store | None = None,
+        small: bool | None = None,
+    ) -> None:  # fmt: skip
+        """``small``: keep every layer's Δ and ``W + αΔ`` for the whole shift (``None``: when
+        the model's float32 weights are under ``REUSE_BYTES``); ``False`` holds
+        ``KEEP_LAYERS`` layers whatever the model's size (a shift used by one pass or two)."""
         from extractive_lens import backend as B
 
         self.model, self.diff, self.alpha = model, diff, float(alpha)
@@ -110,7 +116,8 @@ class Shift:
         store = store or Store()
         self._loaded = store.loaded
         self._values: dict[Group, dict[tuple[int, torch.dtype], Tensor]] = {}
-        self.small = sum(p.numel() for p in model.parameters()) * 4 <= REUSE_BYTES
+        self.small = (sum(p.numel() for p in model.parameters()) * 4 <= REUSE_BYTES
+                      if small is None else small)  # fmt: skip
         # vocabulary matrices read a part at a time (backend/vocab.py): their Δ is not loaded
         # with their group but read per part (``part``) from where the diff holds it; by stored
         # tensor, the TransformerLens names it is (transposed or not: a bridge's lm_head)

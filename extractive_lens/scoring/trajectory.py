@@ -467,8 +467,10 @@ def _segment(
     with B.reusing():
         for x, w in zip(xs, ws):
             # the node's point in a store of its own, not the segment's (``reusing`` would keep
-            # every node's point until the segment ends): one point and one step held at a time
-            point = shift.Shift(model, trajectory.point(k, x), 1.0)
+            # every node's point until the segment ends), a layer at a time whatever the
+            # model's size (``small=False``: a point serves one pass pair; whole, it and
+            # ``W + point`` would be two more Δ-sized tensors): one step held at a time
+            point = shift.Shift(model, trajectory.point(k, x), 1.0, small=False)
             with shift.within(point):
                 run = forward_run(model, chunk, options.reward_fn, grad=True)
                 g_z = [head_grad(wide(g), W) for g, W in zip(run.g_attn, run.W_O)]
