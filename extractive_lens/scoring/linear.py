@@ -151,7 +151,7 @@ class LinearChunk:
     other: Tensor | None = None  # [batch] the "other" parameters' informative share
     scores: Tensor | None = None  # [kind batch layer component pos]
     change: Tensor | None = None  # [batch] R(W') - R(W) (informative only)
-    # kinds' scores the sweep computed layer by layer (``_finetuned_passes``), by kind
+    # kinds' scores computed a layer or a boundary at a time (``_finetuned_passes``), by kind
     swept: dict[str, Tensor] = field(default_factory=dict)
 
     @property

@@ -8,9 +8,10 @@ A kind module provides (``downstream.py`` is the smallest example):
   values the base run must record beyond ``z``;
 - ``linear(chunk: LinearChunk) -> [batch, layer, component, pos]``, and
   ``layer_linear(chunk, step: LayerStep, out)``: the same scores one layer at a time, added to
-  ``out`` in the large-model sweep (``runs.layerwise``) while the layer's values are at hand
-  (forward: the finetuned rows' values of the layer; backward: ``ŷ'`` at one of its
-  boundaries); ``linear`` then returns ``chunk.swept[kind]``, what the sweep accumulated;
+  ``out`` while the layer's values are at hand: in the large-model pass (``runs.layerwise``)
+  its forward step (the finetuned rows' values of the layer); in either regime, ``ŷ'`` at one
+  of the layer's boundaries as it arrives; ``linear`` then returns ``chunk.swept[kind]``, what
+  those steps accumulated;
 - ``patch_values(chunk: CausalChunk, layer) -> (Δ heads, Δ MLP)``: what the exact engine adds
   to the stream right after each component of ``layer`` (formed one layer at a time; what every
   layer shares, such as a finetuned run, is kept with ``chunk.cached(key, make)``);

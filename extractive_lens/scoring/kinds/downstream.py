@@ -30,7 +30,7 @@ def capture(options: ScoreOptions) -> tuple[str, ...]:
 
 def linear(chunk: LinearChunk) -> Tensor:
     swept = chunk.swept.get("downstream")
-    if swept is not None:  # computed layer by layer in the finetuned sweep
+    if swept is not None:  # computed layer by layer in the large-model pass
         return swept
     ft, has_mlp = chunk.ft, B.has_mlp(chunk.model)
     assert ft is not None
@@ -41,7 +41,7 @@ def linear(chunk: LinearChunk) -> Tensor:
 
 
 def layer_linear(chunk: LinearChunk, step: LayerStep, out: Tensor) -> None:
-    """The sweep's forward step: the layer's scores from the finetuned rows' inputs of it."""
+    """The large-model pass's forward step: the layer's scores from the finetuned rows' inputs."""
     if step.g is None:
         assert step.finetuned is not None  # "finetuned" is needed: the finetuned rows ran
         _layer(chunk, step.layer, step.finetuned.pre, step.finetuned.mlp_in, out)
@@ -50,7 +50,7 @@ def layer_linear(chunk: LinearChunk, step: LayerStep, out: Tensor) -> None:
 def _layer(chunk: LinearChunk, layer: int, pre: Tensor, mlp_in: Tensor | None, out: Tensor) -> None:
     """One layer's downstream scores into ``out``: the base layer re-run on the finetuned
     run's inputs of that layer (``pre``, and ``mlp_in`` for its MLP). Call with the base
-    weights (the sweep calls it unshifted, as each layer's finetuned inputs are formed)."""
+    weights (the large-model pass calls it unshifted, as each layer's finetuned inputs are formed)."""
     model, base = chunk.model, chunk.base
     H = model.cfg.n_heads
     with torch.no_grad():

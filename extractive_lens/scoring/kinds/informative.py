@@ -78,7 +78,7 @@ def linear(chunk: LinearChunk) -> Tensor:
 
 
 def layer_linear(chunk: LinearChunk, step: LayerStep, out: Tensor) -> None:
-    """The sweep's forward step: the layer's scores into ``out``, ``b_O``'s share into
+    """The large-model pass's forward step: the layer's scores into ``out``, ``b_O``'s share into
     ``chunk.other`` (``_layers``, reading the Δ the finetuned rows' shift has loaded)."""
     if step.g is not None:
         return

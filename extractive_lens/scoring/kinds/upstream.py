@@ -61,7 +61,7 @@ def _boundary(
 ) -> None:
     """One boundary's upstream scores into ``out``: ``g`` is ``ŷ'`` there (``dR/d attn_out``
     of the heads of ``layer``, read per head through ``W_O``, default the base run's; or
-    ``dR/d mlp_out``), ``y*`` formed for this layer alone. The sweep calls it as each
+    ``dR/d mlp_out``), ``y*`` formed for this layer alone. The engine calls it as each
     boundary's gradient arrives, so that no layer's ``ŷ'`` is kept."""
     base, H = chunk.base, chunk.model.cfg.n_heads
     assert chunk.table is not None
