@@ -173,8 +173,8 @@ def stacked(
     model: Any, batch: PromptBatch, reward_fn: Reward, entries: Mapping[tuple[int, str], Entry],
     group: int | None = None,
 ) -> None:  # fmt: skip
-    """Gradient ``entries``, keyed by ``(layer, "attn" | "mlp")``, the component group after
-    which each enters (``entry``), through the whole graph as extra rows of one growing batch
+    """Gradient ``entries``, keyed in layer order by ``(layer, "attn" | "mlp")``, the component
+    group after which each enters (``entry``), through the whole graph as extra rows of one growing batch
     ("staircase": ``run_blocks``' ``inject``): one backward gives every entry's ``dR/d rows``.
     ``group``: entries per pass (``None``: all in one; memory grows with it)."""
     keys = list(entries)
