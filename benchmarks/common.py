@@ -92,6 +92,37 @@ class PeakMemory:
         return self.peak - self.start
 
 
+class TensorPeak:
+    """Peak bytes of tensors alive on the CPU above the level at entry, exactly (MB): the CPU
+    allocator's running total, which ``torch.profiler`` records at every allocation and free
+    (``profile_memory=True``). What a device's allocator would hold (``torch.cuda.
+    max_memory_allocated``'s counterpart), without the process's other memory (the allocator's
+    arenas, threads' stacks, Python objects) that the resident size also counts."""
+
+    def __enter__(self) -> "TensorPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch._C._profiler import _EventType
+
+        self._profile.__exit__(*exc)
+        events, stack = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            if e.tag == _EventType.Allocation:
+                events.append(
+                    (e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated)
+                )
+            stack.extend(e.children)
+        events.sort()
+        start = events[0][2] - events[0][1] if events else 0
+        self.extra_mb = max((total - start for _, _, total in events), default=0) / 2**20
+
+
 def write(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

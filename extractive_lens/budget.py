@@ -36,10 +36,12 @@ Two parts, each said plainly in the printed estimate:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from extractive_lens.backend.lazy import LazyDeltas
 from extractive_lens.backend.lowrank import LowRankDeltas
@@ -64,6 +66,7 @@ class Estimate:
     n_layers: int = 0
     counted_at: tuple[int, ...] = ()
     batch_passes: tuple[float, float] = (0.0, 0.0)  # forward, backward (scoring/counting.py)
+    rows: dict[str, float] = field(default_factory=dict)
 
     @property
     def device_bytes(self) -> int:
@@ -165,7 +168,8 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
     factors = getattr(deltas, "factors", {})
     dense = [n for n in deltas if n not in factors]  # W + αΔ formed where the piece runs
     block = sum(params[n].numel() for n in dense if B.layer_of(n) == 0 and n in params)
-    if block:
+    blocks = sum(params[n].numel() for n in dense if B.layer_of(n) is not None and n in params)
+    if block and not small:
         parts["one block's W + αΔ (forward, backward)"] = 2 * block * compute
     ranks = sum(f.rank for n, f in factors.items() if B.layer_of(n) == 0)
     if ranks:  # a low-rank Δ is added as (x L) R: the products, never W + αΔ
@@ -176,20 +180,39 @@ def estimate(model: Any, diff: Any, batch: Any, method: str = "linear", **option
         and n in params and params[n].numel() == vocab * d_model
         for n in dense
     )  # fmt: skip
-    if changed:  # a vocabulary matrix whose Δ the diff holds (an adapter often has none)
+    if changed and not small:  # a vocabulary matrix whose Δ the diff holds (often none)
         parts["embedding and unembedding W + αΔ"] = changed * vocab_matrix
-    parts["logits (value, log-softmax, gradient)"] = 3 * rows * pos * vocab * compute
     lw = entry.gradients and runs.layerwise(model, batch)
-    shapes = Shapes(
-        rows=rows, pos=pos, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=d_model,
-        d_mlp=d_mlp, d_vocab=vocab, compute=compute, layerwise=lw,
-    )  # fmt: skip
-    parts.update(entry.memory(shapes, built))
+
+    def phase_parts(k: int | None) -> dict[str, int]:
+        """What the call holds at its peak in phase ``k`` (``k`` shifts alive; ``None``:
+        the call's largest passes, for a large model whose shifts keep no weights)."""
+        counted = phase(moved.rows, k)
+        out: dict[str, int] = {}
+        if k is not None and blocks:  # each shift keeps every layer's W + αΔ (shift.py)
+            out[f"every layer's W + αΔ ({k} α at once)"] = k * blocks * compute
+        if k is not None and changed:
+            out["embedding and unembedding W + αΔ"] = k * changed * vocab_matrix
+        # the readout unembeds the positions its reward reads: value and log-softmax, and
+        # the logits' gradient where a graph is recorded
+        unembedded = max(3 * counted.get("logits_grad", 0), 2 * counted.get("logits", 0))
+        out["logits (value, log-softmax, gradient)"] = round(unembedded * vocab * compute)
+        shapes = Shapes(
+            rows=rows, pos=pos, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=d_model,
+            d_mlp=d_mlp, d_vocab=vocab, compute=compute, layerwise=lw, d_head=cfg.d_head,
+            gated=bool(cfg.gated_mlp), rms=str(cfg.normalization_type).startswith("RMS"),
+            rotary=cfg.positional_embedding_type == "rotary", counted=counted,
+        )  # fmt: skip
+        return out | entry.memory(shapes, built)
+
+    candidates = [phase_parts(k) for k in (phases(moved.rows) or [1])] if small else []
+    peak: dict[str, int] = max(candidates or [phase_parts(None)], key=lambda p: sum(p.values()))
+    parts.update(peak)
     return Estimate(
         method=method, device=str(model_dev), weights_bytes=weights, delta_bytes=delta_bytes,
         parts=parts, delta_read_bytes=read, layer_loads=moved.loads, layerwise=lw,
         gradients=entry.gradients, block_passes=moved.passes, n_layers=cfg.n_layers,
-        counted_at=moved.depths, batch_passes=moved.batch_passes,
+        counted_at=moved.depths, batch_passes=moved.batch_passes, rows=moved.rows,
     )  # fmt: skip
 
 
@@ -225,11 +248,91 @@ COUNT_DEPTHS = (3, 4, 5)
 """The narrow copy's depths counted for a deeper model; its counts are extrapolated from them."""
 
 
+class Rows:
+    """The narrow copy's passes by their rows, which do not depend on widths (the prompts, the
+    positions, the engines' ``max_batch`` and byte budgets, made ``sized_as`` the real model):
+    counted at every block forward (its attention), readout (its unembedding) and backward,
+    each by phase: the number of shifts (``W + αΔ`` at one α) that had formed weights and were
+    alive then (``alive()``; a small model's shift keeps every layer's for its lifetime).
+
+    ``sizes()``, the largest of the call, and ``graph@k`` ... for each phase ``k``:
+
+    - ``graph``: the block rows a backward found recorded since the previous one (each block
+      forward's rows × query positions: one graph's stored activations); ``graph_cells``: its
+      attention cells (rows × query × key positions);
+    - ``block`` / ``block_cells``: one block forward's rows × query positions (its working set
+      while it runs, with or without a graph) and attention cells;
+    - ``logits`` / ``logits_grad``: the rows × positions unembedded at once without / with a
+      graph; ``shifts``: the most shifts alive at once.
+    """
+
+    def __init__(self, alive: Any = lambda: 1) -> None:
+        self.alive = alive
+        self.passes = self.now = self.now_cells = 0
+        self.most: dict[str, int] = {}
+
+    def _at_least(self, name: str, n: int) -> None:
+        for key in (name, f"{name}@{self.alive()}"):
+            self.most[key] = max(self.most.get(key, 0), n)
+
+    def block_forward(self, x: Tensor, past: int, recorded: bool) -> None:
+        self.passes += 1
+        tokens = int(x.shape[0]) * int(x.shape[1])
+        self._at_least("block", tokens)
+        self._at_least("block_cells", tokens * (int(x.shape[1]) + past))
+        if recorded:
+            self.now += tokens
+            self.now_cells += tokens * (int(x.shape[1]) + past)
+
+    def unembedded(self, x: Tensor, recorded: bool) -> None:
+        self._at_least("logits_grad" if recorded else "logits", int(x.numel() // x.shape[-1]))
+
+    def backward(self) -> None:
+        self._at_least("graph", self.now)
+        self._at_least("graph_cells", self.now_cells)
+        self.now = self.now_cells = 0
+
+    def sizes(self) -> dict[str, float]:
+        names = ("graph", "graph_cells", "block", "block_cells", "logits", "logits_grad")
+        out = {n: 0.0 for n in names} | {k: float(v) for k, v in self.most.items()}
+        out["shifts"] = float(self.alive.most if hasattr(self.alive, "most") else 1)
+        return out
+
+
+def phase(rows: dict[str, float], k: int | None) -> dict[str, float]:
+    """The counted rows of phase ``k`` (``Rows``: while ``k`` shifts were alive) under the
+    plain names; ``None``: the call's largest."""
+    if k is None:
+        return {n: v for n, v in rows.items() if "@" not in n}
+    return {n.split("@")[0]: v for n, v in rows.items() if n.endswith(f"@{k}")}
+
+
+def phases(rows: dict[str, float]) -> list[int]:
+    """The phases counted (the numbers of shifts alive at once)."""
+    return sorted({int(n.split("@")[1]) for n in rows if "@" in n})
+
+
+class _Alive:
+    """How many shifts that formed weights are alive now, and the most at once."""
+
+    def __init__(self) -> None:
+        self.formed: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.most = 1
+
+    def add(self, s: Any) -> None:
+        self.formed.add(s)
+        self.most = max(self.most, len(self.formed))
+
+    def __call__(self) -> int:
+        return max(len(self.formed), 1)
+
+
 @dataclass
 class Counted:
     """What the narrow copy's call read of Δ and ran: layer loads by group (a block's index,
     ``shift.EMBED``, ``shift.UNEMBED``), tensors read on their own (``reads``: by name, in
-    whole tensors), block forwards (``passes``), and the depths counted (``depths``)."""
+    whole tensors), block forwards (``passes``), the depths counted (``depths``) and its
+    passes' rows (``rows``: ``Rows.sizes()``)."""
 
     loads: int
     by_group: dict[Any, float]
@@ -237,6 +340,7 @@ class Counted:
     passes: int
     depths: tuple[int, ...]
     batch_passes: tuple[float, float] = (0.0, 0.0)
+    rows: dict[str, float] = field(default_factory=dict)
 
     def read_bytes(self, stored: dict[str, int], by_group: dict[Any, int]) -> int:
         """The real diff's bytes moved: each load by its group's bytes, each read by its
@@ -291,6 +395,9 @@ def counted(model: Any, diff: Any, batch: Any, method: str, options: dict[str, A
             extrapolate([c.batch_passes[0] * d for c, d in zip(at, COUNT_DEPTHS)]) / depth,
             extrapolate([c.batch_passes[1] * d for c, d in zip(at, COUNT_DEPTHS)]) / depth,
         ),
+        rows={
+            n: extrapolate([c.rows.get(n, 0) for c in at]) for n in {n for c in at for n in c.rows}
+        },
     )
 
 
@@ -333,19 +440,40 @@ def _counted(
         full.signature,
     )  # fmt: skip
     n_vocab = narrow.cfg.d_vocab
-    pairs = [
-        ([1 + (i + j) % (n_vocab - 2) for j in range(batch.n_pos - 1)], [1 + i % (n_vocab - 2)])
-        for i in range(len(batch))
-    ]  # fmt: skip
+
+    # each prompt's and answer's length as the real batch's (its positions and the answer
+    # positions the readout unembeds), the tokens from the copy's vocabulary
+    def ids(i: int, n: int, at: int = 0) -> list[int]:
+        return [1 + (i + at + j) % (n_vocab - 2) for j in range(n)]
+
+    prompt = [int(n) for n in batch.prompt_lengths]
+    answer = [int((a >= 0).sum()) for a in batch.answer_targets]
+    pairs = [(ids(i, prompt[i]), ids(i, answer[i], 7)) for i in range(len(batch))]
     proxy_batch = make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}))
     options = {k: v for k, v in options.items() if k not in ("linear", "show_progress")}
-    saved, attention = shift.REUSE_BYTES, B.attention
-    passes = 0
+    saved, attention, unembed = shift.REUSE_BYTES, B.attention, B.unembed
+    grad, value = torch.autograd.grad, shift.Shift.value
+    alive = _Alive()
+    rows = Rows(alive)
 
-    def counting_attention(*args: Any, **kwargs: Any) -> Any:
-        nonlocal passes
-        passes += 1
-        return attention(*args, **kwargs)
+    def counting_attention(model: Any, layer: int, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = attention(model, layer, x, *args, **kwargs)
+        past = kwargs.get("past_kv", args[1] if len(args) > 1 else None)
+        rows.block_forward(x, 0 if past is None else past[0].shape[1], out[0].requires_grad)
+        return out
+
+    def counting_unembed(model: Any, x: Tensor) -> Any:
+        out = unembed(model, x)
+        rows.unembedded(x, out.requires_grad)
+        return out
+
+    def counting_grad(*args: Any, **kwargs: Any) -> Any:
+        rows.backward()
+        return grad(*args, **kwargs)
+
+    def counting_value(self: Any, *args: Any, **kwargs: Any) -> Any:
+        alive.add(self)
+        return value(self, *args, **kwargs)
 
     try:
         shift.REUSE_BYTES = 0  # the large-model regime: Δ held a few layers at a time
@@ -359,11 +487,15 @@ def _counted(
             if lin is not None:
                 options["linear"] = lin
             B.check_scorable(narrow)  # its one-time self-check is not the call's passes
-            B.attention = counting_attention  # every block forward runs one attention
+            # every block forward runs one attention; every readout one unembedding
+            B.attention, B.unembed = counting_attention, counting_unembed  # type: ignore[assignment]
+            torch.autograd.grad, shift.Shift.value = counting_grad, counting_value  # type: ignore[method-assign]
             with shift.counting() as traffic, counting_passes(narrow, proxy_batch) as count:
                 entry.engine(narrow, proxy, proxy_batch, show_progress=False, **options)
+            rows.backward()  # a graph left without a backward
     finally:
-        shift.REUSE_BYTES, B.attention = saved, attention
+        shift.REUSE_BYTES, B.attention, B.unembed = saved, attention, unembed
+        torch.autograd.grad, shift.Shift.value = grad, value  # type: ignore[method-assign]
     by_group: dict[Any, float] = {}
     for grp, n in traffic.by_group.items():
         key = "block" if by_role and isinstance(grp, int) else grp
@@ -372,8 +504,8 @@ def _counted(
     for name, share in traffic.reads.items():
         key = _role(name) if by_role else name
         reads[key] = reads.get(key, 0) + share
-    return Counted(traffic.loads, by_group, reads, passes, (depth,),
-                   (count.forward, count.backward))  # fmt: skip
+    return Counted(traffic.loads, by_group, reads, rows.passes, (depth,),
+                   (count.forward, count.backward), rows.sizes())  # fmt: skip
 
 
 _NARROW = 8

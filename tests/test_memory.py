@@ -374,7 +374,9 @@ def test_estimate_follows_the_options_and_the_diff(setting):
     model, diff, batch = setting
     one, two = (el.estimate(model, diff, batch, "causal", per="component", batch_size=b)
                 for b in (1, 2))  # fmt: skip
-    assert 2 * one.parts["activations (every layer)"] == two.parts["activations (every layer)"]
+    runs_part = "cached runs (2: every layer's streams)"
+    assert 2 * one.parts[runs_part] == two.parts[runs_part]
+    assert 2 * one.rows["block"] == two.rows["block"]  # one prompt's patches per pass, or two
 
     from extractive_lens.scoring import costs
     from extractive_lens.scoring.integrated import IntegratedOptions
@@ -404,3 +406,107 @@ def test_estimate_follows_the_options_and_the_diff(setting):
     parts = el.estimate(model, lora, batch).parts
     assert not any("W + αΔ" in p for p in parts)
     assert parts["one block's low-rank products (x L) R"] == 2 * 2 * batch.n_pos * 2 * r * 4
+
+
+class _RowSpy:
+    """The real call's passes counted here, by their rows: every block forward (its attention's
+    input rows × query positions, and × key positions for the cells), every unembedding, and
+    the block rows recorded with a graph between two backwards."""
+
+    def __init__(self, monkeypatch):
+        self.blocks, self.graphs, self.unembedded, self.pending = [], [], [], []
+        attention, unembed, grad = B.attention, B.unembed, torch.autograd.grad
+
+        def spy_attention(model, layer, x, capture=("z",), past_kv=None):
+            out = attention(model, layer, x, capture, past_kv)
+            b, q = x.shape[0], x.shape[1]
+            k = q + (0 if past_kv is None else past_kv[0].shape[1])
+            self.blocks.append((b * q, b * q * k))
+            if out[0].requires_grad:
+                self.pending.append((b * q, b * q * k))
+            return out
+
+        def spy_unembed(model, x):
+            out = unembed(model, x)
+            self.unembedded.append((x.shape[0] * x.shape[1], out.requires_grad))
+            return out
+
+        def spy_grad(*args, **kwargs):
+            self.graphs.append(tuple(map(sum, zip((0, 0), *self.pending))))
+            self.pending = []
+            return grad(*args, **kwargs)
+
+        monkeypatch.setattr(B, "attention", spy_attention)
+        monkeypatch.setattr(B, "unembed", spy_unembed)
+        monkeypatch.setattr(torch.autograd, "grad", spy_grad)
+
+    def rows(self) -> dict[str, float]:
+        graph = max(self.graphs, default=(0, 0))
+        return {
+            "graph": graph[0], "graph_cells": graph[1],
+            "block": max(b for b, _ in self.blocks), "block_cells": max(c for _, c in self.blocks),
+            "logits": max((n for n, g in self.unembedded if not g), default=0),
+            "logits_grad": max((n for n, g in self.unembedded if g), default=0),
+        }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [("linear", {}), ("linear", {"batch_size": 1}), ("causal", {}),
+     ("causal", {"per": "component", "max_batch": 3}), ("integrated", {"steps": 2})],
+)  # fmt: skip
+def test_estimate_counts_the_rows_of_the_real_calls_passes(setting, monkeypatch, method, options):
+    """The rows of the passes the memory follows (the largest graph, block forward and
+    readout) are counted on the narrow copy: here on the real call, by spies of its own."""
+    from extractive_lens import budget
+
+    model, diff, batch = setting
+    e = el.estimate(model, diff, batch, method, **options)
+    B.check_scorable(model)  # its one-time self-check is not the call's
+    spy = _RowSpy(monkeypatch)
+    getattr(el, f"{method}_scores")(model, diff, batch, show_progress=False, **options)
+    monkeypatch.undo()
+    counted = {k: v for k, v in budget.phase(e.rows, None).items() if k != "shifts"}
+    assert counted == spy.rows()
+    assert e.block_passes == len(spy.blocks)
+
+
+def _tensor_peak(call) -> int:
+    """The peak bytes of tensors alive during ``call()`` above the level before it: the CPU
+    allocator's running total, recorded by torch's profiler at every allocation and free."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            f = e.extra_fields
+            events.append((e.start_time_ns, f.alloc_size, f.total_allocated))
+        stack.extend(e.children)
+    events.sort()
+    start = events[0][2] - events[0][1]
+    return max(total for _, _, total in events) - start
+
+
+@pytest.mark.parametrize("regime", ["small", "large"])
+@pytest.mark.parametrize(
+    "method, options",
+    [("linear", {}), ("causal", {}), ("integrated", {"steps": 4})],
+)  # fmt: skip
+def test_estimate_is_within_half_again_of_the_tensors_the_call_holds(
+    setting, monkeypatch, method, options, regime
+):
+    """The memory estimate against the peak of the tensors alive during the real call (torch's
+    profiler: what a device's allocator would hold), within 1.5× either way, where a small
+    model keeps every layer's W + αΔ for each α in use and a large one forms one block's."""
+    model, diff, batch = setting
+    if regime == "large":
+        monkeypatch.setattr(shift, "REUSE_BYTES", 0)
+    e = el.estimate(model, diff, batch, method, **options)
+    assert any(("every layer's" in p) == (regime == "small") for p in e.parts)
+    call = getattr(el, f"{method}_scores")
+    peak = _tensor_peak(lambda: call(model, diff, batch, show_progress=False, **options))
+    assert 1 / 1.5 <= e.device_bytes / peak <= 1.5, (e.device_bytes, peak, e.parts)
