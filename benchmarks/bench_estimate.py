@@ -38,7 +38,7 @@ COLS = ["model", "case", "estimate_mib", "tensors_mib", "ratio", "rss_mib", "rss
         "estimate_s", "estimate_cpu_s", "passes", "layer_loads"]  # fmt: skip
 
 
-def one(model_name: str, case: str) -> dict:
+def one(model_name: str, case: str, prompts: int = 8, rss: bool = True) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -54,21 +54,25 @@ def one(model_name: str, case: str) -> dict:
         if p.ndim >= 2 and B.layer_of(n) is not None
     }
     diff = el.WeightDiff(deltas, B.signature(base))
-    batch = el.make_batch(base, [(p.prompt, p.answer) for p in first_hop().facts[:8]])
+    batch = el.make_batch(base, [(p.prompt, p.answer) for p in first_hop().facts[:prompts]])
     method, options = CASES[case]
     t0, c0 = time.perf_counter(), time.process_time()
     e = el.estimate(base, diff, batch, method, **options)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     call = {"linear": el.linear_scores, "causal": el.causal_scores,
             "integrated": el.integrated_scores}[method]  # fmt: skip
-    with PeakMemory() as peak:
+    peak = None
+    if rss:  # the resident size first, in a process that has not run the call yet
+        with PeakMemory() as peak:
+            call(base, diff, batch, show_progress=False, **options)
+    with TensorPeak() as tensors:  # the call (again): its tensors' peak, exactly
         call(base, diff, batch, show_progress=False, **options)
-    with TensorPeak() as tensors:  # the same call again: its tensors' peak, exactly
-        call(base, diff, batch, show_progress=False, **options)
+    rss_mib = None if peak is None else peak.extra_mb
     est = e.device_bytes / 2**20
     return dict(model=model_name, case=case, estimate_mib=round(est, 1),
                 tensors_mib=round(tensors.extra_mb, 1), ratio=round(est / max(tensors.extra_mb, 1e-9), 2),
-                rss_mib=round(peak.extra_mb, 1), rss_ratio=round(est / max(peak.extra_mb, 1e-9), 2),
+                rss_mib=rss_mib and round(rss_mib, 1),
+                rss_ratio=rss_mib and round(est / max(rss_mib, 1e-9), 2), prompts=prompts,
                 estimate_s=round(seconds, 2), estimate_cpu_s=round(cpu, 2), passes=e.block_passes, layer_loads=e.layer_loads,
                 parts={k: round(v / 2**20, 2) for k, v in e.parts.items()})  # fmt: skip
 
@@ -129,6 +133,8 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--name", default="", help="a suffix for the JSON file (a part of the cases)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", type=int, default=8, help="first-hop facts in the batch")
+    ap.add_argument("--no-rss", action="store_true", help="the tensors' peak only (one call)")
     ap.add_argument("--calibrate", action="store_true", help="check the per-element constants")
     args = ap.parse_args()
     if args.calibrate:
@@ -137,13 +143,14 @@ def main() -> None:
         )
         return
     if args.one:
-        print(json.dumps(one(args.model, args.one)))
+        print(json.dumps(one(args.model, args.one, args.prompts, not args.no_rss)))
         return
     rows = []
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     for case in args.cases:
         out = subprocess.run(
-            [sys.executable, __file__, "--model", args.model, "--one", case],
+            [sys.executable, __file__, "--model", args.model, "--one", case,
+             "--prompts", str(args.prompts)] + (["--no-rss"] if args.no_rss else []),
             capture_output=True, text=True, env=env, check=True,
         )  # fmt: skip
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -108,7 +108,7 @@ def _passes(s: Shapes) -> dict[str, int]:
     block = c.get("block", 0) * s.block_floats + c.get("block_cells", 0) * CELL * s.n_heads
     out = {}
     if graph:
-        out["the largest graph's activations (counted rows)"] = round(graph * s.compute)
+        out["largest graph's activations (counted rows)"] = round(graph * s.compute)
     out["one block's working set (counted rows)"] = round(block * s.compute)
     return out
 
