@@ -105,7 +105,7 @@ def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, t in sorted(named, key=lambda item: item[0]):
         t = t.detach()
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+        h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
