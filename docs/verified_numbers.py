@@ -137,19 +137,28 @@ def times() -> dict:
 
 def smol_verified(model, diff, sub, ref, name: str, tag: str):
     """``verified_scores`` at 3x linear's passes with the saved linear map (its passes as
-    counted); ``planted``: seed 0 with the linear downstream score of the MLP with the largest
-    exact downstream mass zeroed."""
+    counted); ``planted``: seed 0 with one component's linear downstream scores zeroed (the
+    MLP with the largest exact downstream mass where the full map exists, else the component
+    with the largest exact downstream mass among those seed 0 audited)."""
     lin = el.ComponentScores.load(SMOL / f"{name}_linear")
     passes = times()[f"{name}_linear"]["passes"]
     seed = 0 if tag.endswith("planted") else int(tag[-1])
     if tag.endswith("planted"):
-        full = el.ComponentScores.load(SMOL / f"{name}_causal")
         k = lin.kind_index("downstream")
-        layer = int(full.totals[k][:, -1].abs().argmax())
+        n = len(lin.component_labels)
+        if (SMOL / f"{name}_causal" / "scores.json").exists():  # the full map's largest MLP
+            full = el.ComponentScores.load(SMOL / f"{name}_causal")
+            layer, comp = int(full.totals[k][:, -1].abs().argmax()), n - 1
+        else:  # seed 0's largest exact component among those it audited (outside its top set)
+            s0 = el.ComponentScores.load(SMOL / f"{name}_verified_s0")
+            audited = s0.metadata["verified"]["kinds"]["downstream"]["audited"]
+            layer, comp = divmod(
+                max(audited, key=lambda c: float(s0.totals[k].flatten()[c].abs())), n
+            )
         values, pv = lin.values.clone(), lin.prompt_values.clone()
-        values[k, layer, -1], pv[k, :, layer, -1] = 0.0, 0.0
+        values[k, layer, comp], pv[k, :, layer, comp] = 0.0, 0.0
         lin = dataclasses.replace(lin, values=values, prompt_values=pv)
-        lin.metadata["planted"] = f"L{layer}MLP"
+        lin.metadata["planted"] = [layer, comp]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         v = el.verified_scores(model, diff, sub, reference=ref, budget=3.0, seed=seed,
@@ -170,10 +179,11 @@ def record(out: Path, name: str, wall: float, cpu: float, **more: object) -> Non
 def smol_work(minutes: float, nodes: int) -> None:
     """One heavy-run job, resumable: what is not yet saved under ``SMOL``, in this order,
     starting nothing it does not expect to end within ``minutes`` (each layer's time predicted
-    from the last one's, by the layers after it): linear on both sets; per set the exact map
-    one layer at a time (the last layer first), merged, then ``verified_scores`` at 3x linear's
-    passes (seeds 0, 1, 2 and a planted disagreement); then integrated on each set in one call
-    (its layer-major pass runs every path whatever ``layers=`` keeps); each piece saved as it ends, with its seconds and passes (``times.json``). When every
+    from the last one's, by the layers after it): linear on both sets; per set
+    ``verified_scores`` at 3x linear's passes (seed 0, a planted disagreement, seeds 1 and 2),
+    then the exact map one layer at a time (the last layer first), merged; then integrated on
+    each set in one call (its layer-major pass runs every path whatever ``layers=`` keeps);
+    each piece saved as it ends, with its seconds and passes (``times.json``). When every
     piece is there, the maps merged and ``READY`` written. Run it again until ``READY``."""
     SMOL.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
@@ -185,8 +195,8 @@ def smol_work(minutes: float, nodes: int) -> None:
         sub, ref = sets[name]
         depth = 1.0 if layer is None else (n_layers - layer) / n_layers
         guess = last.get(method, 0.0) * depth
-        if method == "verified":  # its exact cells: about half the map's time, at a guess
-            guess = 0.5 * sum(v["wall_s"] for k, v in times().items() if f"{name}_causal" in k)
+        if method == "verified":  # the last verified run's time, or 10x linear's (a prior)
+            guess = last.get("verified", 10 * times()[f"{name}_linear"]["wall_s"])
         if time.perf_counter() - began + guess > 60 * minutes:
             raise TimeoutError(f"{name} {tag}: {guess:.0f} s predicted, not started")
         t, c = time.perf_counter(), time.process_time()
@@ -207,10 +217,10 @@ def smol_work(minutes: float, nodes: int) -> None:
 
     layers = list(reversed(range(n_layers)))
     pieces = [(name, "linear", "linear", None) for name in SETS]
-    for name in SETS:  # a set's exact map, then verified against it
+    for name in SETS:  # verified (what it spends is measured), then the exact map to check it
+        pieces += [(name, f"verified_{v}", "verified", None) for v in ("s0", "planted", "s1", "s2")]
         pieces += [(name, f"causal_L{layer:02d}", "causal", layer) for layer in layers]
         pieces += [(name, "merge", "merge", None)]
-        pieces += [(name, f"verified_{v}", "verified", None) for v in ("s0", "s1", "s2", "planted")]
     pieces += [(name, "integrated", "integrated", None) for name in SETS]  # one call: its
     # layer-major pass runs every path whatever layers= keeps
     pieces += [(name, "merge", "merge", None) for name in SETS]
@@ -330,12 +340,11 @@ def smol_summary() -> dict:
                     row["contains"] = {k: e[k][1] <= truth[k] <= e[k][2] for k in truth}
                 out["kinds"][kind] = row
             if run == "planted":
-                planted = v.metadata.get("planted") or ""
-                layer = int(planted[1:-3]) if planted else -1
-                c = layer * len(v.component_labels) + len(v.component_labels) - 1
+                layer, comp = v.metadata["planted"]
+                c = layer * len(v.component_labels) + comp
                 plan = meta["kinds"]["downstream"]
-                out["planted"] = dict(component=planted, in_top=c in plan["top"],
-                                      audited=c in plan["audited"],
+                out["planted"] = dict(component=f"L{layer}{v.component_labels[comp]}",
+                                      in_top=c in plan["top"], audited=c in plan["audited"],
                                       found=c in plan["disagreeing"])  # fmt: skip
             got[f"verified_{run}"] = out
         summary["sets"][name] = got
