@@ -21,6 +21,7 @@ import torch
 
 import extractive_lens as el
 from extractive_lens.scoring.counting import counting_passes
+from extractive_lens.types import SCORE_KINDS
 from extractive_lens.world import FINETUNE, first_hop, load_world_model
 
 HERE = Path(__file__).resolve().parent / "verified"
@@ -135,13 +136,14 @@ def times() -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def smol_verified(model, diff, sub, ref, name: str, tag: str):
+def smol_verified(model, diff, sub, ref, name: str, tag: str, kinds: tuple = ()):
     """``verified_scores`` at 3x linear's passes with the saved linear map (its passes as
     counted); ``planted``: seed 0 with one component's linear downstream scores zeroed (the
     MLP with the largest exact downstream mass where the full map exists, else the component
     with the largest exact downstream mass among those seed 0 audited)."""
-    lin = el.ComponentScores.load(SMOL / f"{name}_linear")
-    passes = times()[f"{name}_linear"]["passes"]
+    of = "_".join(("linear", *kinds))
+    lin = el.ComponentScores.load(SMOL / f"{name}_{of}")
+    passes = times()[f"{name}_{of}"]["passes"]
     seed = 0 if tag.endswith("planted") else int(tag[-1])
     if tag.endswith("planted"):
         k = lin.kind_index("downstream")
@@ -150,7 +152,7 @@ def smol_verified(model, diff, sub, ref, name: str, tag: str):
             full = el.ComponentScores.load(SMOL / f"{name}_causal")
             layer, comp = int(full.totals[k][:, -1].abs().argmax()), n - 1
         else:  # seed 0's largest exact component among those it audited (outside its top set)
-            s0 = el.ComponentScores.load(SMOL / f"{name}_verified_s0")
+            s0 = el.ComponentScores.load(SMOL / tag.replace("planted", "s0"))
             audited = s0.metadata["verified"]["kinds"]["downstream"]["audited"]
             layer, comp = divmod(
                 max(audited, key=lambda c: float(s0.totals[k].flatten()[c].abs())), n
@@ -162,7 +164,7 @@ def smol_verified(model, diff, sub, ref, name: str, tag: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         v = el.verified_scores(model, diff, sub, reference=ref, budget=3.0, seed=seed,
-                               linear=lin, linear_passes=passes)  # fmt: skip
+                               linear=lin, linear_passes=passes, kinds=kinds or SCORE_KINDS)  # fmt: skip
     v.metadata["planted"] = lin.metadata.get("planted")
     return v
 
@@ -176,7 +178,7 @@ def record(out: Path, name: str, wall: float, cpu: float, **more: object) -> Non
     print(name, json.dumps(times[name]), flush=True)
 
 
-def smol_work(minutes: float, nodes: int) -> None:
+def smol_work(minutes: float, nodes: int, kinds: tuple = ()) -> None:
     """One heavy-run job, resumable: what is not yet saved under ``SMOL``, in this order,
     starting nothing it does not expect to end within ``minutes`` (each layer's time predicted
     from the last one's, by the layers after it): linear on both sets; per set
@@ -196,19 +198,21 @@ def smol_work(minutes: float, nodes: int) -> None:
         depth = 1.0 if layer is None else (n_layers - layer) / n_layers
         guess = last.get(method, 0.0) * depth
         if method == "verified":  # the last verified run's time, or 10x linear's (a prior)
-            guess = last.get("verified", 10 * times()[f"{name}_linear"]["wall_s"])
+            of = "_".join(("linear", *kinds))
+            guess = last.get("verified", 10 * times()[f"{name}_{of}"]["wall_s"])
         if time.perf_counter() - began + guess > 60 * minutes:
             raise TimeoutError(f"{name} {tag}: {guess:.0f} s predicted, not started")
         t, c = time.perf_counter(), time.process_time()
         with counting_passes(model, sub) as count:
             if method == "linear":
-                s = el.linear_scores(model, diff, sub, reference=ref)
+                s = el.linear_scores(model, diff, sub, reference=ref, kinds=kinds or SCORE_KINDS)
             elif method == "causal":
-                s = el.causal_scores(model, diff, sub, reference=ref, layers=[layer])
+                s = el.causal_scores(model, diff, sub, reference=ref, kinds=kinds or SCORE_KINDS,
+                                     layers=None if layer is None else [layer])  # fmt: skip
             elif method == "integrated":
                 s = el.integrated_scores(model, diff, sub, reference=ref, steps=nodes)
             else:
-                s = smol_verified(model, diff, sub, ref, name, tag)
+                s = smol_verified(model, diff, sub, ref, name, f"{name}_{tag}", kinds)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         last[method] = wall / depth
         s.save(SMOL / f"{name}_{tag}")
@@ -216,9 +220,16 @@ def smol_work(minutes: float, nodes: int) -> None:
                forward=count.forward, backward=count.backward)  # fmt: skip
 
     layers = list(reversed(range(n_layers)))
-    pieces = [(name, "linear", "linear", None) for name in SETS]
-    for name in SETS:  # verified (what it spends is measured), then the exact map to check it
-        pieces += [(name, f"verified_{v}", "verified", None) for v in ("s0", "planted", "s1", "s2")]
+    suffix = "".join(f"_{k}" for k in kinds)  # these kinds alone (all: "")
+    pieces = [(name, f"linear{suffix}", "linear", None) for name in SETS]
+    if kinds:  # the implications' exact map of these kinds (one call), then verified of them
+        pieces = [("implications", f"causal{suffix}", "causal", None), pieces[0]]
+        pieces += [("implications", f"verified{suffix}_{v}", "verified", None)
+                   for v in ("s1", "s2", "s0")]  # fmt: skip
+    for name in SETS if not kinds else ():  # verified (what it spends is measured), then the
+        # exact map to check it
+        pieces += [(name, f"verified{suffix}_{v}", "verified", None)
+                   for v in ("s0", "planted", "s1", "s2")]  # fmt: skip
         pieces += [(name, f"causal_L{layer:02d}", "causal", layer) for layer in layers]
         pieces += [(name, "merge", "merge", None)]
     pieces += [(name, "integrated", "integrated", None) for name in SETS]  # one call: its
@@ -296,38 +307,51 @@ def smol_estimate() -> dict:
 
 def smol_summary() -> dict:
     """``docs/verified/smollm2.json``: the times and passes of every piece, and per set what
-    exists of: linear (and integrated) against the full exact map (``compare``, with intervals),
-    each verified run's estimates against the full map's values, the planted disagreement."""
+    exists of: linear (and integrated) against the full exact map (``compare``, with intervals;
+    the map of one kind where only that kind's was computed), each verified run's estimates
+    against the full map's values where that kind's map exists, the planted disagreement."""
+
+    def loaded(path: Path):
+        return el.ComponentScores.load(path) if (path / "scores.json").exists() else None
+
     summary: dict = {"times": times(), "sets": {}}
     for name in SETS:
         got: dict = {}
-        path = SMOL / f"{name}_causal"
-        full = el.ComponentScores.load(path) if (path / "scores.json").exists() else None
-        lin = el.ComponentScores.load(SMOL / f"{name}_linear")
-        if full is not None:
-            for other in ("linear", "integrated"):
-                if (SMOL / f"{name}_{other}" / "scores.json").exists():
-                    cmp = el.compare(el.ComponentScores.load(SMOL / f"{name}_{other}"), full)
-                    ci = cmp.ci(n_boot=1000, seed=0, statistics_=("pearson", "slope"))
-                    got[f"{other}_vs_exact"] = [
-                        {**{k: r[k] for k in ("kind", "part", "pearson", "slope", "n")},
-                         **{f"{s.statistic}_interval": [s.low, s.high] for s in ci.itertuples()
-                            if (s.kind, s.part) == (r["kind"], r["part"])}}
-                        for r in cmp.rows
-                    ]  # fmt: skip
-        for run in ("s0", "s1", "s2", "planted"):
-            path = SMOL / f"{name}_verified_{run}"
-            if not (path / "scores.json").exists():
+        lin = loaded(SMOL / f"{name}_linear")
+        if lin is None:
+            continue
+        fulls = {kind: loaded(SMOL / f"{name}_causal") or loaded(SMOL / f"{name}_causal_{kind}")
+                 for kind in SCORE_KINDS}  # fmt: skip
+        for kind, full in fulls.items():
+            if full is None:
                 continue
-            v = el.ComponentScores.load(path)
+            for other in ("linear", "integrated"):
+                mine = loaded(SMOL / f"{name}_{other}")
+                if mine is None:
+                    continue
+                cmp = el.compare(mine, full)
+                ci = cmp.ci(n_boot=1000, seed=0, statistics_=("pearson", "slope"))
+                got.setdefault(f"{other}_vs_exact", []).extend(
+                    {**{k: r[k] for k in ("kind", "part", "pearson", "slope", "n")},
+                     **{f"{s.statistic}_interval": [s.low, s.high] for s in ci.itertuples()
+                        if (s.kind, s.part) == (r["kind"], r["part"])}}
+                    for r in cmp.rows if r["kind"] == kind
+                )  # fmt: skip
+        runs = sorted(
+            p.name for p in SMOL.glob(f"{name}_verified*") if (p / "scores.json").exists()
+        )
+        for run in runs:
+            v = el.ComponentScores.load(SMOL / run)
             meta = v.metadata["verified"]
             out: dict = dict(spent=meta["spent"], allowed=meta["allowed"],
                              over_budget=meta["over_budget"], linear=meta["linear_cost"],
-                             kinds={})  # fmt: skip
+                             seed=meta["seed"], kinds={})  # fmt: skip
             for kind, plan in meta["kinds"].items():
                 row = dict(top=len(plan["top"]), audited=len(plan["audited"]),
                            integrated=len(plan["integrated"]), estimates=plan["estimates"],
-                           verdict=plan["verdict"], spent=plan["spent"])  # fmt: skip
+                           verdict=plan["verdict"], spent=plan["spent"],
+                           coverage=plan["coverage"])  # fmt: skip
+                full = fulls[kind]
                 if full is not None:
                     rows = {r["kind"]: r for r in el.compare(lin, full).rows if r["part"] == "all"}
                     ex = full.values[full.kind_index(kind)].abs().double()
@@ -339,14 +363,14 @@ def smol_summary() -> dict:
                     row["full_map"] = truth
                     row["contains"] = {k: e[k][1] <= truth[k] <= e[k][2] for k in truth}
                 out["kinds"][kind] = row
-            if run == "planted":
+            if v.metadata.get("planted"):
                 layer, comp = v.metadata["planted"]
                 c = layer * len(v.component_labels) + comp
                 plan = meta["kinds"]["downstream"]
                 out["planted"] = dict(component=f"L{layer}{v.component_labels[comp]}",
                                       in_top=c in plan["top"], audited=c in plan["audited"],
                                       found=c in plan["disagreeing"])  # fmt: skip
-            got[f"verified_{run}"] = out
+            got[run] = out
         summary["sets"][name] = got
     (HERE / "smollm2.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
@@ -360,6 +384,7 @@ if __name__ == "__main__":
     ap.add_argument("--minutes", type=float, default=18.0, help="smollm2: one job's length")
     ap.add_argument("--summary", action="store_true", help="smollm2: docs/verified/smollm2.json")
     ap.add_argument("--estimate", action="store_true", help="smollm2: el.estimate's passes")
+    ap.add_argument("--kinds", default="", help="smollm2: verified of these kinds alone first")
     ap.add_argument("--nodes", type=int, default=2, help="integrated: nodes (the protocol's: 2)")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -371,4 +396,4 @@ if __name__ == "__main__":
         elif a.summary:
             smol_summary()
         else:
-            smol_work(a.minutes, a.nodes)
+            smol_work(a.minutes, a.nodes, tuple(a.kinds.split(",")) if a.kinds else ())
