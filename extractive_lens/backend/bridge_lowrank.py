@@ -51,7 +51,8 @@ def raw_low_rank(
     found = views.get(name)
     if found is None or tuple(f.shape) != found[1]:
         return None
-    p = model.get_parameter(found[0])
+    path, _, attr = found[0].rpartition(".")  # not get_parameter: inside torch.func's calls
+    p = getattr(model.get_submodule(path), attr)  # (jvp, functional_call) it is a plain tensor
     want = to_layout(p.detach().T, f.layout, f.n_heads)  # the view f's layout makes of p
     if (tuple(want.shape), want.stride(), int(want.storage_offset())) != found[1:]:
         return None
