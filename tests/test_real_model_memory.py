@@ -17,6 +17,22 @@ from tests.conftest import make_pair
 from tests.helpers import facts
 
 
+def count_alive_deltas(protocol, monkeypatch) -> list[int]:
+    """Wrap the protocol's ``finetune``: before each call, how many Δs it returned are alive."""
+    made: list[weakref.ref] = []
+    alive: list[int] = []
+    real = protocol.finetune
+
+    def counting(*a, **k):
+        alive.append(sum(r() is not None for r in made))
+        diff = real(*a, **k)
+        made.append(weakref.ref(diff))
+        return diff
+
+    monkeypatch.setattr(protocol, "finetune", counting)
+    return alive
+
+
 def test_adam_moments_are_freed_before_the_final_delta_is_formed(monkeypatch):
     """Every optimizer ``finetune`` builds is dead (no moments held) when its last Δ is formed:
     on SmolLM2-135M the moments are 1.3 GB, and Δ another 0.65 GB beside them."""
@@ -56,17 +72,8 @@ def test_the_trajectory_holds_no_delta_while_another_seed_trains(text_model, mon
     from extractive_lens.datasets.twohop import first_hop
     from extractive_lens.real_model import protocol
 
-    made: list[weakref.ref] = []
-    alive: list[int] = []
     real = protocol.finetune
-
-    def counting(*a, **k):
-        alive.append(sum(r() is not None for r in made))
-        diff = real(*a, **k)
-        made.append(weakref.ref(diff))
-        return diff
-
-    monkeypatch.setattr(protocol, "finetune", counting)
+    alive = count_alive_deltas(protocol, monkeypatch)
     monkeypatch.setitem(protocol.FINETUNE, "epochs", 2)
     monkeypatch.setattr(protocol, "save_figure", lambda fig, stem: None)
     ds = first_hop(n=4)
@@ -99,19 +106,9 @@ def test_the_scored_delta_is_gone_before_a_later_step_finetunes(text_model, monk
     import extractive_lens.backend.gguf as gguf
     from extractive_lens.real_model import protocol
 
-    made: list[weakref.ref] = []
-    alive: list[int] = []
-    real = protocol.finetune
-
-    def counting(*a, **k):
-        alive.append(sum(r() is not None for r in made))
-        diff = real(*a, **k)
-        made.append(weakref.ref(diff))
-        return diff
-
+    alive = count_alive_deltas(protocol, monkeypatch)
     monkeypatch.setattr(gguf, "installed_gguf", lambda name: tmp_path / "model.gguf")
     monkeypatch.setattr(protocol.el, "load_pretrained", lambda name: text_model)
-    monkeypatch.setattr(protocol, "finetune", counting)
     monkeypatch.setitem(protocol.FINETUNE, "epochs", 1)
     monkeypatch.setattr(protocol, "save_figure", lambda fig, stem: None)
     monkeypatch.setattr(protocol, "scores_step", lambda model, diff, *a: {})  # holds nothing
