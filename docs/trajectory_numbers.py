@@ -210,33 +210,26 @@ def finetune(r: Run) -> None:
 def linear(r: Run) -> None:
     """The linear informative map of ``D_k`` at each checkpoint of ``--at``."""
     for k in span(r.a.at, len(r.trajectory)):
-        linear_at(r, k)
+        map_at(r, k, "linear")
 
 
-def linear_at(r: Run, k: int) -> None:
+def map_at(r: Run, k: int, name: str = "linear") -> None:
+    """The informative map of ``D_k`` by ``name`` ("linear", or "exact": ``causal_scores``),
+    saved as the part ``{name}-{k}``."""
     import extractive_lens as el
 
     t = time.perf_counter()
-    maps = el.trajectory_scores(r.model, r.trajectory, r.batch, kinds="informative",
-                                checkpoints=[k])  # fmt: skip
-    maps.scores[0].save(r.parts / f"linear-{k}.safetensors")
-    r.note(f"linear-{k}", {"seconds": time.perf_counter() - t})
+    method = {"linear": "linear", "exact": "causal"}[name]
+    maps = el.trajectory_scores(r.model, r.trajectory, r.batch, method=method,
+                                kinds="informative", checkpoints=[k])  # fmt: skip
+    maps.scores[0].save(r.parts / f"{name}-{k}.safetensors")
+    r.note(f"{name}-{k}", {"seconds": time.perf_counter() - t})
 
 
 def exact(r: Run) -> None:
     """The exact informative map of ``D_k`` (``causal_scores``) at each checkpoint of ``--at``."""
     for k in span(r.a.at, len(r.trajectory)):
-        exact_at(r, k)
-
-
-def exact_at(r: Run, k: int) -> None:
-    import extractive_lens as el
-
-    t = time.perf_counter()
-    maps = el.trajectory_scores(r.model, r.trajectory, r.batch, method="causal",
-                                kinds="informative", checkpoints=[k])  # fmt: skip
-    maps.scores[0].save(r.parts / f"exact-{k}.safetensors")
-    r.note(f"exact-{k}", {"seconds": time.perf_counter() - t})
+        map_at(r, k, "exact")
 
 
 def integral(r: Run) -> None:
@@ -283,7 +276,7 @@ def more(r: Run) -> None:
     worst = max(errors, key=lambda k: errors[k]) if errors else 1
     units += [(f"integral-{m}-{worst}", functools.partial(segment, r, worst, m))
               for m in (2 * n, 4 * n)]  # fmt: skip
-    units.append((f"exact-{T}", functools.partial(exact_at, r, T)))
+    units.append((f"exact-{T}", functools.partial(map_at, r, T, "exact")))
     run_units(r, [(name, f) for name, f in units if not (r.parts / f"{name}.json").exists()])
 
 
@@ -292,7 +285,7 @@ def left(r: Run) -> list[tuple[str, Any]]:
     T, n = len(r.trajectory), r.a.nodes
     units = [(f"straight-{n}", functools.partial(straight, r))]
     for k in range(1, T + 1):  # epoch by epoch: a run cut short leaves the first epochs whole
-        units += [(f"linear-{k}", functools.partial(linear_at, r, k)),
+        units += [(f"linear-{k}", functools.partial(map_at, r, k, "linear")),
                   (f"integral-{n}-{k}", functools.partial(segment, r, k))]  # fmt: skip
     return [(name, f) for name, f in units if not (r.parts / f"{name}.json").exists()]
 

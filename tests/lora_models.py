@@ -93,6 +93,19 @@ def train_steps(model: Any, steps: int = 3, seed: int | None = 0) -> Any:
     return model.eval()
 
 
+def adapter_checkpoints(path: Path) -> Any:
+    """A Llama base in ``path/base`` and two peft adapters of it saved as a Trainer would
+    (``path/out/checkpoint-1`` after 2 steps, ``checkpoint-2`` after 4); returns the base as
+    a TransformerLens model."""
+    from extractive_lens.backend.loading import load_checkpoint
+
+    hf = base_checkpoint("llama", path / "base")
+    lora = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    for step, n in ((1, 2), (2, 4)):
+        train_adapter(hf, lora, steps=n).save_pretrained(path / "out" / f"checkpoint-{step}")
+    return load_checkpoint(path / "base")
+
+
 def merged_checkpoint(peft_model: Any, path: Path) -> None:
     """The adapter merged into a copy of its base (``merge_and_unload``), saved at ``path``."""
     merged = copy.deepcopy(peft_model).merge_and_unload()

@@ -135,14 +135,9 @@ def test_a_trainer_output_folder_loads_as_one_trajectory(tmp_path):
 
 
 def test_peft_checkpoints_stay_factors(tmp_path):
-    from extractive_lens.backend.loading import load_checkpoint
-    from tests.lora_models import base_checkpoint, train_adapter
+    from tests.lora_models import adapter_checkpoints
 
-    hf = base_checkpoint("llama", tmp_path / "base")
-    lora = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])
-    for step, n in ((1, 2), (2, 4)):
-        train_adapter(hf, lora, steps=n).save_pretrained(tmp_path / "out" / f"checkpoint-{step}")
-    base = load_checkpoint(tmp_path / "base")
+    base = adapter_checkpoints(tmp_path)
     traj = Trajectory.from_checkpoints(base, tmp_path / "out", steps_per_epoch=1)
     step = traj.step(2)
     assert isinstance(step.deltas, LowRankDeltas)

@@ -208,14 +208,9 @@ def test_the_large_model_path_gives_the_same_scores(two_segments, monkeypatch):
 def test_lora_checkpoints_score_as_their_dense_products(tmp_path):
     """A trajectory of peft adapters (points and steps kept as factors) scores as the same
     checkpoints made dense."""
-    from extractive_lens.backend.loading import load_checkpoint
-    from tests.lora_models import base_checkpoint, train_adapter
+    from tests.lora_models import adapter_checkpoints
 
-    hf = base_checkpoint("llama", tmp_path / "base")
-    lora = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])
-    for step, n in ((1, 2), (2, 4)):
-        train_adapter(hf, lora, steps=n).save_pretrained(tmp_path / "out" / f"checkpoint-{step}")
-    base = load_checkpoint(tmp_path / "base")
+    base = adapter_checkpoints(tmp_path)
     factors = Trajectory.from_checkpoints(base, tmp_path / "out", steps_per_epoch=1)
     dense = Trajectory.from_diffs(
         [el.WeightDiff(dict(factors.diff(k).deltas.items()), factors.signature) for k in (1, 2)]
