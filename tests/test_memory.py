@@ -531,3 +531,28 @@ def test_estimate_is_within_half_again_of_the_tensors_the_call_holds(
     call = getattr(el, f"{method}_scores")
     peak = _tensor_peak(lambda: call(model, diff, batch, show_progress=False, **options))
     assert 1 / 1.5 <= e.device_bytes / peak <= 1.5, (e.device_bytes, peak, e.parts)
+
+
+def test_estimate_leaves_what_it_counts_through_as_it_was(setting, monkeypatch):
+    """``estimate`` counts by swapping the backend's attention, MLP and unembedding, autograd's
+    ``grad``, ``Shift.value`` and ``REUSE_BYTES``: all are the originals afterwards, also when
+    the counted run raises."""
+    import torch
+
+    model, diff, batch = setting
+    names = [(B, "attention"), (B, "mlp"), (B, "unembed"), (torch.autograd, "grad"),
+             (shift.Shift, "value"), (shift, "REUSE_BYTES")]  # fmt: skip
+    before = [getattr(o, n) for o, n in names]
+    el.estimate(model, diff, batch, "integrated", steps=2)
+    assert [getattr(o, n) for o, n in names] == before
+    real = B.check_scorable
+
+    def fails_on_the_copy(m, *a, **k):
+        if m is not model:
+            raise RuntimeError("planted")
+        return real(m, *a, **k)
+
+    monkeypatch.setattr(B, "check_scorable", fails_on_the_copy)
+    with pytest.raises(RuntimeError, match="planted"):
+        el.estimate(model, diff, batch, "linear")
+    assert [getattr(o, n) for o, n in names] == before
