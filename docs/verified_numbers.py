@@ -181,9 +181,9 @@ def record(out: Path, name: str, wall: float, cpu: float, **more: object) -> Non
 def smol_work(minutes: float, nodes: int, kinds: tuple = ()) -> None:
     """One heavy-run job, resumable: what is not yet saved under ``SMOL``, in this order,
     starting nothing it does not expect to end within ``minutes`` (each layer's time predicted
-    from the last one's, by the layers after it): linear on both sets; per set
-    ``verified_scores`` at 3x linear's passes (seed 0, a planted disagreement, seeds 1 and 2),
-    then the exact map one layer at a time (the last layer first), merged; then integrated on
+    from the last one's, by the layers after it): linear on both sets; per set the exact map
+    one layer at a time (the last layer first), merged; per set ``verified_scores`` at 3x
+    linear's passes (seed 0, a planted disagreement, seeds 1 and 2); then integrated on
     each set in one call (its layer-major pass runs every path whatever ``layers=`` keeps);
     each piece saved as it ends, with its seconds and passes (``times.json``). When every
     piece is there, the maps merged and ``READY`` written. Run it again until ``READY``."""
@@ -226,12 +226,13 @@ def smol_work(minutes: float, nodes: int, kinds: tuple = ()) -> None:
         pieces = [("implications", f"causal{suffix}", "causal", None), pieces[0]]
         pieces += [("implications", f"verified{suffix}_{v}", "verified", None)
                    for v in ("s1", "s2", "s0")]  # fmt: skip
-    for name in SETS if not kinds else ():  # verified (what it spends is measured), then the
-        # exact map to check it
-        pieces += [(name, f"verified{suffix}_{v}", "verified", None)
-                   for v in ("s0", "planted", "s1", "s2")]  # fmt: skip
+    for name in SETS if not kinds else ():  # the full exact maps first (the comparisons
+        # read them), then verified against them (what it spends is measured)
         pieces += [(name, f"causal_L{layer:02d}", "causal", layer) for layer in layers]
         pieces += [(name, "merge", "merge", None)]
+    for name in SETS if not kinds else ():
+        pieces += [(name, f"verified{suffix}_{v}", "verified", None)
+                   for v in ("s0", "planted", "s1", "s2")]  # fmt: skip
     pieces += [(name, "integrated", "integrated", None) for name in SETS]  # one call: its
     # layer-major pass runs every path whatever layers= keeps
     pieces += [(name, "merge", "merge", None) for name in SETS]
