@@ -33,6 +33,11 @@ CASES = {
     "exact_token": ("causal", {}),
     "integrated_2": ("integrated", {"steps": 2}),
     "integrated_4": ("integrated", {"steps": 4}),
+    # one layer's components / the linear top 3 per kind: a real model's full maps take an hour
+    # of CPU under the tensors' accounting; the working set of a pass is the same
+    "exact_token_L0": ("causal", {"layers": [0]}),
+    "exact_component_L0": ("causal", {"per": "component", "layers": [0]}),
+    "integrated_2_top3": ("integrated", {"steps": 2, "top_k": 3}),
 }
 COLS = ["model", "case", "estimate_mib", "tensors_mib", "ratio", "rss_mib", "rss_ratio",
         "estimate_s", "estimate_cpu_s", "passes", "layer_loads"]  # fmt: skip

@@ -140,7 +140,8 @@ def smol_verified(model, diff, sub, ref, name: str, tag: str, kinds: tuple = ())
     """``verified_scores`` at 3x linear's passes with the saved linear map (its passes as
     counted); ``planted``: seed 0 with one component's linear downstream scores zeroed (the
     MLP with the largest exact downstream mass where the full map exists, else the component
-    with the largest exact downstream mass among those seed 0 audited)."""
+    with the largest exact downstream mass among those seed 0 audited); ``_cov<c>_s<n>``: seed n
+    at coverage c (a top set small enough for the budget to hold the audit)."""
     of = "_".join(("linear", *kinds))
     lin = el.ComponentScores.load(SMOL / f"{name}_{of}")
     passes = times()[f"{name}_{of}"]["passes"]
@@ -163,8 +164,10 @@ def smol_verified(model, diff, sub, ref, name: str, tag: str, kinds: tuple = ())
         lin.metadata["planted"] = [layer, comp]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        coverage = float(tag.split("_cov")[1].split("_")[0]) if "_cov" in tag else 0.8
         v = el.verified_scores(model, diff, sub, reference=ref, budget=3.0, seed=seed,
-                               linear=lin, linear_passes=passes, kinds=kinds or SCORE_KINDS)  # fmt: skip
+                               linear=lin, linear_passes=passes, kinds=kinds or SCORE_KINDS,
+                               coverage=coverage)  # fmt: skip
     v.metadata["planted"] = lin.metadata.get("planted")
     return v
 
@@ -183,7 +186,8 @@ def smol_work(minutes: float, nodes: int, kinds: tuple = ()) -> None:
     starting nothing it does not expect to end within ``minutes`` (each layer's time predicted
     from the last one's, by the layers after it): linear on both sets; per set the exact map
     one layer at a time (the last layer first), merged; per set ``verified_scores`` at 3x
-    linear's passes (seed 0, a planted disagreement, seeds 1 and 2); then integrated on
+    linear's passes (seed 0 and a planted disagreement on each set, then seeds 0-2 at coverage
+    0.05, then seeds 1 and 2); then integrated on
     each set in one call (its layer-major pass runs every path whatever ``layers=`` keeps);
     each piece saved as it ends, with its seconds and passes (``times.json``). When every
     piece is there, the maps merged and ``READY`` written. Run it again until ``READY``."""
@@ -230,9 +234,9 @@ def smol_work(minutes: float, nodes: int, kinds: tuple = ()) -> None:
         # read them), then verified against them (what it spends is measured)
         pieces += [(name, f"causal_L{layer:02d}", "causal", layer) for layer in layers]
         pieces += [(name, "merge", "merge", None)]
-    for name in SETS if not kinds else ():
+    for runs in (("s0", "planted"), ("cov0.05_s0", "cov0.05_s1", "cov0.05_s2"), ("s1", "s2")):
         pieces += [(name, f"verified{suffix}_{v}", "verified", None)
-                   for v in ("s0", "planted", "s1", "s2")]  # fmt: skip
+                   for name in (SETS if not kinds else ()) for v in runs]  # fmt: skip
     pieces += [(name, "integrated", "integrated", None) for name in SETS]  # one call: its
     # layer-major pass runs every path whatever layers= keeps
     pieces += [(name, "merge", "merge", None) for name in SETS]
