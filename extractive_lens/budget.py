@@ -45,6 +45,7 @@ from torch import Tensor
 
 from extractive_lens.backend.lazy import LazyDeltas
 from extractive_lens.backend.lowrank import LowRankDeltas
+from extractive_lens.batch import PromptBatch
 
 GiB = 2**30
 
@@ -413,7 +414,7 @@ def _counted(
     import dataclasses
     import warnings
 
-    from extractive_lens import WeightDiff, make_batch
+    from extractive_lens import WeightDiff
     from extractive_lens import backend as B
     from extractive_lens.backend import shift
     from extractive_lens.model import tiny_model
@@ -439,18 +440,11 @@ def _counted(
          and d.ndim >= 2},
         full.signature,
     )  # fmt: skip
-    n_vocab = narrow.cfg.d_vocab
-
-    # each prompt's and answer's length as the real batch's (its positions and the answer
-    # positions the readout unembeds), the tokens from the copy's vocabulary
-    def ids(i: int, n: int, at: int = 0) -> list[int]:
-        return [1 + (i + at + j) % (n_vocab - 2) for j in range(n)]
-
-    prompt = [int(n) for n in batch.prompt_lengths]
-    answer = [int((a >= 0).sum()) for a in batch.answer_targets]
-    pairs = [(ids(i, prompt[i]), ids(i, answer[i], 7)) for i in range(len(batch))]
-    proxy_batch = make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}))
-    options = {k: v for k, v in options.items() if k not in ("linear", "show_progress")}
+    proxy_batch = _proxy_batch(narrow, batch)
+    # every batch the call takes (``reference=``) as the copy's too: the real ids are not in
+    # the copy's vocabulary
+    options = {k: _proxy_batch(narrow, v) if isinstance(v, PromptBatch) else v
+               for k, v in options.items() if k not in ("linear", "show_progress")}  # fmt: skip
     saved, attention, unembed = shift.REUSE_BYTES, B.attention, B.unembed
     grad, value = torch.autograd.grad, shift.Shift.value
     alive = _Alive()
@@ -506,6 +500,24 @@ def _counted(
         reads[key] = reads.get(key, 0) + share
     return Counted(traffic.loads, by_group, reads, rows.passes, (depth,),
                    (count.forward, count.backward), rows.sizes())  # fmt: skip
+
+
+def _proxy_batch(narrow: Any, batch: PromptBatch) -> PromptBatch:
+    """``batch`` for the narrow copy: each prompt's and answer's length and each position's role
+    as the real batch's (its positions, the answer positions the readout unembeds, and the
+    roles a reference batch is aligned by), the tokens from the copy's vocabulary."""
+    from extractive_lens import make_batch
+
+    n_vocab = narrow.cfg.d_vocab
+
+    def ids(i: int, n: int, at: int = 0) -> list[int]:
+        return [1 + (i + at + j) % (n_vocab - 2) for j in range(n)]
+
+    prompt = [int(n) for n in batch.prompt_lengths]
+    answer = [int((a >= 0).sum()) for a in batch.answer_targets]
+    pairs = [(ids(i, prompt[i]), ids(i, answer[i], 7)) for i in range(len(batch))]
+    roles = [batch.roles[i][: prompt[i]] for i in range(len(batch))]
+    return make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}), roles=roles)
 
 
 _NARROW = 8

@@ -13,6 +13,7 @@ import extractive_lens as el
 from extractive_lens import backend as B
 from extractive_lens.backend import shift
 from extractive_lens.scoring import runs
+from extractive_lens.scoring.methods import METHODS
 
 CFG = dict(
     n_layers=3, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50, n_ctx=16,
@@ -556,3 +557,65 @@ def test_estimate_leaves_what_it_counts_through_as_it_was(setting, monkeypatch):
     with pytest.raises(RuntimeError, match="planted"):
         el.estimate(model, diff, batch, "linear")
     assert [getattr(o, n) for o, n in names] == before
+
+
+@pytest.fixture(scope="module")
+def wide_vocab():
+    """A model whose vocabulary is wider than the narrow copy's (64), a batch and a reference
+    batch of other, longer prompts (ids past 64) whose roles include the batch's."""
+    torch.set_num_threads(1)
+    model = el.tiny_model({**CFG, "d_vocab": 128}, seed=0)
+    diff = _random_diff(model, 3)
+    batch = el.make_batch(model, [([1, 2, 3, 4], [5]), ([2, 3, 4, 6], [7])], candidates=[5, 7],
+                          roles=[["s", "name", "verb", "end"]] * 2)  # fmt: skip
+    reference = el.make_batch(
+        model, [([100, 90, 80, 70, 60], [120]), ([101, 91, 81, 71, 61], [121])],
+        roles=[["s", "name", "more", "verb", "end"]] * 2,
+    )  # fmt: skip
+    return model, diff, batch, reference
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_estimate_takes_a_reference_batch(wide_vocab, method):
+    """``reference=`` (the prompts y* is taken over) is the real model's batch; the narrow copy
+    the estimate counts on has a vocabulary of its own, so it gets the reference as it gets the
+    batch: the same lengths and roles, its own ids (an IndexError in the copy's embedding
+    before). The same figures as without, as the reference only adds its forward."""
+    model, diff, batch, reference = wide_vocab
+    without = el.estimate(model, diff, batch, method)
+    e = el.estimate(model, diff, batch, method, reference=reference)
+    assert e.parts.keys() == without.parts.keys()
+    assert e.delta_bytes == without.delta_bytes and e.block_passes >= without.block_passes
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [("linear", {}), ("causal", {"per": "component"}), ("integrated", {"steps": 2})],
+)
+def test_estimate_with_a_reference_counts_the_real_calls_passes(wide_vocab, monkeypatch, method,
+                                                                options):  # fmt: skip
+    """The passes and rows the estimate counts with ``reference=`` are the real call's, counted
+    here by spies of its own (the reference's forward included)."""
+    from extractive_lens import budget
+
+    model, diff, batch, reference = wide_vocab
+    e = el.estimate(model, diff, batch, method, reference=reference, **options)
+    B.check_scorable(model)
+    spy = _RowSpy(monkeypatch)
+    getattr(el, f"{method}_scores")(
+        model, diff, batch, reference=reference, show_progress=False, **options
+    )
+    monkeypatch.undo()
+    assert e.block_passes == len(spy.blocks)
+    assert budget.phase(e.rows, None) == spy.rows()
+
+
+def test_estimate_refuses_a_reference_the_call_refuses(wide_vocab):
+    """A reference whose roles do not align with the batch's: the same refusal as the call's."""
+    model, diff, batch, _ = wide_vocab
+    other = el.make_batch(model, [([100, 90], [120]), ([101, 91], [121])], roles=[["a", "b"]] * 2)
+    with pytest.raises(ValueError) as real:
+        el.linear_scores(model, diff, batch, reference=other, show_progress=False)
+    with pytest.raises(ValueError) as estimated:
+        el.estimate(model, diff, batch, "linear", reference=other)
+    assert str(estimated.value) == str(real.value)
