@@ -94,6 +94,25 @@ def make_checkpoint(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
     return path, [path / "model.safetensors", path / "config.json", path / "tokenizer.json"]
 
 
+def make_sharded_checkpoint(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
+    """The finetuned checkpoint saved as two shards and their index, in float32: the dtype a
+    load keeps, so nothing is cast (a cast copies; a load that keeps views of a file's memory
+    map is caught here)."""
+    import json
+
+    import transformers
+
+    ft = _checkpoints(shared)[1]
+    path = folder / "sharded"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ft, dtype=torch.float32)
+    hf.save_pretrained(path, max_shard_size="60KB")
+    shutil.copy(ft / "tokenizer.json", path / "tokenizer.json")
+    index = path / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    assert len(shards) > 1
+    return path, [*(path / s for s in shards), index, path / "config.json"]
+
+
 def make_finetuned(folder: Path, shared: Path) -> tuple[Path, list[Path]]:
     """A finetuned checkpoint: the files ``from_checkpoints`` reads (no tokenizer)."""
     path, files = make_checkpoint(folder, shared)
@@ -208,6 +227,12 @@ READERS: list[Reader] = [
         lambda d: [d.deltas[n] for n in d.deltas],
     ),
     Reader("load_checkpoint", make_checkpoint, _plain(el.load_checkpoint), _parameters),
+    Reader(
+        "load_checkpoint",
+        make_sharded_checkpoint,
+        lambda path, shared: el.load_checkpoint(path, backend="bridge"),
+        _parameters,
+    ),
     Reader("load_checkpoint", make_gguf, _plain(el.load_checkpoint), _parameters),
     Reader(
         "WeightDiff.from_peft",

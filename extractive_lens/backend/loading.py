@@ -81,7 +81,8 @@ def load_pretrained(
     scores can say so. Base and finetuned models must be loaded the same way.
     ``backend="bridge"``: a TransformerLens ``TransformerBridge`` (``boot_transformers``, no
     weight processing; ``kwargs`` are ``dtype`` and ``device``). ``"auto"`` (default): a
-    ``HookedTransformer`` where TransformerLens has one (3.x), else a bridge (4.x).
+    ``HookedTransformer`` where TransformerLens has one (3.x), else a bridge (4.x). A local
+    checkpoint folder is loaded by ``load_checkpoint``.
     """
     from extractive_lens.backend.gguf import installed_gguf
 
@@ -89,13 +90,17 @@ def load_pretrained(
         if process_weights:
             raise ValueError(f"{name!r} is a GGUF file, loaded with unprocessed weights only.")
         return load_checkpoint(file, backend=backend, **kwargs)
+    if Path(name).is_dir():  # a local checkpoint: its weights read through the file layer
+        if process_weights:
+            raise ValueError(
+                f"{name} is a checkpoint folder, loaded with unprocessed weights only: drop "
+                "process_weights (or use load_checkpoint)."
+            )
+        return load_checkpoint(name, backend=backend, **kwargs)
     backend = resolve_backend(backend)
     if backend == "bridge":
         if process_weights:
             raise ValueError("backend='bridge' loads unprocessed weights only.")
-        if Path(name).is_dir():
-            refuse_remote_code(name)
-            refuse_incomplete_weights(name)
         return boot_bridge(name, tokenizer=None, **kwargs)
     tl = hooked_tl("load_pretrained(backend='hooked')")
     with quiet_transformer_lens():
@@ -142,8 +147,9 @@ def load_checkpoint(
     converted by TransformerLens's own conversion functions (the families in ``families.py``:
     GPT-2, GPT-NeoX / Pythia, Llama, Mistral, Qwen2, Qwen3, Gemma 2 and OLMo). ``"bridge"``:
     ``TransformerBridge.boot_transformers`` on the directory (every architecture TransformerLens
-    bridges; scoring checks the blocks). Other formats plug in through ``FORMATS`` (module
-    docstring).
+    bridges; scoring checks the blocks). Either way the weights are read through the file
+    layer (a file truncated or rewritten while it loads is refused by name, never a SIGBUS or
+    a mix of two versions). Other formats plug in through ``FORMATS`` (module docstring).
     """
     backend = resolve_backend(backend)
     path = Path(path)
@@ -160,30 +166,39 @@ def load_checkpoint(
 def _load_hf_directory(
     path: Path, *, backend: str, dtype: torch.dtype, device: str | torch.device, tokenizer: Any
 ) -> Any:
-    """A Hugging Face checkpoint directory (``config.json``, safetensors or bin weights, maybe a
-    tokenizer) as the backend's model, offline, never running the checkpoint's code."""
+    """A Hugging Face checkpoint directory (``config.json``, safetensors weights, maybe a
+    tokenizer) as the backend's model, offline, never running the checkpoint's code; the
+    weights read through the file layer (``weight_files.hf_model``), never memory-mapped."""
     import transformers
+
+    from extractive_lens.backend import weight_files
 
     refuse_remote_code(path)
     refuse_incomplete_weights(path)
+    bridge = backend == "bridge"
     with quiet_transformers():
+        # the bridge's own load of a folder asks for attention weights (its pattern hooks)
+        extra = dict(output_attentions=True) if bridge else {}
         hf_config = transformers.AutoConfig.from_pretrained(
-            path, local_files_only=True, trust_remote_code=False
+            path, local_files_only=True, trust_remote_code=False, **extra
         )
         if tokenizer is None and any(path.glob("tokenizer*")):
             tokenizer = transformers.AutoTokenizer.from_pretrained(
                 path, local_files_only=True, trust_remote_code=False
             )
-    if backend == "bridge":
-        return boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer,
-                           find_tokenizer=False)  # fmt: skip
 
-    def hf_model() -> Any:
+    def hf_model() -> Any:  # the weights through the file layer, never transformers' map
         with quiet_transformers():
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, dtype=dtype, trust_remote_code=False
+            return weight_files.hf_model(
+                path,
+                hf_config,
+                dtype=dtype,
+                **(dict(attn_implementation="eager") if bridge else {}),
             )
 
+    if bridge:
+        return boot_bridge(path, dtype=dtype, device=device, tokenizer=tokenizer,
+                           hf_model=hf_model().to(device), find_tokenizer=False)  # fmt: skip
     return hooked_from_hf(
         hf_config, hf_model, name=path.name, tokenizer=tokenizer, dtype=dtype, device=device
     )

@@ -9,6 +9,13 @@ plain file reads at the offsets their headers give.
   file is read through the file layer (``extractive_lens.files.SafetensorsFile``: regular files
   only, opened once, identity checked around every read, tensors copied out), so a file
   truncated or rewritten in place is refused by name, and one renamed over is read as it was.
+- ``hf_model(dir, hf_config, dtype=...)``: the ``transformers`` model of a checkpoint folder,
+  its weights read from ``SafetensorsFiles`` (never through ``transformers``' own memory map of
+  the files: a file another process cuts short while it loads would kill the process with
+  SIGBUS, and one rewritten in place would give a model holding weights of both versions). Each
+  tensor is read when ``transformers`` sets it (``Stored``: one tensor's bytes at a time beyond
+  the model itself), and every file's identity is checked again after the load, so a file that
+  changed during it is refused by name. ``load_checkpoint`` builds every backend's model on it.
 - ``refuse_special_files(dir)``: a checkpoint folder holds regular files (or links to them).
 
 >>> import tempfile; from pathlib import Path
@@ -23,6 +30,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -40,6 +48,10 @@ CHANGED = (
     "build the diff again once the file is complete; write a new checkpoint to a new folder, "
     "or rename it into place (an open diff keeps reading the file it opened)"
 )
+CHANGED_WHILE_LOADING = (
+    "load the checkpoint again once the file is complete; write a new checkpoint to a new "
+    "folder, or rename it into place (a load reads the files it opened)"
+)
 _FOLDER_FIX = (
     "a checkpoint folder holds regular files (or links to them); replace it with the file itself."
 )
@@ -52,10 +64,10 @@ def refuse_special_files(folder: str | Path) -> None:
     files.refuse_special_files(folder, _FOLDER_FIX)
 
 
-def SafetensorsFile(path: Path) -> files.SafetensorsFile:  # noqa: N802 (a class, for readers)
+def SafetensorsFile(path: Path, changed: str = CHANGED) -> files.SafetensorsFile:  # noqa: N802
     """One of a checkpoint's weight files (``files.SafetensorsFile``), refusals saying to
-    re-save the checkpoint."""
-    return files.SafetensorsFile(path, fix=FIX, changed=CHANGED)
+    re-save the checkpoint (or, for a file changed since it was opened, ``changed``)."""
+    return files.SafetensorsFile(path, fix=FIX, changed=changed)
 
 
 def _inside(folder: Path, name: object, source: Path) -> Path:
@@ -112,9 +124,10 @@ def _chosen(folder: Path) -> tuple[list[Path], tuple[Path, dict[str, str]] | Non
         chosen = folder / SINGLE if os.path.lexists(folder / SINGLE) else folder / INDEX
     if not os.path.lexists(chosen):
         raise FileNotFoundError(
-            f"{folder} has no {SINGLE} or {INDEX}: WeightDiff.from_checkpoints reads safetensors "
-            "checkpoints (save with model.save_pretrained(dir), the default format), or load "
-            "both models and use WeightDiff.from_models."
+            f"{folder} has no {SINGLE} or {INDEX}: load_checkpoint and "
+            "WeightDiff.from_checkpoints read safetensors checkpoints (save with "
+            "model.save_pretrained(dir), the default format), or load the models yourself and "
+            "use from_hf and WeightDiff.from_models."
         )
     if not chosen.name.endswith(".index.json"):
         return [chosen], None
@@ -140,15 +153,16 @@ def _regular(path: Path) -> None:
 
 class SafetensorsFiles:
     """The tensors of the weight files ``transformers`` would load from a checkpoint directory
-    (``weight_files``), by name, one read at a time."""
+    (``weight_files``), by name, one read at a time; ``changed`` ends the refusal of a file
+    changed since it was opened (what to do)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, changed: str = CHANGED) -> None:
         self.path = Path(path)
         refuse_special_files(self.path)
         paths, index = _chosen(self.path)
         for p in paths:
             _regular(p)
-        self.files = [SafetensorsFile(p) for p in paths]
+        self.files = [SafetensorsFile(p, changed) for p in paths]
         self.where: dict[str, files.SafetensorsFile] = {}
         for f in self.files:
             for name in f.entries:
@@ -176,3 +190,46 @@ class SafetensorsFiles:
 
     def get(self, name: str) -> Tensor:
         return self.where[name].read_tensor(name)
+
+
+class Stored:
+    """One tensor of a checkpoint's weight file, read (copied out through the file layer) only
+    when ``transformers`` asks for it with ``stored[...]``, as it reads a ``safetensors`` slice:
+    a ``state_dict`` of these holds no weights, so a load holds one copy of them, the model's."""
+
+    def __init__(self, file: files.SafetensorsFile, name: str) -> None:
+        self.file, self.name = file, name
+        self.dtype, shape, _, _ = file.entries[name]
+        self.shape = tuple(shape)
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return self.file.read_tensor(self.name)[index]
+
+
+def hf_model(folder: str | Path, hf_config: Any, *, dtype: Any, **kwargs: Any) -> Any:
+    """The ``transformers`` model of ``hf_config`` holding the weights of the checkpoint folder
+    ``folder``, read through the file layer (module docstring) in ``dtype``; ``kwargs`` go to
+    ``from_pretrained`` (``attn_implementation``). The files' identities are checked after the
+    load: one truncated or rewritten while it loaded is refused by name."""
+    import transformers
+
+    model_class: Any = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    if model_class is None:
+        raise ValueError(
+            f"{Path(folder) / 'config.json'} describes a {type(hf_config).__name__}, which "
+            "transformers has no causal language model class for: pass a checkpoint of a "
+            "causal language model."
+        )
+    weights = SafetensorsFiles(folder, CHANGED_WHILE_LOADING)
+    try:
+        state_dict = {name: Stored(f, name) for name, f in weights.where.items()}
+        model = model_class.from_pretrained(
+            None, config=hf_config, state_dict=state_dict, dtype=dtype, **kwargs
+        )
+        for f in weights.files:
+            f.check()  # a file changed after its last tensor was read: refused too
+    finally:
+        for f in weights.files:
+            f.close()
+    model.config._name_or_path = model.name_or_path = str(folder)  # as a load by its name
+    return model.eval()
