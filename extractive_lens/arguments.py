@@ -36,6 +36,22 @@ def count(name: str, value: Any, what: str, *, hint: str = "") -> int:
     return int(value)
 
 
+def seed(name: str, value: Any) -> int:
+    """``value`` as a seed: a whole number ``>= 0`` (what ``numpy.random.default_rng`` and
+    ``torch.Generator().manual_seed`` both take as the same stream; ``1.5`` is not silently 1).
+
+    >>> seed("seed", -1)
+    Traceback (most recent call last):
+    ...
+    ValueError: seed must be a whole number >= 0 (the random draw's seed), got -1
+    """
+    if not whole(value) or value < 0:
+        raise ValueError(
+            f"{name} must be a whole number >= 0 (the random draw's seed), got {value!r}"
+        )
+    return int(value)
+
+
 def indices(name: str, value: Any, noun: str) -> tuple[int, ...]:
     """``value`` (a list of whole numbers, at least one) as a tuple of ``int``, in its order.
 

@@ -122,6 +122,13 @@ class ScoreComparison:
 
         from extractive_lens import stats
 
+        unknown = [s for s in statistics_ or () if s not in INTERVAL_STATISTICS]
+        if unknown or statistics_ == ():
+            raise ValueError(
+                f"ci(statistics_=...) takes some of {', '.join(INTERVAL_STATISTICS)} (or None "
+                f"for all), got {statistics_!r}."
+            )
+        stats.check_level(level)
         n = self.linear.n_prompts
         w = stats.counts(n, n_boot, seed)
         lin_maps = stats.resampled_maps(self.linear, self.level, w)

@@ -21,6 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from extractive_lens.arguments import count
+from extractive_lens.arguments import seed as seed_value
+
 N_BOOT = 1000
 """Resamples drawn by default."""
 LEVEL = 0.95
@@ -78,9 +81,8 @@ def draws(n: int, n_boot: int = N_BOOT, seed: int = 0) -> Tensor:
     replacement, from ``torch.Generator().manual_seed(seed)``."""
     if n < 1:
         raise ValueError("A bootstrap needs at least one prompt.")
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be a positive number of resamples, got {n_boot}.")
-    g = torch.Generator().manual_seed(int(seed))
+    n_boot = count("n_boot", n_boot, "resamples")
+    g = torch.Generator().manual_seed(seed_value("seed", seed))
     return torch.randint(0, n, (n_boot, n), generator=g)
 
 
@@ -96,7 +98,7 @@ def percentile_interval(
 ) -> Interval:
     """The interval of ``resampled`` (``[n_boot, ...]``, NaN where a resample leaves the
     statistic undefined) around ``estimate``."""
-    _check_level(level)
+    check_level(level)
     r = resampled.double()
     q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
     bounds = torch.nanquantile(r, q, dim=0)
@@ -162,7 +164,7 @@ def resampled_maps(scores: Any, level: str, weights: Tensor) -> Tensor:
     return role_means(x, present, weights)
 
 
-def _check_level(level: float) -> None:
+def check_level(level: float) -> None:
     if not 0 < level < 1:
         raise ValueError(f"level must be a coverage between 0 and 1 (e.g. 0.95), got {level!r}.")
 

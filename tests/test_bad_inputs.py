@@ -695,7 +695,71 @@ CASES = [
         ValueError,
         "'auto', 'prompts' or 'layers'",
     ),
+    # --- verified_scores and the intervals: refused before any pass, naming the argument
+    *[
+        (f"verified {kw}", lambda e, kw=kw: _verified(e, **kw), ValueError, advice)
+        for kw, advice in (
+            ({"budget": float("nan")}, "finite multiple of linear's passes"),
+            ({"budget": float("inf")}, "finite multiple of linear's passes"),
+            ({"budget": "infs"}, "seconds ('120s')"),
+            ({"budget": "nans"}, "seconds ('120s')"),
+            ({"budget": "1e400s"}, "seconds ('120s')"),
+            ({"audit": 2.5}, "audit must be a whole number"),
+            ({"audit": True}, "audit must be a whole number"),
+            ({"tolerance": -0.1}, "tolerance must be a finite relative error >= 0"),
+            ({"tolerance": float("nan")}, "tolerance must be a finite relative error >= 0"),
+            ({"steps": 0}, "steps must be a positive number of integrated nodes"),
+            ({"n_boot": 2.5}, "n_boot must be a positive number of resamples"),
+            ({"n_boot": 0}, "n_boot must be a positive number of resamples"),
+            ({"level": 95}, "level must be a coverage between 0 and 1"),
+            ({"seed": -1}, "seed must be a whole number >= 0"),
+            ({"seed": 1.5}, "seed must be a whole number >= 0"),
+        )
+    ],
+    (
+        "linear seed=-1",
+        lambda e: linear_scores(e["base"], e["diff"], e["batch"], seed=-1),
+        ValueError,
+        "seed must be a whole number >= 0",
+    ),
+    *[
+        (f"scores.ci {kw}", lambda e, kw=kw: e["lin"].ci(**kw), ValueError, advice)
+        for kw, advice in (
+            ({"seed": 1.5}, "seed must be a whole number >= 0"),
+            ({"seed": -1}, "seed must be a whole number >= 0"),
+            ({"n_boot": 2.5}, "n_boot must be a positive number of resamples"),
+        )
+    ],
+    *[
+        (
+            f"compare.ci {kw}",
+            lambda e, kw=kw: compare(e["lin"], e["lin"]).ci(**kw),
+            ValueError,
+            advice,
+        )  # fmt: skip
+        for kw, advice in (
+            ({"seed": 1.5}, "seed must be a whole number >= 0"),
+            ({"statistics_": ("pearsn",)}, "takes some of pearson, spearman"),
+            ({"statistics_": "pearson"}, "takes some of pearson, spearman"),
+            ({"level": 1.0}, "level must be a coverage between 0 and 1"),
+        )
+    ],
 ]
+
+
+def _verified(e, **kw):
+    """``verified_scores`` whose linear pass fails the case: its options are refused before."""
+    from extractive_lens import verified_scores
+    from extractive_lens.scoring import linear
+
+    def no_pass(*a, **k):
+        raise AssertionError("verified_scores began scoring before checking its options")
+
+    saved, linear.linear_scores = linear.linear_scores, no_pass
+    try:
+        return verified_scores(e["base"], e["diff"], e["batch"], kinds="downstream", **kw)
+    finally:
+        linear.linear_scores = saved
 
 
 def _with_hook(e, fn):
@@ -871,6 +935,31 @@ CLI_CASES = [
         ["experiment", "weight_grafting", "--seeds", "a,b"],
         "--seeds takes integers",
     ),
+    *[
+        (
+            f"score --method verified {' '.join(flags)}",
+            [
+                "score",
+                "--base",
+                "world",
+                "--diff",
+                "DIFF",
+                "--data",
+                "GOOD",
+                "--method",
+                "verified",
+                "--out",
+                "TMP/v",
+                *flags,
+            ],
+            advice,
+        )  # fmt: skip
+        for flags, advice in (
+            (["--budget", "nan"], "finite multiple of linear's passes"),
+            (["--budget", "inf"], "finite multiple of linear's passes"),
+            (["--seed", "-1"], "seed must be a whole number >= 0"),
+        )
+    ],
     ("unknown command", ["scroe"], "No such command"),
     ("unknown option", ["score", "--bse", "world"], "No such option"),
 ]

@@ -85,6 +85,69 @@ def test_a_census_gives_compare_s_numbers(world):
         assert e["missed_mass"][0] == pytest.approx(float(outside.sum() / ex.sum()))
 
 
+def test_a_census_has_compare_s_intervals(world):
+    """Auditing every component leaves only the prompts' doubt: the intervals are
+    ``compare(...).ci()``'s with the same seed (resampling a census's components would add
+    doubt a census does not have; resampling cells, or ignoring the seed, would move them)."""
+    *_, lin, full, _ = world
+    for seed in (0, 4):
+        v = _verified(world, audit=100, coverage=0.3, seed=seed, n_boot=150)
+        table = compare(lin, full).ci(n_boot=150, seed=seed)
+        for kind in KINDS:
+            e = v.metadata["verified"]["estimates"][kind]
+            for name, statistic in (("r", "pearson"), ("slope", "slope")):
+                row = table[
+                    (table.kind == kind) & (table.part == "all") & (table.statistic == statistic)
+                ]
+                assert e[name][1] == pytest.approx(row.low.item(), abs=1e-9), (seed, kind, name)
+                assert e[name][2] == pytest.approx(row.high.item(), abs=1e-9), (seed, kind, name)
+
+
+def test_the_audit_s_resamples_have_the_stratified_estimator_s_variance():
+    """One stratum of ``N`` components, ``n`` audited: the resamples' totals vary as the
+    stratified estimator ``N * mean(y)`` does over the audits one could have drawn,
+    ``N^2 (1 - n/N) s^2 / n`` (Cochran 5.2), counted here by enumerating every audit."""
+    import itertools
+
+    from extractive_lens.scoring.verified import _audit_weights
+
+    y_all = torch.tensor([0.1, 2.0, -1.0, 0.5, 3.0, 0.0, 1.2], dtype=torch.float64)
+    N = len(y_all)
+    for n in (2, 3, 5):
+        totals = [float(N * y_all[list(c)].mean()) for c in itertools.combinations(range(N), n)]
+        design_var = float(np.var(totals))  # over every audit of size n, equally likely
+        # the bootstrap's variance, averaged over the audits, estimates it
+        boot_vars = []
+        for c in itertools.combinations(range(N), n):
+            w = _audit_weights(n, N, 4000, torch.Generator().manual_seed(n))
+            boot_vars.append(float((w[1:] @ y_all[list(c)]).var()))
+        assert np.mean(boot_vars) == pytest.approx(design_var, rel=0.05), n
+        assert torch.allclose(w[0], torch.full((n,), N / n, dtype=torch.float64))
+    census = _audit_weights(4, 4, 50, torch.Generator().manual_seed(0))
+    assert torch.equal(census, torch.ones(51, 4, dtype=torch.float64))  # no audit doubt
+
+
+def test_the_verdict_names_the_check_that_failed():
+    from extractive_lens.scoring.verified import _verdict
+
+    def verdict(r, slope, missed):
+        plan = dict(top=[1, 2], integrated=[], estimates=dict(r=r, slope=slope,
+                                                              missed_mass=missed, audited=4))  # fmt: skip
+        return _verdict("downstream", plan)
+
+    good_r, good_slope, good_missed = [0.99, 0.95, 1.0], [1.0, 0.9, 1.1], [0.1, 0.05, 0.15]
+    assert "can stand in" in verdict(good_r, good_slope, good_missed)
+    only_missed = verdict(good_r, good_slope, [0.17, 0.12, 0.25])
+    assert "ranks as exact does" in only_missed and "up to 25% of the exact mass" in only_missed
+    assert "values are off" not in only_missed  # the slope passed: its values are not the issue
+    only_slope = verdict(good_r, [0.7, 0.6, 0.8], good_missed)
+    assert "values are off" in only_slope and "exact mass (past" not in only_slope
+    both = verdict(good_r, [0.7, 0.6, 0.8], [0.3, 0.2, 0.4])
+    assert "values are off" in both and "up to 40%" in both
+    low_r = verdict([0.9, 0.5, 0.95], good_slope, good_missed)
+    assert "cannot be read on its own (r's lower bound 0.50 is under 0.9)" in low_r
+
+
 def test_the_intervals_hold_the_full_map_values(world):
     *_, lin, full, _ = world
     cmp = compare(lin, full)

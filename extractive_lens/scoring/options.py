@@ -20,6 +20,7 @@ from typing import Any, Literal, cast
 import torch
 
 from extractive_lens.arguments import count, indices
+from extractive_lens.arguments import seed as seed_value
 from extractive_lens.batch import PromptBatch
 from extractive_lens.rewards import Reward, resolve_reward
 from extractive_lens.types import SCORE_KINDS, Ablation, Convention, ScoreKind
@@ -69,6 +70,7 @@ class ScoreOptions:
         if self.ablation == "resample":
             set_(self, "resample_k", count("resample_k", self.resample_k, "prompts to average",
                                            hint="; use ablation='zero' for a zero ablation."))  # fmt: skip
+        set_(self, "seed", seed_value("seed", self.seed))
         if self.batch_size is not None:
             set_(self, "batch_size", count("batch_size", self.batch_size,
                                            "prompts per pass (or None for all at once)"))  # fmt: skip

@@ -25,8 +25,9 @@ Per kind, in order:
    0, as ``compare``) and the share of the exact |mass| outside the cells of step 2 (what
    linear's ranking would have missed), from the census of step 2 plus the audit weighted by
    ``N_h / n_h`` per stratum. Intervals: a seeded bootstrap that resamples the prompts
-   (``stats.counts``) and, within each stratum, the audited components; the verdict is stated
-   on the intervals.
+   (``stats.counts``) and, within each stratum, the audited components (Rao and Wu's
+   rescaling bootstrap, ``_audit_weights``: a stratum audited in full adds no doubt); the
+   verdict is stated on the intervals, naming the check that failed.
 
 Each cell of the result carries its provenance (``ComponentScores.provenance``): ``exact``
 where step 2 or 3 patched its component, ``integrated`` where step 4 did, else ``linear``.
@@ -56,6 +57,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from extractive_lens import stats
+from extractive_lens.arguments import count, whole
 from extractive_lens.batch import PromptBatch
 from extractive_lens.results import ComponentScores
 from extractive_lens.rewards import Reward
@@ -91,8 +94,18 @@ class VerifiedOptions(LinearOptions):
         super().__post_init__()
         if not 0 < self.coverage <= 1:
             raise ValueError(f"coverage must be in (0, 1], got {self.coverage!r}.")
-        if self.audit is not None and self.audit < 0:
-            raise ValueError(f"audit must be a number of components >= 0, got {self.audit!r}.")
+        if self.audit is not None and (not whole(self.audit) or self.audit < 0):
+            raise ValueError(
+                f"audit must be a whole number of components >= 0 (or None: what the budget "
+                f"leaves), got {self.audit!r}."
+            )
+        if not (isinstance(self.tolerance, (int, float)) and 0 <= self.tolerance < math.inf):
+            raise ValueError(
+                f"tolerance must be a finite relative error >= 0 (0.2: 20%), got {self.tolerance!r}."
+            )
+        count("steps", self.steps, "integrated nodes per path (4 by default)")
+        count("n_boot", self.n_boot, "resamples")
+        stats.check_level(self.level)
         Budget.of(self.budget)  # checks its form
 
 
@@ -110,15 +123,19 @@ class Budget:
         """A number: that many times linear's passes (at least 1, linear alone); ``"120s"``:
         seconds of the whole call."""
         if isinstance(budget, str):
-            if not budget.endswith("s") or not _number(budget[:-1]):
+            if not budget.endswith("s") or not _positive(budget[:-1]):
                 raise ValueError(
                     f"budget must be a multiple of linear's passes (3.0) or seconds ('120s'), "
                     f"got {budget!r}."
                 )
             return cls("seconds", amount=float(budget[:-1]))
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 1:
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or not (1 <= budget < math.inf)
+        ):
             raise ValueError(
-                f"budget must be at least 1 (linear alone) as a multiple of linear's passes, "
+                f"budget must be a finite multiple of linear's passes, at least 1 (linear alone), "
                 f"or seconds such as '120s'; got {budget!r}."
             )
         return cls("passes", multiple=float(budget))
@@ -128,9 +145,10 @@ class Budget:
         return self.amount if self.multiple is None else self.multiple * linear_cost  # type: ignore[return-value]
 
 
-def _number(text: str) -> bool:
+def _positive(text: str) -> bool:
+    """Whether ``text`` is a finite number of seconds above 0 (not ``nan``, ``inf``, ``1e400``)."""
     try:
-        return float(text) > 0
+        return 0 < float(text) < math.inf
     except ValueError:
         return False
 
@@ -485,8 +503,6 @@ def _estimates(lin: ComponentScores, exact: ComponentScores | None, k: int, top:
                sample: dict[Any, list[int]], rest: list[int], strata: dict[int, Any],
                n_comp: int, options: VerifiedOptions) -> dict[str, Any]:  # fmt: skip
     """The whole map's r, slope and missed mass, with bootstrap intervals (module docstring)."""
-    from extractive_lens import stats
-
     if exact is None:
         nan = [float("nan")] * 3
         return dict(r=nan, slope=nan, missed_mass=nan, audited=0)
@@ -509,12 +525,7 @@ def _estimates(lin: ComponentScores, exact: ComponentScores | None, k: int, top:
         if not cs:
             continue
         idx = torch.tensor(cs)
-        scale = sizes[h] / len(cs)
-        weight[0, idx] += scale
-        draws = torch.randint(0, len(cs), (r_all - 1, len(cs)), generator=g)
-        counts = torch.zeros(r_all - 1, len(cs), dtype=torch.float64)
-        counts.scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
-        weight[1:, idx] += scale * counts
+        weight[:, idx] += _audit_weights(len(cs), sizes[h], r_all - 1, g)
     in_top = torch.zeros(x.shape[1], dtype=torch.bool)
     in_top[top] = True
     ok = torch.isfinite(x) & torch.isfinite(y)
@@ -540,8 +551,27 @@ def _estimates(lin: ComponentScores, exact: ComponentScores | None, k: int, top:
     return out
 
 
+def _audit_weights(n: int, size: int, n_boot: int, g: torch.Generator) -> Tensor:
+    """``[1 + n_boot, n]``: the weights of a stratum's ``n`` audited components of ``size``,
+    ``size / n`` each for the estimate, then one row per resample by the rescaling bootstrap
+    of Rao and Wu (1988): ``n - 1`` draws with replacement, each weight moved from
+    ``size / n`` toward the drawn counts by ``sqrt(1 - n / size)``, so that the resamples'
+    variance is the stratified estimator's, with its finite-population correction. A census
+    (``n == size``) or a single component leaves no audit doubt: the weights stay fixed."""
+    scale = size / n
+    out = torch.full((1 + n_boot, n), scale, dtype=torch.float64)
+    if n < 2 or n >= size:
+        return out
+    draws = torch.randint(0, n, (n_boot, n - 1), generator=g)
+    counts = torch.zeros(n_boot, n, dtype=torch.float64)
+    counts.scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+    lam = math.sqrt(1 - n / size)
+    out[1:] = scale * (1 - lam + lam * counts * n / (n - 1))
+    return out
+
+
 def _verdict(kind: str, plan: dict[str, Any]) -> str:
-    """The verdict on the intervals (thresholds ``STAND_IN_*``)."""
+    """The verdict on the intervals (thresholds ``STAND_IN_*``), naming each check that failed."""
     e = plan["estimates"]
     r, slope, missed = e["r"], e["slope"], e["missed_mass"]
     if any(math.isnan(v) for v in (*r, *slope, *missed)):
@@ -550,7 +580,7 @@ def _verdict(kind: str, plan: dict[str, Any]) -> str:
             "only, or raise the budget."
         )
     said = (
-        f"over the whole map, r = {r[0]:.2f} [{r[1]:.2f}, {r[2]:.2f}], slope {slope[0]:.2f} "
+        f"over the whole map, r = {r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}], slope {slope[0]:.2f} "
         f"[{slope[1]:.2f}, {slope[2]:.2f}], exact mass outside the {len(plan['top'])} components "
         f"checked first {missed[0]:.0%} [{missed[1]:.0%}, {missed[2]:.0%}] (exact on "
         f"{len(plan['top'])} + {e['audited']} audited components"
@@ -558,13 +588,25 @@ def _verdict(kind: str, plan: dict[str, Any]) -> str:
         + ")"
     )
     lo, hi = STAND_IN_SLOPE
-    if r[1] >= STAND_IN_R and lo <= slope[1] and slope[2] <= hi and missed[2] <= STAND_IN_MISSED:
+    failed = []
+    if not (lo <= slope[1] and slope[2] <= hi):
+        failed.append(f"its values are off (the slope's interval leaves [{lo:g}, {hi:g}])")
+    if missed[2] > STAND_IN_MISSED:
+        failed.append(
+            f"the components it ranks low may hold up to {missed[2]:.0%} of the exact mass "
+            f"(past {STAND_IN_MISSED:.0%})"
+        )
+    if r[1] >= STAND_IN_R and not failed:
         return f"linear {kind} can stand in for exact: {said}."
     if r[1] >= STAND_IN_R:
-        return f"linear {kind} ranks as exact does but not its values: {said}; read the exact cells for values."
+        return (
+            f"linear {kind} ranks as exact does, but {' and '.join(failed)}: {said}; read the "
+            "cells marked exact or integrated for values."
+        )
     return (
-        f"linear {kind} cannot be read on its own: {said}; read the cells marked exact or "
-        "integrated, and raise the budget to check more."
+        f"linear {kind} cannot be read on its own (r's lower bound {r[1]:.2f} is under "
+        f"{STAND_IN_R:g}): {said}; read the cells marked exact or integrated, and raise the budget "
+        "to check more."
     )
 
 
