@@ -6,12 +6,16 @@ result (``scores.flags``), shown in the report and in ``compare``'s verdicts.
 
 Three guards, each stated with its threshold:
 
-1. ``outsized_cell``: a cell (role-aligned mean, or a whole component) larger in magnitude than
-   ``CELL_LIMIT`` times the scale of its kind: the whole change ``|R(W') - R(W)|`` where the
-   result measured it (linear and integrated informative), and at least the kind's own total
-   ``|Σ totals|``. A first-order or patched score many times the change it is part of is a
-   sign that the patch left the model's regime (an ablation value from another kind of
-   position, see 3), not a finding.
+1. ``outsized_cell``: a cell (role-aligned mean, ``L1MLP@lives``, or a whole component's
+   total, ``L1MLP``) larger in magnitude than ``CELL_LIMIT`` times its component's scale.
+   Where the result measured the whole change ``R(W') - R(W)`` (linear results with
+   informative scores, integrated informative), the scale is ``|R(W') - R(W)|`` and at least
+   the kind's total without that component, ``|Σ totals - total|``, so an outlier does not
+   raise its own limit (a component at +76 nats for a change of +13, the rest of its kind
+   near it, is flagged). Elsewhere it is the kind's own total ``|Σ totals|`` (the rest alone
+   could cancel to nothing). A first-order or patched score many times the change it is part
+   of is a sign that the patch left the model's regime (an ablation value from another kind
+   of position, see 3), not a finding.
 2. ``sink_role``: a role that is the first position of some prompts and a later position of
    others. Without a BOS token the first position is the attention sink (activations that
    dwarf the rest), so a role mixing it with ordinary positions averages unlike things.
@@ -85,29 +89,35 @@ def _outsized(scores: Any) -> list[Flag]:
     out = []
     change = _whole_change(scores.metadata)
     for k, kind in enumerate(scores.kinds):
-        totals = scores.totals[k].double()
-        scale = abs(float(totals.nan_to_num(0.0).sum()))
-        if kind == "informative" and change is not None:
-            scale = max(scale, abs(change))
-        if scale == 0:
-            continue
+        totals = scores.totals[k].double().nan_to_num(0.0)  # [layer, component]
+        if change is None:  # the kind's own total (components that cancel must not flag)
+            scale = totals.sum().abs().expand_as(totals)
+        else:  # an outlier must not set its own limit: the rest of its kind, the whole change
+            scale = (totals.sum() - totals).abs().clamp(min=abs(change))
         limit = CELL_LIMIT * scale
         v = scores.values[k].double().nan_to_num(0.0)
-        big = (v.abs() > limit).nonzero().tolist()
+        labels = scores.component_labels
+        big = [
+            (f"L{layer}{labels[c]}@{scores.position_labels[p]}", float(v[layer, c, p]),
+             float(scale[layer, c]))
+            for layer, c, p in ((v.abs() > limit[..., None]) & (limit[..., None] > 0))
+            .nonzero().tolist()
+        ] + [  # a whole component past the limit, though none of its cells is
+            (f"L{layer}{labels[c]}", float(totals[layer, c]), float(scale[layer, c]))
+            for layer, c in ((totals.abs() > limit) & (limit > 0)).nonzero().tolist()
+        ]  # fmt: skip
         if not big:
             continue
-        big.sort(key=lambda i: -abs(float(v[tuple(i)])))
-        where = tuple(
-            f"L{layer}{scores.component_labels[c]}@{scores.position_labels[p]}"
-            for layer, c, p in big[:5]
-        )
-        top = float(v[tuple(big[0])])
-        what = "the whole change R(W') - R(W) or " if kind == "informative" and change else ""
+        big.sort(key=lambda item: -abs(item[1]))
+        where = tuple(label for label, *_ in big[:5])
+        _, top, top_scale = big[0]
+        what = ("the kind's total" if change is None else
+                "the whole change R(W') - R(W) or the rest of the kind's total")  # fmt: skip
         out.append(Flag("outsized_cell", kind, where, (
             f"{len(big)} {kind} cell{'s' if len(big) > 1 else ''} exceed {CELL_LIMIT:g}x "
-            f"{what}the kind's total (scale {scale:.3g}; largest {where[0]} at {top:+.4g}): "
-            "not a finding until checked; look for a sink_role flag, and confirm with "
-            f"causal_scores(..., kinds=({kind!r},), top_k=...)."
+            f"{what} (largest {where[0]} at {top:+.4g}, "
+            f"scale {top_scale:.3g}): not a finding until checked; look for a sink_role flag, "
+            f"and confirm with causal_scores(..., kinds=({kind!r},), top_k=...)."
         )))  # fmt: skip
     return out
 

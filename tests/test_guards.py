@@ -103,7 +103,8 @@ def test_an_outsized_cell_is_flagged_and_reaches_verdicts_and_report(sink_pair, 
     lin = linear_scores(base, diff, batch, kinds=("informative", "downstream"))
     assert lin.flags == ()
     change = lin.metadata["additivity"]["exact_change"]
-    scale = max(abs(change), abs(float(lin.totals[0].sum())))
+    others = float(lin.totals[0].sum() - lin.totals[0, 1, -1])  # the kind without L1MLP
+    scale = max(abs(change), abs(others))
     values = lin.values.clone()
     at = lin.position_labels.index("lives")
     values[0, 1, -1, at] = 1.01 * CELL_LIMIT * scale  # just past the limit
@@ -119,3 +120,26 @@ def test_an_outsized_cell_is_flagged_and_reaches_verdicts_and_report(sink_pair, 
     assert "Flagged:" not in cmp.verdicts["downstream"]
     page = report(bad, cmp, tmp_path / "r.html").read_text()
     assert "outsized_cell" in page and "L1MLP@lives" in page
+
+
+def test_an_outsized_whole_component_is_flagged_though_no_cell_is(sink_pair):
+    """One component carrying many times what the rest of its kind and the whole change add up
+    to (the real-model case: linear upstream's L11MLP at +76 nats for a change of +13): flagged
+    by its label although none of its cells passes the limit, and although it dominates the
+    kind's own total (which must not raise its limit)."""
+    base, diff = sink_pair
+    lin = linear_scores(base, diff, _batch(base, bos=True), kinds=("informative", "downstream"))
+    change = lin.metadata["additivity"]["exact_change"]
+    others = float(lin.totals[0].sum() - lin.totals[0, 1, 2])  # the kind without L1H2
+    scale = max(abs(change), abs(others))
+    n_pos = lin.values.shape[-1]
+    totals, values = lin.totals.clone(), lin.values.clone()
+    for factor, flagged in ((1.05, True), (0.95, False)):
+        big = factor * CELL_LIMIT * scale
+        totals[0, 1, 2] = big  # L1H2's whole score, beside the rest of the kind ...
+        values[0, 1, 2] = big / n_pos  # ... spread over its positions, each under the limit
+        assert float(values[0].abs().max()) < CELL_LIMIT * scale
+        flags = dataclasses.replace(lin, totals=totals, values=values).flags
+        got = [(f.what, f.kind, f.where) for f in flags]
+        assert got == ([("outsized_cell", "informative", ("L1H2",))] if flagged else []), factor
+        assert not flagged or f"L1H2 at {big:+.4g}" in flags[0].message

@@ -5,6 +5,7 @@ the full exact map's values, and a planted disagreement found."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -83,6 +84,46 @@ def test_a_census_gives_compare_s_numbers(world):
         outside = ex.flatten(0, 1).sum(-1)
         outside[top] = 0
         assert e["missed_mass"][0] == pytest.approx(float(outside.sum() / ex.sum()))
+
+
+def test_the_estimates_weight_each_audited_component_by_its_stratum(world):
+    """A partial audit's estimates, recomputed cell by cell: the top components weigh 1, an
+    audited component ``N_h / n_h`` (the components outside the top set in its stratum, one
+    stratum per layer and type here, over the ones audited there); r and slope over every
+    cell, missed mass the weighted exact |mass| outside the top set."""
+    *_, lin, full, _ = world
+    v = _verified(world, audit=2, coverage=0.5, seed=2)
+    n_layers, n_comp = lin.totals.shape[1:]
+    for k, kind in enumerate(KINDS):
+        plan = v.metadata["verified"]["kinds"][kind]
+        top, audited = set(plan["top"]), plan["audited"]
+        stratum = {c: (c // n_comp, lin.component_labels[c % n_comp] == "MLP")
+                   for c in range(n_layers * n_comp)}  # fmt: skip
+        weight = {c: 1.0 for c in top}
+        for c in audited:
+            size = sum(1 for d in stratum if d not in top and stratum[d] == stratum[c])
+            drawn = sum(1 for d in audited if stratum[d] == stratum[c])
+            weight[c] = size / drawn
+        assert any(w != 1.0 for w in weight.values())  # a partial audit: weights that matter
+        sums = dict.fromkeys(("n", "x", "y", "xx", "yy", "xy", "out", "all"), 0.0)
+        for c, w in weight.items():
+            layer, comp = divmod(c, n_comp)
+            for pos in range(lin.values.shape[-1]):
+                x = float(lin.values[k, layer, comp, pos])
+                y = float(full.values[k, layer, comp, pos])
+                if not (math.isfinite(x) and math.isfinite(y)):
+                    continue
+                for key, val in (("n", 1), ("x", x), ("y", y), ("xx", x * x), ("yy", y * y),
+                                 ("xy", x * y), ("all", abs(y))):  # fmt: skip
+                    sums[key] += w * val
+                sums["out"] += 0.0 if c in top else w * abs(y)
+        n = sums["n"]
+        cov = sums["xy"] - sums["x"] * sums["y"] / n
+        r = cov / math.sqrt((sums["xx"] - sums["x"] ** 2 / n) * (sums["yy"] - sums["y"] ** 2 / n))
+        e = plan["estimates"]
+        assert e["r"][0] == pytest.approx(r, rel=1e-9)
+        assert e["slope"][0] == pytest.approx(sums["xy"] / sums["yy"], rel=1e-9)
+        assert e["missed_mass"][0] == pytest.approx(sums["out"] / sums["all"], rel=1e-9)
 
 
 def test_a_census_has_compare_s_intervals(world):
