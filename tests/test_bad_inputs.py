@@ -960,6 +960,34 @@ CLI_CASES = [
             (["--seed", "-1"], "seed must be a whole number >= 0"),
         )
     ],
+    *[  # a flag no chosen method takes was dropped without a word
+        (
+            f"score --method {method} {flag}",
+            [
+                "score",
+                "--base",
+                "world",
+                "--diff",
+                "DIFF",
+                "--data",
+                "GOOD",
+                "--method",
+                method,
+                "--out",
+                "TMP/u",
+                flag,
+                *value,
+            ],
+            f"{flag} is for --method {takers}, and --method {method} does not take it",
+        )  # fmt: skip
+        for method, flag, value, takers in (
+            ("linear", "--budget", ["5"], "verified"),
+            ("both", "--seed", ["2"], "verified"),
+            ("causal", "--steps", ["8"], "integrated or verified"),
+            ("verified", "--top-k", ["3"], "integrated or causal"),
+            ("linear", "--force-steps", [], "integrated"),
+        )
+    ],
     ("unknown command", ["scroe"], "No such command"),
     ("unknown option", ["score", "--bse", "world"], "No such option"),
 ]

@@ -22,6 +22,7 @@ from extractive_lens.cli.arguments import (
 
 @app.command()
 def score(
+    ctx: typer.Context,
     base: str = typer.Option(
         ...,
         help="Base model: 'world', a local Hugging Face checkpoint directory, a model installed by "
@@ -200,6 +201,7 @@ def score(
         ablation=ablation,
     )  # fmt: skip
     check_options(methods, common, flags)
+    refuse_unused_flags(ctx, method, methods, flags)
     for m in methods if distributed else ():
         if not entry(m).shards:  # a method whose shards would not merge (its entry says why)
             raise typer.BadParameter(entry(m).unsharded)
@@ -307,6 +309,32 @@ def fields_of(method: str) -> set[str]:
     from extractive_lens.scoring.methods import method as method_entry
 
     return {f.name for f in dataclasses.fields(method_entry(method).options)}
+
+
+PARAMETER = {"force": "force_steps"}
+"""A ``flags`` key's parameter name in ``score``, where they differ."""
+
+
+def refuse_unused_flags(
+    ctx: typer.Context, method: str, methods: tuple[str, ...], flags: dict[str, Any]
+) -> None:
+    """Refuse a flag given on the command line that none of the chosen methods takes (it would
+    be dropped silently: ``--budget 5 --method linear`` scored linear and said nothing). Read
+    from the methods' table (``Method.cli``); ``--convention`` has its own check."""
+    from extractive_lens.scoring.methods import METHODS
+
+    for flag in flags:
+        name = PARAMETER.get(flag, flag)
+        source = ctx.get_parameter_source(name)  # click's enum, or the copy typer vendors
+        if flag == "convention" or getattr(source, "name", None) != "COMMANDLINE":
+            continue
+        if not any(flag in METHODS[m].cli for m in methods):
+            takers = [m for m, entry in METHODS.items() if flag in entry.cli]
+            option = "--" + name.replace("_", "-")
+            raise typer.BadParameter(
+                f"{option} is for --method {' or '.join(takers)}, and --method {method} does not "
+                f"take it: drop {option}, or pass --method {takers[0]}."
+            )
 
 
 def check_options(methods: tuple[str, ...], common: dict[str, Any], flags: dict[str, Any]) -> None:
