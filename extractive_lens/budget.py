@@ -46,6 +46,7 @@ from torch import Tensor
 from extractive_lens.backend.lazy import LazyDeltas
 from extractive_lens.backend.lowrank import LowRankDeltas
 from extractive_lens.batch import PromptBatch
+from extractive_lens.rewards import reads_answer_positions_only
 
 GiB = 2**30
 
@@ -445,6 +446,9 @@ def _counted(
     # the copy's vocabulary
     options = {k: _proxy_batch(narrow, v) if isinstance(v, PromptBatch) else v
                for k, v in options.items() if k not in ("linear", "show_progress")}  # fmt: skip
+    reward = options.get("reward")
+    if callable(reward) and not reads_answer_positions_only(reward):
+        options["reward"] = _own_reward  # the caller's may read the real vocabulary
     saved, attention, unembed = shift.REUSE_BYTES, B.attention, B.unembed
     grad, value = torch.autograd.grad, shift.Shift.value
     alive = _Alive()
@@ -502,10 +506,21 @@ def _counted(
                    (count.forward, count.backward), rows.sizes())  # fmt: skip
 
 
+def _own_reward(logits: Tensor, batch: PromptBatch) -> Tensor:
+    """The narrow copy's stand-in for a reward of the caller's own, which may read the real
+    model's vocabulary: its values are the copy's anyway, and the engines run it as they run
+    any reward of the caller's (every position unembedded, ``reads_answer_positions_only``),
+    so the passes and rows counted are the real call's."""
+    from extractive_lens.rewards import answer_logprob
+
+    return answer_logprob(logits, batch)
+
+
 def _proxy_batch(narrow: Any, batch: PromptBatch) -> PromptBatch:
     """``batch`` for the narrow copy: each prompt's and answer's length and each position's role
     as the real batch's (its positions, the answer positions the readout unembeds, and the
-    roles a reference batch is aligned by), the tokens from the copy's vocabulary."""
+    roles a reference batch is aligned by), the tokens (and counterfactual answers, where it
+    has them) from the copy's vocabulary."""
     from extractive_lens import make_batch
 
     n_vocab = narrow.cfg.d_vocab
@@ -517,7 +532,11 @@ def _proxy_batch(narrow: Any, batch: PromptBatch) -> PromptBatch:
     answer = [int((a >= 0).sum()) for a in batch.answer_targets]
     pairs = [(ids(i, prompt[i]), ids(i, answer[i], 7)) for i in range(len(batch))]
     roles = [batch.roles[i][: prompt[i]] for i in range(len(batch))]
-    return make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}), roles=roles)
+    counterfactuals = None  # for ``logit_diff``: another token than each answer's first
+    if batch.counterfactual is not None:
+        counterfactuals = [1 + (a[0] % (n_vocab - 2)) for _, a in pairs]
+    return make_batch(narrow, pairs, candidates=sorted({a[0] for _, a in pairs}), roles=roles,
+                      counterfactuals=counterfactuals)  # fmt: skip
 
 
 _NARROW = 8

@@ -619,3 +619,32 @@ def test_estimate_refuses_a_reference_the_call_refuses(wide_vocab):
     with pytest.raises(ValueError) as estimated:
         el.estimate(model, diff, batch, "linear", reference=other)
     assert str(estimated.value) == str(real.value)
+
+
+def _reads_token_100(logits, batch):
+    """A reward of the caller's own: the logit of token 100, past the narrow copy's vocabulary."""
+    return logits[torch.arange(logits.shape[0]), batch.last_prompt_pos, 100]
+
+
+@pytest.mark.parametrize("reward", [_reads_token_100, "logit_diff"], ids=["own", "logit_diff"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_estimate_takes_the_callers_reward(wide_vocab, method, reward, monkeypatch):
+    """A reward reading the real vocabulary (the caller's own, or ``logit_diff`` of
+    counterfactual answers past 64) ended the estimate in an IndexError (or "logit_diff needs
+    counterfactual answers") on the narrow copy. Its passes are those of the real call, counted
+    by spies here (the causal and integrated ones too: they are the methods' own)."""
+    from extractive_lens import budget
+
+    model, diff, batch, _ = wide_vocab
+    batch = el.make_batch(model, [([1, 2, 3, 4], [5]), ([2, 3, 4, 6], [7])], candidates=[5, 7],
+                          counterfactuals=[100, 101])  # fmt: skip
+    e = el.estimate(model, diff, batch, method, reward=reward)
+    assert e.parts.keys() == el.estimate(model, diff, batch, method).parts.keys()
+    B.check_scorable(model)
+    spy = _RowSpy(monkeypatch)
+    getattr(el, METHODS[method].engine.__name__)(
+        model, diff, batch, reward=reward, show_progress=False
+    )
+    monkeypatch.undo()
+    assert e.block_passes == len(spy.blocks)
+    assert budget.phase(e.rows, None) == spy.rows()
