@@ -21,6 +21,7 @@ from extractive_lens import (
     linear_scores,
     make_batch,
     mean_rank,
+    verified_scores,
 )
 from extractive_lens.distributed import distributed_scores
 from tests.conftest import make_pair
@@ -717,6 +718,19 @@ CASES = [
         )
     ],
     (
+        "verified linear= of other prompts",
+        lambda e: verified_scores(
+            e["base"],
+            e["diff"],
+            small_batch(e["base"], n=2),
+            kinds="downstream",
+            linear=e["lin"],
+            linear_passes=1.0,
+        ),  # fmt: skip
+        ValueError,
+        "verified_scores(linear=...): these linear scores were computed on other prompts",
+    ),
+    (
         "linear seed=-1",
         lambda e: linear_scores(e["base"], e["diff"], e["batch"], seed=-1),
         ValueError,
@@ -749,7 +763,6 @@ CASES = [
 
 def _verified(e, **kw):
     """``verified_scores`` whose linear pass fails the case: its options are refused before."""
-    from extractive_lens import verified_scores
     from extractive_lens.scoring import linear
 
     def no_pass(*a, **k):

@@ -165,42 +165,9 @@ def skipped_of(
     if options.top_k is not None:
         linear = options.linear
         if linear is not None:
-            from extractive_lens.scoring.assemble import prompts_digest
-
-            digest = linear.metadata.get("prompts_digest")
-            if (digest is not None and digest != prompts_digest(batch)) or (
-                linear.n_layers != L or len(linear.component_labels) != len(labels)
-            ):
-                raise ValueError(
-                    "causal_scores(top_k=..., linear=...): these linear scores were computed on "
-                    "other prompts (or another model), so their top components are not this "
-                    "batch's. Pass linear_scores(model, diff, batch) of this batch, or leave "
-                    "linear=None to compute them."
-                )
-            other = _other_diff(linear.metadata, diff)
-            if other is not None:
-                raise ValueError(
-                    "causal_scores(top_k=..., linear=...): these linear scores were computed for "
-                    f"another weight change ({other}), so their top components are not this "
-                    "diff's. Pass linear_scores(model, diff, batch) of this diff, or leave "
-                    "linear=None to compute them."
-                )
-            unlike = _other_function(linear.metadata, model, diff, batch, options)
-            if unlike:
-                raise ValueError(
-                    "causal_scores(top_k=..., linear=...): these linear scores are of another "
-                    f"function ({'; '.join(unlike)}), so their top components are not this "
-                    "call's. Pass linear_scores(model, diff, batch) with the same reward and "
-                    "options, or leave linear=None to compute them."
-                )
-            missing = [k for k in options.kinds if k not in linear.kinds]
-            if missing:
-                raise ValueError(
-                    f"causal_scores(top_k=..., linear=...): these linear scores have no "
-                    f"{', '.join(missing)} scores to rank components by (they have "
-                    f"{', '.join(linear.kinds)}). Pass kinds={tuple(linear.kinds)!r}, linear "
-                    "scores of every kind asked for, or leave linear=None to compute them."
-                )
+            check_linear(
+                model, diff, batch, options, linear, "causal_scores(top_k=..., linear=...)"
+            )
         if linear is None:
             from extractive_lens.scoring.linear import linear_scores
 
@@ -217,6 +184,50 @@ def skipped_of(
         for kind in options.kinds:
             skipped[kind] = sorted(set(skipped.get(kind, [])) | outside)
     return skipped
+
+
+def check_linear(model: Any, diff: WeightDiff, batch: PromptBatch, options: ScoreOptions,
+                 linear: Any, caller: str) -> None:  # fmt: skip
+    """Refuse linear scores handed in to rank components (``caller``: the call they were handed
+    to, named in the error) that are not of this model, batch, Δ, function and kinds."""
+    from extractive_lens.scoring.assemble import prompts_digest
+
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    labels = [f"H{h}" for h in range(H)] + (["MLP"] if B.has_mlp(model) else [])
+    digest = linear.metadata.get("prompts_digest")
+    if (digest is not None and digest != prompts_digest(batch)) or (
+        linear.n_layers != L or len(linear.component_labels) != len(labels)
+    ):
+        raise ValueError(
+            f"{caller}: these linear scores were computed on "
+            "other prompts (or another model), so their top components are not this "
+            "batch's. Pass linear_scores(model, diff, batch) of this batch, or leave "
+            "linear=None to compute them."
+        )
+    other = _other_diff(linear.metadata, diff)
+    if other is not None:
+        raise ValueError(
+            f"{caller}: these linear scores were computed for "
+            f"another weight change ({other}), so their top components are not this "
+            "diff's. Pass linear_scores(model, diff, batch) of this diff, or leave "
+            "linear=None to compute them."
+        )
+    unlike = _other_function(linear.metadata, model, diff, batch, options)
+    if unlike:
+        raise ValueError(
+            f"{caller}: these linear scores are of another "
+            f"function ({'; '.join(unlike)}), so their top components are not this "
+            "call's. Pass linear_scores(model, diff, batch) with the same reward and "
+            "options, or leave linear=None to compute them."
+        )
+    missing = [k for k in options.kinds if k not in linear.kinds]
+    if missing:
+        raise ValueError(
+            f"{caller}: these linear scores have no "
+            f"{', '.join(missing)} scores to rank components by (they have "
+            f"{', '.join(linear.kinds)}). Pass kinds={tuple(linear.kinds)!r}, linear "
+            "scores of every kind asked for, or leave linear=None to compute them."
+        )
 
 
 SHARED_WITH_LINEAR = ("ablation", "reference", "convention", "resample_k", "seed", "positions")

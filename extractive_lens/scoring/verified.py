@@ -238,6 +238,12 @@ def verified_scores_with(
                 f"verified_scores(linear=...) takes linear_scores of the kinds asked for "
                 f"({options.score_kinds}); got {lin.method} scores of {lin.kinds}."
             )
+        else:  # of this batch, Δ and function, as the exact calls below will require
+            from extractive_lens.scoring.causal import check_linear
+            from extractive_lens.scoring.options import CausalOptions
+
+            exact_options = CausalOptions(kinds=options.score_kinds, **common)  # type: ignore[arg-type]
+            check_linear(model, diff, batch, exact_options, lin, "verified_scores(linear=...)")
         spend = _Spend(budget, count, start, options)
         plan, cells = _design(model, diff, batch, lin, options, common, spend)
     values, totals, prompt_values, prompt_totals, provenance = cells
