@@ -320,13 +320,22 @@ def flags_section(results: Sequence[ScoresView]) -> str:
 def _top_components(results: Sequence[ScoresView]) -> str:
     rows = []
     for s in results:
+        # each total's 95% interval: a bootstrap over the prompts (``ci``), no new passes
+        ci = s.ci("totals", n_boot=TOP_RESAMPLES, seed=0) if hasattr(s, "ci") else None
         for kind in s.kinds:
             cells = []
             for _, label, value in s.top(5, kind):
                 c = Component.parse(label)
                 hook = c.hook_name + ("" if c.head is None else f"[:, :, {c.head}]")
+                where = (s.kind_index(kind), c.layer, s.component_labels.index(c.short_label))
+                doubt = (
+                    ""
+                    if ci is None
+                    else f" <small>[{_signed(float(ci.low[where]))}, "
+                    f"{_signed(float(ci.high[where]))}]</small>"
+                )
                 cells.append(
-                    f"<td><code>{html.escape(label)}</code> {_signed(value)}<br>"
+                    f"<td><code>{html.escape(label)}</code> {_signed(value)}{doubt}<br>"
                     f"<small>{html.escape(hook)}</small></td>"
                 )
             missing = len(s.uncomputed(kind))
@@ -338,13 +347,19 @@ def _top_components(results: Sequence[ScoresView]) -> str:
     unit = score_unit(results[0])
     return (
         "<h2>top components</h2><p class='caption'>The five largest whole-component scores of "
-        f"each kind by magnitude, in {html.escape(unit)}, each with the TransformerLens "
+        f"each kind by magnitude, in {html.escape(unit)}, each with its 95% interval (a "
+        f"bootstrap over the prompts, {TOP_RESAMPLES} resamples, seed 0: "
+        "<code>scores.ci('totals')</code>) and the TransformerLens "
         "activation that holds the component's output (<code>Component.hook_name</code>)."
         f"{_informative_note(results)}</p>"
         "<table class='el'><tr><th>method</th><th>kind</th><th colspan='5'>top 5</th></tr>"
         + "".join(rows)
         + "</table>"
     )
+
+
+TOP_RESAMPLES = 1000
+"""Resamples of the top components' intervals."""
 
 
 def _signed(x: float) -> str:

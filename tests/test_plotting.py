@@ -361,3 +361,28 @@ def test_report_comparison_tables_show_r_slope_and_overlap_with_intervals(scored
         shown += 1
     assert shown >= 2 * len(cmp.rows)  # r and slope on every row (overlap where it has one)
     assert "bootstrap of 200 resamples" in text
+
+
+def test_report_top_components_carry_their_intervals(scored, tmp_path):
+    """Each top component's total beside its 95% interval over the prompts: ``ci("totals")``'s
+    (tests/test_stats.py checks those against a literal resampling loop), for that component."""
+    from extractive_lens.report import TOP_RESAMPLES, _signed
+
+    lin, ex, _ = scored
+    text = report([lin, ex], path=tmp_path / "r.html").read_text()
+    top = text[
+        text.index("<h2>top components</h2>") : text.index(
+            "</table>", text.index("<h2>top components</h2>")
+        )
+    ]
+    assert "95% interval" in top
+    for s in (lin, ex):
+        ci = s.ci("totals", n_boot=TOP_RESAMPLES, seed=0)
+        for kind in s.kinds:
+            k = s.kind_index(kind)
+            for _, label, value in s.top(5, kind):
+                layer = int(label[1 : label.index("H" if "H" in label[1:] else "M")])
+                comp = s.component_labels.index(label[len(f"L{layer}") :])
+                low, high = float(ci.low[k, layer, comp]), float(ci.high[k, layer, comp])
+                cell = f"{_signed(value)} <small>[{_signed(low)}, {_signed(high)}]</small>"
+                assert f"<code>{label}</code> {cell}" in top, (label, cell)
