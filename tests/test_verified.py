@@ -185,6 +185,8 @@ def test_the_verdict_names_the_check_that_failed():
     assert "values are off" in only_slope and "exact mass (past" not in only_slope
     both = verdict(good_r, [0.7, 0.6, 0.8], [0.3, 0.2, 0.4])
     assert "values are off" in both and "up to 40%" in both
+    just_past = verdict(good_r, good_slope, [0.18, 0.15, 0.2003])
+    assert "up to 20.03% of the exact mass (past 20%)" in just_past
     low_r = verdict([0.9, 0.5, 0.95], good_slope, good_missed)
     assert "cannot be read on its own (r's lower bound 0.50 is under 0.9)" in low_r
 

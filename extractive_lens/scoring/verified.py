@@ -598,8 +598,11 @@ def _verdict(kind: str, plan: dict[str, Any]) -> str:
     if not (lo <= slope[1] and slope[2] <= hi):
         failed.append(f"its values are off (the slope's interval leaves [{lo:g}, {hi:g}])")
     if missed[2] > STAND_IN_MISSED:
+        up_to = f"{missed[2]:.0%}"
+        if up_to == f"{STAND_IN_MISSED:.0%}":  # 20.04% is past 20%: say it so
+            up_to = f"{missed[2]:.2%}"
         failed.append(
-            f"the components it ranks low may hold up to {missed[2]:.0%} of the exact mass "
+            f"the components it ranks low may hold up to {up_to} of the exact mass "
             f"(past {STAND_IN_MISSED:.0%})"
         )
     if r[1] >= STAND_IN_R and not failed:
