@@ -257,29 +257,30 @@ def refuse_incomplete_weights(path: str | Path) -> None:
     or mis-shaped tensors: a config asking for more layers than the weights hold, a truncated
     shard set), naming them: ``transformers`` would fill the gaps with fresh random values,
     different on every load, so a base and a finetuned model would differ by noise. Checked on
-    the meta device (no weights are read into memory). First, a sharded checkpoint's index
-    that is not JSON, lacks its ``weight_map`` or names files outside the folder, and weight
-    files whose headers are damaged, each named."""
+    the meta device from the weight files' headers (``weight_files.loading_info``: no weight is
+    read, so none through a memory map a truncation would turn into a SIGBUS). First, a sharded
+    checkpoint's index that is not JSON, lacks its ``weight_map`` or names files outside the
+    folder, and weight files whose headers are damaged, each named."""
     import transformers
 
-    from extractive_lens.backend.weight_files import SafetensorsFile, weight_files
+    from extractive_lens.backend.weight_files import SafetensorsFile, loading_info, weight_files
 
-    if Path(path).is_dir():
-        try:
-            files = weight_files(path)  # reads and checks the index, where there is one
-        except FileNotFoundError:
-            files = []  # no safetensors weights (a .bin checkpoint): transformers says so
-        for f in files:  # each header parsed and checked: a damaged file named
-            if f.is_file():
-                SafetensorsFile(f).close()
+    if not Path(path).is_dir():
+        return
+    try:
+        files = weight_files(path)  # reads and checks the index, where there is one
+    except FileNotFoundError:
+        return  # no safetensors weights: the load says so
+    for f in files:  # each header parsed and checked: a damaged file named
+        if f.is_file():
+            SafetensorsFile(f).close()
     with quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, trust_remote_code=False, output_loading_info=True,
-                device_map="meta",
-            )  # fmt: skip
-            info: dict[str, Any] = loaded[1]
+            hf_config = transformers.AutoConfig.from_pretrained(
+                path, local_files_only=True, trust_remote_code=False
+            )
+            info = loading_info(path, hf_config)
         except Exception:  # not loadable this way: the real load says why
             return
     found = {

@@ -195,15 +195,52 @@ class SafetensorsFiles:
 class Stored:
     """One tensor of a checkpoint's weight file, read (copied out through the file layer) only
     when ``transformers`` asks for it with ``stored[...]``, as it reads a ``safetensors`` slice:
-    a ``state_dict`` of these holds no weights, so a load holds one copy of them, the model's."""
+    a ``state_dict`` of these holds no weights, so a load holds one copy of them, the model's.
+    ``read=False``: an empty tensor of its shape and dtype on the meta device, nothing read
+    (``loading_info``)."""
 
-    def __init__(self, file: files.SafetensorsFile, name: str) -> None:
-        self.file, self.name = file, name
+    def __init__(self, file: files.SafetensorsFile, name: str, read: bool = True) -> None:
+        self.file, self.name, self.read = file, name, read
         self.dtype, shape, _, _ = file.entries[name]
         self.shape = tuple(shape)
 
     def __getitem__(self, index: Any) -> Tensor:
+        import torch
+
+        if not self.read:
+            return torch.empty(self.shape, dtype=self.dtype, device="meta")[index]
         return self.file.read_tensor(self.name)[index]
+
+
+def _model_class(folder: str | Path, hf_config: Any) -> Any:
+    import transformers
+
+    model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    if model_class is None:
+        raise ValueError(
+            f"{Path(folder) / 'config.json'} describes a {type(hf_config).__name__}, which "
+            "transformers has no causal language model class for: pass a checkpoint of a "
+            "causal language model."
+        )
+    return model_class
+
+
+def loading_info(folder: str | Path, hf_config: Any) -> dict[str, Any]:
+    """``transformers``' report of a load of the folder's weights into the model of
+    ``hf_config`` (``missing_keys``, ``unexpected_keys``, ``mismatched_keys``), made on the meta
+    device from the files' headers: no weight is read (``transformers``' own check of a folder
+    reads every tensor through its memory map)."""
+    weights = SafetensorsFiles(folder)
+    try:
+        state_dict = {name: Stored(f, name, read=False) for name, f in weights.where.items()}
+        _, info = _model_class(folder, hf_config).from_pretrained(
+            None, config=hf_config, state_dict=state_dict, device_map="meta",
+            output_loading_info=True,
+        )  # fmt: skip
+    finally:
+        for f in weights.files:
+            f.close()
+    return dict(info)
 
 
 def hf_model(folder: str | Path, hf_config: Any, *, dtype: Any, **kwargs: Any) -> Any:
@@ -211,15 +248,7 @@ def hf_model(folder: str | Path, hf_config: Any, *, dtype: Any, **kwargs: Any) -
     ``folder``, read through the file layer (module docstring) in ``dtype``; ``kwargs`` go to
     ``from_pretrained`` (``attn_implementation``). The files' identities are checked after the
     load: one truncated or rewritten while it loaded is refused by name."""
-    import transformers
-
-    model_class: Any = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
-    if model_class is None:
-        raise ValueError(
-            f"{Path(folder) / 'config.json'} describes a {type(hf_config).__name__}, which "
-            "transformers has no causal language model class for: pass a checkpoint of a "
-            "causal language model."
-        )
+    model_class = _model_class(folder, hf_config)
     weights = SafetensorsFiles(folder, CHANGED_WHILE_LOADING)
     try:
         state_dict = {name: Stored(f, name) for name, f in weights.where.items()}
