@@ -16,6 +16,8 @@ plain file reads at the offsets their headers give.
   tensor is read when ``transformers`` sets it (``Stored``: one tensor's bytes at a time beyond
   the model itself), and every file's identity is checked again after the load, so a file that
   changed during it is refused by name. ``load_checkpoint`` builds every backend's model on it.
+- ``loading_info(dir, hf_config)``: what ``transformers`` would report missing, unexpected or
+  mis-shaped in that load, from the headers alone (``refuse_incomplete_weights``).
 - ``refuse_special_files(dir)``: a checkpoint folder holds regular files (or links to them).
 
 >>> import tempfile; from pathlib import Path
