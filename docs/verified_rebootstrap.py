@@ -4,8 +4,8 @@ from the exact and linear cells they hold (no passes): docs/benchmarks.md's "Ver
     python docs/verified_rebootstrap.py implications_verified_s0 ...   # names under /tmp/smol/full
 
 Each run's design (top set, audit, strata) is read from its metadata; the exact cells are the
-components it computed exactly, the linear ones ``implications_linear`` (or
-``implications_linear_downstream`` for a downstream-only run).
+components it computed exactly, the linear ones ``<set>_linear`` (or
+``<set>_linear_downstream`` for a downstream-only run).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def main() -> None:
     for name in ap.parse_args().runs:
         v = ComponentScores.load(SMOL / name)
         meta = v.metadata["verified"]
-        linear = "implications_linear" if len(v.kinds) > 1 else "implications_linear_downstream"
+        set_name = name.split("_verified")[0]  # implications or facts
+        linear = f"{set_name}_linear" + ("" if len(v.kinds) > 1 else "_downstream")
         lin = ComponentScores.load(SMOL / linear)
         n_layers, n_comp = lin.totals.shape[1:]
         strata = _strata(lin.component_labels, n_layers)
