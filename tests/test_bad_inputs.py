@@ -836,6 +836,14 @@ def test_init_from_env_sets_a_timeout(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- CLI
 
+
+def _score_args(method: str, out: str, *flags: str) -> list[str]:
+    """``score`` on the world model with the suite's diff and data, ``--method`` and ``--out``
+    as given, then ``flags``."""
+    return ["score", "--base", "world", "--diff", "DIFF", "--data", "GOOD", "--method", method,
+            "--out", out, *flags]  # fmt: skip
+
+
 CLI_CASES = [
     (
         "score: --out is a file",
@@ -951,20 +959,7 @@ CLI_CASES = [
     *[
         (
             f"score --method verified {' '.join(flags)}",
-            [
-                "score",
-                "--base",
-                "world",
-                "--diff",
-                "DIFF",
-                "--data",
-                "GOOD",
-                "--method",
-                "verified",
-                "--out",
-                "TMP/v",
-                *flags,
-            ],
+            _score_args("verified", "TMP/v", *flags),
             advice,
         )  # fmt: skip
         for flags, advice in (
@@ -976,21 +971,7 @@ CLI_CASES = [
     *[  # a flag no chosen method takes was dropped without a word
         (
             f"score --method {method} {flag}",
-            [
-                "score",
-                "--base",
-                "world",
-                "--diff",
-                "DIFF",
-                "--data",
-                "GOOD",
-                "--method",
-                method,
-                "--out",
-                "TMP/u",
-                flag,
-                *value,
-            ],
+            _score_args(method, "TMP/u", flag, *value),
             f"{flag} is for --method {takers}, and --method {method} does not take it",
         )  # fmt: skip
         for method, flag, value, takers in (
